@@ -1,0 +1,1 @@
+"""raypd actors: engines, coordinator, connector and the KV-transfer core (`actors.kv`)."""

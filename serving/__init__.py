@@ -1,0 +1,1 @@
+"""raypd serving: HTTP front, router, Ray Serve app builder, CLI, metrics, benchmarks."""
