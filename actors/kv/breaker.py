@@ -1,0 +1,220 @@
+"""Per-peer circuit breaker (closed -> open -> half_open -> closed).
+
+A decode engine keeps one breaker per prefill peer: after `failure_threshold`
+consecutive transfer failures the peer is skipped for `cooldown_s`. Once the
+cooldown has passed, `allow()` admits exactly one probe and holds everyone else
+for `probe_window_s`:
+
+- the probe fails -> open again for `cooldown_s`;
+- the probe succeeds -> closed, failure count reset;
+- the probe never reports back -> after `probe_window_s` the next caller probes.
+
+Semantics follow vLLM's `CircuitBreaker`, including its two lenient rules:
+a success reported in any state closes the breaker (the peer demonstrably
+works), and a failure reported while open restarts the cooldown.
+
+The clock is injected (`clock=`) so every transition is testable without
+sleeping. State changes are logged on "raypd.breaker", counted, and pushed to
+listeners; `snapshot()` gives a plain dict for status pages and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from actors.kv.errors import BreakerConfigError
+
+logger = logging.getLogger("raypd.breaker")
+
+State = Literal["closed", "open", "half_open"]
+CLOSED: State = "closed"
+OPEN: State = "open"
+HALF_OPEN: State = "half_open"
+
+# listener(name, old_state, new_state)
+Listener = Callable[[str, State, State], None]
+
+
+def _positive_seconds(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BreakerConfigError(f"{what} must be a number, got {type(value).__name__}")
+    # An infinite cooldown would never recover; NaN compares false everywhere.
+    if not math.isfinite(value) or value <= 0:
+        raise BreakerConfigError(f"{what} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+class CircuitBreaker:
+    """Thread-safe breaker guarding one peer; see the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        cooldown_s: float,
+        failure_threshold: int,
+        probe_window_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not isinstance(name, str) or not name:
+            raise BreakerConfigError("name must be a non-empty str")
+        if isinstance(failure_threshold, bool) or not isinstance(failure_threshold, int):
+            raise BreakerConfigError(
+                f"failure_threshold must be an int, got {type(failure_threshold).__name__}")
+        if failure_threshold <= 0:
+            raise BreakerConfigError(f"failure_threshold must be > 0, got {failure_threshold}")
+        if not callable(clock):
+            raise BreakerConfigError("clock must be callable")
+        self.name = name
+        self.cooldown_s = _positive_seconds(cooldown_s, "cooldown_s")
+        self.failure_threshold = failure_threshold
+        self.probe_window_s = _positive_seconds(probe_window_s, "probe_window_s")
+        self._clock = clock
+
+        # RLock: listeners run under the lock (so they observe transitions in
+        # order) and may read the breaker back, e.g. snapshot().
+        self._lock = threading.RLock()
+        self._state: State = CLOSED
+        self._failures = 0
+        self._open_until = 0.0
+        self._probe_deadline: float | None = None  # set while a probe is out
+        self._listeners: list[Listener] = []
+
+        self.opened_count = 0
+        self.closed_count = 0
+        self.probes_admitted = 0
+        self.rejections = 0
+
+    # -- observation -------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        """Current state; an elapsed cooldown reads as "half_open"."""
+        with self._lock:
+            self._advance(self._clock())
+            return self._state
+
+    @property
+    def is_open(self) -> bool:
+        """True when `allow()` would refuse right now (cooling down, or a probe is out)."""
+        with self._lock:
+            now = self._clock()
+            self._advance(now)
+            return self._state == OPEN or self._probe_in_flight(now)
+
+    @property
+    def consecutive_failures(self) -> int:
+        with self._lock:
+            return self._failures
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call `listener(name, old_state, new_state)` on every state change.
+
+        Listeners run under the breaker's lock: keep them cheap. An exception
+        in a listener is logged and swallowed (metrics must not break traffic).
+        """
+        if not callable(listener):
+            raise BreakerConfigError("listener must be callable")
+        with self._lock:
+            self._listeners.append(listener)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-dict view for status endpoints and metrics exporters."""
+        with self._lock:
+            now = self._clock()
+            self._advance(now)
+            return {
+                "name": self.name,
+                "state": self._state,
+                "consecutive_failures": self._failures,
+                "failure_threshold": self.failure_threshold,
+                "cooldown_s": self.cooldown_s,
+                "probe_window_s": self.probe_window_s,
+                "retry_in_s": max(0.0, self._open_until - now) if self._state == OPEN else 0.0,
+                "probe_in_flight": self._probe_in_flight(now),
+                "opened_count": self.opened_count,
+                "closed_count": self.closed_count,
+                "probes_admitted": self.probes_admitted,
+                "rejections": self.rejections,
+            }
+
+    # -- decisions ---------------------------------------------------------
+
+    def allow(self) -> bool:
+        """May the caller send a request to this peer now?"""
+        with self._lock:
+            now = self._clock()
+            self._advance(now)
+            if self._state == CLOSED:
+                return True
+            if self._state == HALF_OPEN and not self._probe_in_flight(now):
+                # First caller after the cooldown (or after an unreported
+                # probe's window) becomes the probe; others wait for its verdict.
+                self._probe_deadline = now + self.probe_window_s
+                self.probes_admitted += 1
+                logger.info("%s circuit breaker admitted a probe", self.name)
+                return True
+            self.rejections += 1
+            return False
+
+    def record_failure(self) -> None:
+        with self._lock:
+            now = self._clock()
+            self._advance(now)
+            self._failures += 1
+            if self._state == HALF_OPEN:
+                # The probe (or a straggler) failed: the peer is still sick.
+                self._open(now, reason="probe failed")
+            elif self._state == OPEN:
+                # Late failure of a request admitted earlier: restart the cooldown.
+                self._open_until = now + self.cooldown_s
+            elif self._failures >= self.failure_threshold:
+                self._open(now, reason=f"{self._failures} consecutive failures")
+
+    def record_success(self) -> None:
+        with self._lock:
+            self._advance(self._clock())
+            self._failures = 0
+            self._open_until = 0.0
+            self._probe_deadline = None
+            if self._state != CLOSED:
+                self.closed_count += 1
+                self._transition(CLOSED)
+                logger.info("%s circuit breaker closed", self.name)
+
+    # -- internals (caller holds the lock) -----------------------------------
+
+    def _probe_in_flight(self, now: float) -> bool:
+        return (
+            self._state == HALF_OPEN
+            and self._probe_deadline is not None
+            and now < self._probe_deadline
+        )
+
+    def _advance(self, now: float) -> None:
+        # Time alone moves open -> half_open; every observer applies it so
+        # state, snapshot and allow() never disagree.
+        if self._state == OPEN and now >= self._open_until:
+            self._probe_deadline = None
+            self._transition(HALF_OPEN)
+            logger.info("%s circuit breaker cooldown over; next request probes", self.name)
+
+    def _open(self, now: float, reason: str) -> None:
+        self._open_until = now + self.cooldown_s
+        self._probe_deadline = None
+        self.opened_count += 1
+        self._transition(OPEN)
+        logger.warning("%s circuit breaker opened (%s); skipping requests for %s s",
+                       self.name, reason, self.cooldown_s)
+
+    def _transition(self, new: State) -> None:
+        old, self._state = self._state, new
+        for listener in list(self._listeners):
+            try:
+                listener(self.name, old, new)
+            except Exception:  # noqa: BLE001 - a broken hook must not break traffic
+                logger.exception("%s circuit breaker listener failed", self.name)
