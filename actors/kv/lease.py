@@ -106,8 +106,12 @@ class LeaseTable:
             self.granted += 1
             return lease
 
-    def notify(self, req_id: str, reader: str) -> list[int] | None:
+    def notify(self, req_id: str, reader: str, readers_expected: int | None = None) -> list[int] | None:
         """Record that `reader` is done; return the block ids if it was the last one.
+
+        `readers_expected`, when given, replaces the count set at grant time:
+        the readers know how many of them there are (their `dcp_consumer_count`)
+        better than the producer, which may not know the decode engine yet.
 
         Unknown (already released, expired, never granted) ids return None and
         bump `unknown_notifications`. Expiry is enforced only by `expire()`:
@@ -122,6 +126,11 @@ class LeaseTable:
                 return None
             if reader in lease.readers_heard:
                 return None  # redelivered notification
+            if readers_expected is not None:
+                if isinstance(readers_expected, bool) or not isinstance(readers_expected, int) \
+                        or readers_expected < 1:
+                    raise LeaseError(f"readers_expected must be an int >= 1, got {readers_expected!r}")
+                lease = dataclasses.replace(lease, readers_expected=readers_expected)
             lease = dataclasses.replace(lease, readers_heard=lease.readers_heard | {reader})
             if lease.readers_remaining > 0:
                 self._leases[req_id] = lease

@@ -206,9 +206,11 @@ class TransferTopology:
                 f"remote engine {remote_engine_id!r} pp rank {pp_rank} is not registered"
             ) from None
 
-    def unregister_remote_engine(self, remote_engine_id: EngineId) -> None:
+    def unregister_remote_engine(self, remote_engine_id: EngineId, pp_rank: int | None = None) -> None:
+        """Forget every pp rank of a remote engine (or just `pp_rank`)."""
         for key in [k for k in self._engines if k[0] == remote_engine_id]:
-            del self._engines[key]
+            if pp_rank is None or key[1] == pp_rank:
+                del self._engines[key]
 
     def remote_engines(self) -> list[tuple[EngineId, int]]:
         return sorted(self._engines)
@@ -410,3 +412,15 @@ class TransferTopology:
             )
             for r in sources
         ]
+
+
+def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """Global layers [start, end) of one pipeline stage; earlier stages take the remainder."""
+    _check_positive("pp size", pp_size)
+    if not 0 <= pp_rank < pp_size:
+        raise TopologyError(f"pp rank {pp_rank} outside [0, {pp_size})")
+    if num_layers < pp_size:
+        raise TopologyError(f"{num_layers} layers cannot be split over {pp_size} pipeline stages")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)

@@ -272,3 +272,15 @@ def test_blocks_returned_exactly_once_on_any_path(readers, ops):
     assert sorted(freed) == sorted(b for i in range(n_leases) for b in (10 * i, 10 * i + 1))
     assert table.held() == 0 and table.held_block_count() == 0
     assert table.released_by_readers + table.expired + table.aborted == n_leases
+
+
+def test_readers_can_announce_their_count():
+    table = LeaseTable(clock=lambda: 0.0)
+    table.grant("r", [1, 2], readers=1, ttl_s=10)
+    assert table.notify("r", "d0", readers_expected=2) is None
+    assert table.get("r").readers_expected == 2
+    assert table.notify("r", "d1", readers_expected=2) == [1, 2]
+    table.grant("s", [3], readers=1, ttl_s=10)
+    with pytest.raises(LeaseError):
+        table.notify("s", "d0", readers_expected=0)
+    assert table.get("s").readers_heard == frozenset()

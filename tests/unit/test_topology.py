@@ -285,3 +285,14 @@ def test_readers_per_remote_rank_match_consumer_count(case):
         assert len(expected) == 1
         assert set(notified) == set(range(remote_tp)), "every remote rank must hear from its readers"
         assert set(notified.values()) == expected
+
+
+def test_pp_layer_range():
+    from actors.kv.topology import pp_layer_range
+
+    assert [pp_layer_range(7, 3, r) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
+    assert pp_layer_range(4, 1, 0) == (0, 4)
+    with pytest.raises(TopologyError):
+        pp_layer_range(2, 3, 0)
+    with pytest.raises(TopologyError):
+        pp_layer_range(4, 2, 2)
