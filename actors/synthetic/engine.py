@@ -1,0 +1,285 @@
+"""A synthetic engine: tp x pp rank actors, one block pool, leases and pulls.
+
+Life cycle of a request:
+
+  prefill   blocks are allocated (one id list shared by every rank, as vLLM
+            does), every rank writes its share, every rank holds the blocks
+            under a lease; the transfer params are returned;
+  decode    blocks are allocated, every rank pulls its read plan; per-rank
+            outcomes are aggregated (`KVOutputAggregator`) into one verdict;
+            tokens are derived from the checksums of what was read; the
+            decode blocks are freed;
+  release   the prefill engine frees a request's blocks once every rank's
+            lease is released (readers notified, aborted or expired);
+            `poll()` drives this and must be called while leases are held.
+
+Async so it can live inside an engine actor; tests drive it with asyncio.run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ray
+
+from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
+from actors.synthetic.block_pool import BlockPool
+from actors.synthetic.pattern import tokens_from_checksums
+from actors.synthetic.rank import RankConfig, SyntheticModel, SyntheticRank
+
+logger = logging.getLogger("raypd.synthetic")
+
+
+class SyntheticRankActor(SyntheticRank):
+    """The Ray-actor face of a rank: the directory is the coordinator."""
+
+    def __init__(self, cfg: RankConfig, coordinator: Any = None):
+        directory = None
+        if coordinator is not None:
+            directory = lambda e, p, rs: ray.get(coordinator.handshake_payloads.remote(e, p, rs))  # noqa: E731
+        super().__init__(cfg, directory=directory)
+
+    def ping(self) -> str:
+        return "pong"
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+_RankActor = ray.remote(SyntheticRankActor)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    tp_size: int = 1
+    pp_size: int = 1
+    dcp_size: int = 1
+    block_size: int = 16
+    num_blocks: int = 256
+    layout: str = "HND"
+
+
+class TransferFailed(RuntimeError):
+    """The KV pull of a request failed; `invalid_block_ids` were not (fully) received."""
+
+    def __init__(self, req_id: str, reasons: list[str], invalid_block_ids: set[int]):
+        super().__init__(f"KV transfer of {req_id} failed: {'; '.join(reasons)}")
+        self.req_id, self.reasons, self.invalid_block_ids = req_id, reasons, invalid_block_ids
+
+
+class SyntheticEngine:
+    def __init__(self, engine_id: str, role: str, model: SyntheticModel, shape: EngineShape,
+                 coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0):
+        self.engine_id, self.role, self.model, self.shape = engine_id, role, model, shape
+        self.coordinator = coordinator
+        self.lease_ttl_s = lease_ttl_s
+        self.pool = BlockPool(shape.num_blocks)
+        self.ranks = [
+            _RankActor.options(num_cpus=0).remote(
+                RankConfig(engine_id=engine_id, role=role, model=model, tp_rank=t, tp_size=shape.tp_size,
+                           pp_rank=p, pp_size=shape.pp_size, dcp_size=shape.dcp_size,
+                           block_size=shape.block_size, num_blocks=shape.num_blocks,
+                           layout=shape.layout, read_timeout_s=read_timeout_s),
+                coordinator,
+            )
+            for p in range(shape.pp_size) for t in range(shape.tp_size)
+        ]
+        self._held: dict[str, tuple[list[int], set[int]]] = {}  # req -> (blocks, ranks still holding)
+        self._pump: asyncio.Task | None = None
+        self.pump_interval_s = 0.002
+        self.closed = False
+
+    async def start(self) -> dict:
+        """Collect handshakes and register with the coordinator; returns pair verdicts."""
+        self.handshakes = await asyncio.gather(*(r.handshake.remote() for r in self.ranks))
+        if self.coordinator is None:
+            return {}
+        return await self.coordinator.register_engine.remote(
+            self.engine_id, self.role, list(self.handshakes), self.ranks,
+            {"backend": "synthetic", "shape": asdict(self.shape)},
+        )
+
+    def blocks_for(self, num_tokens: int) -> int:
+        slots = math.ceil(num_tokens / self.shape.dcp_size)
+        return math.ceil(slots / self.shape.block_size)
+
+    # ------------------------------------------------------------ prefill
+    async def prefill(self, req_id: str, token_ids: list[int], seed: int = 0) -> dict:
+        block_ids = self.pool.allocate(self.blocks_for(len(token_ids)))
+        try:
+            await asyncio.gather(*(
+                r.write_prompt.remote(req_id, token_ids, block_ids, seed, self.lease_ttl_s) for r in self.ranks
+            ))
+        except Exception:
+            await asyncio.gather(*(r.abort.remote(req_id) for r in self.ranks), return_exceptions=True)
+            self.pool.free(block_ids)
+            raise
+        self._held[req_id] = (block_ids, set(range(len(self.ranks))))
+        self._ensure_pump()
+        return {
+            "remote_engine_id": self.engine_id, "remote_block_ids": block_ids,
+            "num_tokens": len(token_ids), "tp_size": self.shape.tp_size, "pp_size": self.shape.pp_size,
+            "dcp_size": self.shape.dcp_size, "block_size": self.shape.block_size,
+            "lease_expiry": time.time() + self.lease_ttl_s,
+        }
+
+    async def poll(self) -> list[str]:
+        """Free blocks of requests every rank released; returns their ids."""
+        if not self._held:
+            return []
+        outs = await asyncio.gather(*(r.poll.remote() for r in self.ranks))
+        freed = []
+        for i, out in enumerate(outs):
+            for req_id in out["released"] + out["expired"]:
+                held = self._held.get(req_id)
+                if held is None:
+                    continue
+                held[1].discard(i)
+                if not held[1]:
+                    self.pool.free(held[0])
+                    del self._held[req_id]
+                    freed.append(req_id)
+        return freed
+
+    def _ensure_pump(self) -> None:
+        """Drive the prefill ranks while they hold leases, and only then.
+
+        With no progress thread, a NIXL agent advances only when called: the
+        ranks must be polled for readers to connect and for notifications to
+        arrive. An engine holding no leases is not polled, so it idles at 0 CPU.
+        """
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+
+    async def _run_pump(self) -> None:
+        while self._held and not self.closed:
+            try:
+                await self.poll()
+            except ray.exceptions.RayError as exc:
+                logger.warning("%s: polling ranks failed: %s", self.engine_id, exc)
+            await asyncio.sleep(self.pump_interval_s)
+
+    async def wait_released(self, req_id: str, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while req_id in self._held:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.engine_id}: {req_id} still holds blocks after {timeout_s}s")
+            self._ensure_pump()
+            await asyncio.sleep(0.005)
+
+    async def abort(self, req_id: str) -> None:
+        await asyncio.gather(*(r.abort.remote(req_id) for r in self.ranks), return_exceptions=True)
+        held = self._held.pop(req_id, None)
+        if held is not None:
+            self.pool.free(held[0])
+
+    # ------------------------------------------------------------- decode
+    async def decode(self, req_id: str, params: dict, token_ids: list[int], seed: int = 0,
+                     max_tokens: int = 8, timeout_s: float = 60.0) -> dict:
+        """Pull the prompt's KV from the prefill engine and 'generate' from it."""
+        block_ids = self.pool.allocate(self.blocks_for(len(token_ids)))
+        try:
+            await asyncio.gather(*(
+                r.start_pull.remote(req_id, params, token_ids, block_ids, seed) for r in self.ranks
+            ))
+            per_rank = await self._await_pulls(req_id, timeout_s)
+        except BaseException:
+            await asyncio.gather(*(r.abort.remote(req_id) for r in self.ranks), return_exceptions=True)
+            raise
+        finally:
+            self.pool.free(block_ids)
+        checksums: dict[int, float] = {}
+        for out in per_rank:
+            for pos, value in out["checksums"].items():
+                checksums[int(pos)] = checksums.get(int(pos), 0.0) + value
+        ordered = [checksums[p] for p in sorted(checksums)]
+        return {
+            "token_ids": tokens_from_checksums(ordered, max_tokens, self.model.vocab_size),
+            "mismatches": sum(out["mismatches"] for out in per_rank),
+            "checksums": ordered,
+        }
+
+    async def _await_pulls(self, req_id: str, timeout_s: float) -> list[dict]:
+        aggregator = KVOutputAggregator(len(self.ranks))
+        results: dict[int, dict] = {}
+        failures: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0005
+        while True:
+            outs = await asyncio.gather(*(r.poll.remote() for r in self.ranks))
+            rank_outputs = []
+            for i, out in enumerate(outs):
+                out_i = KVConnectorOutput()
+                if req_id in out["finished"]:
+                    results[i] = out["finished"][req_id]
+                    out_i.finished_recving.add(req_id)
+                if req_id in out["failed"]:
+                    failures[i] = out["failed"][req_id]
+                    out_i.finished_recving.add(req_id)
+                    out_i.failed_recving.add(req_id)
+                    out_i.invalid_block_ids.update(out["failed"][req_id]["invalid_block_ids"])
+                rank_outputs.append(out_i)
+            verdict = aggregator.aggregate(rank_outputs)
+            if req_id in verdict.finished_recving:
+                if req_id in verdict.failed_recving:
+                    raise TransferFailed(req_id, [f["reason"] for f in failures.values()],
+                                         set(verdict.invalid_block_ids))
+                return [results[i] for i in range(len(self.ranks))]
+            if time.monotonic() > deadline:
+                raise TransferFailed(req_id, [f"no verdict after {timeout_s}s"], set())
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    async def generate_local(self, req_id: str, token_ids: list[int], seed: int = 0,
+                             max_tokens: int = 8) -> dict:
+        """Colocated reference: prefill and 'decode' on this engine, no transfer."""
+        block_ids = self.pool.allocate(self.blocks_for(len(token_ids)))
+        try:
+            await asyncio.gather(*(r.write_prompt.remote(req_id, token_ids, block_ids, seed) for r in self.ranks))
+            outs = await asyncio.gather(*(r.read_back.remote(token_ids, block_ids, seed) for r in self.ranks))
+        finally:
+            self.pool.free(block_ids)
+        checksums: dict[int, float] = {}
+        for _, sums in outs:
+            for pos, value in sums.items():
+                checksums[pos] = checksums.get(pos, 0.0) + value
+        ordered = [checksums[p] for p in sorted(checksums)]
+        return {"token_ids": tokens_from_checksums(ordered, max_tokens, self.model.vocab_size),
+                "checksums": ordered}
+
+    # ---------------------------------------------------------- lifecycle
+    async def rank_stats(self) -> list[dict]:
+        return await asyncio.gather(*(r.stats.remote() for r in self.ranks))
+
+    def stats(self) -> dict:
+        return {"engine_id": self.engine_id, "role": self.role, "free_blocks": self.pool.num_free,
+                "num_blocks": self.pool.num_blocks, "held_requests": len(self._held)}
+
+    async def shutdown(self) -> list[dict]:
+        """Release every rank's NIXL resources, unregister, kill the rank actors."""
+        if self.closed:
+            return []
+        self.closed = True
+        if self._pump is not None:
+            self._pump.cancel()
+        results = await asyncio.gather(*(r.shutdown.remote() for r in self.ranks), return_exceptions=True)
+        if self.coordinator is not None:
+            try:
+                await self.coordinator.unregister_engine.remote(self.engine_id, "shutdown")
+            except ray.exceptions.RayError:
+                pass
+        for r in self.ranks:
+            ray.kill(r)
+        return [r for r in results if isinstance(r, dict)]
+
+
+def new_engine_id(role: str) -> str:
+    return f"{role}-{uuid.uuid4().hex[:6]}"
