@@ -1,0 +1,87 @@
+"""The pydantic configuration of one engine (prefill, decode or colocated).
+
+Validated once, at the boundary (config file, Serve builder, CLI); everything
+below receives a typed, frozen object. Cross-field rules say what vLLM or the
+KV transfer would otherwise refuse much later and less clearly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Role = Literal["prefill", "decode", "both"]
+Backend = Literal["vllm", "synthetic"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SyntheticModelConfig(_Strict):
+    """KV shapes of the synthetic backend's pretend model."""
+
+    model_id: str = "synthetic-tiny"
+    num_layers: int = Field(4, ge=1, le=256)
+    num_kv_heads: int = Field(4, ge=1, le=256)
+    head_size: int = Field(32, ge=1, le=1024)
+    is_mla: bool = False
+    vocab_size: int = Field(32000, ge=16)
+
+    @model_validator(mode="after")
+    def _mla_has_one_head(self) -> "SyntheticModelConfig":
+        if self.is_mla and self.num_kv_heads != 1:
+            raise ValueError("an MLA model has one latent kv head: set num_kv_heads: 1")
+        return self
+
+
+class EngineConfig(_Strict):
+    role: Role
+    backend: Backend = "vllm"
+    engine_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    model: str = "smollm2"  # vllm: the embedded model or a local folder
+    synthetic: SyntheticModelConfig = SyntheticModelConfig()
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    tp_size: int = Field(1, ge=1, le=64)
+    pp_size: int = Field(1, ge=1, le=64)
+    dcp_size: int = Field(1, ge=1, le=64)
+    block_size: int | None = Field(None, ge=1, le=1024)  # None: backend default
+    max_model_len: int = Field(2048, ge=16)
+    kv_cache_space_gib: float = Field(1.0, gt=0)  # vLLM CPU KV cache per rank
+    num_blocks: int = Field(512, ge=1)  # synthetic backend
+    layout: str = "HND"  # synthetic backend: HND | NHD | HCND | ND
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    lease_ttl_s: float = Field(30.0, gt=0)
+    read_timeout_s: float = Field(10.0, gt=0)
+    num_cpus: float = Field(1.0, ge=0)
+    resources: dict[str, float] = {}
+    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
+    enforce_eager: bool = True
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "EngineConfig":
+        if self.dcp_size not in (1, self.tp_size):
+            raise ValueError(f"dcp_size {self.dcp_size} must be 1 or tp_size {self.tp_size}")
+        if self.backend == "vllm":
+            if self.dcp_size != 1:
+                raise ValueError("dcp_size > 1 is only supported by the synthetic backend here")
+            if self.block_size is not None and self.block_size % 16:
+                raise ValueError(f"vLLM block_size must be a multiple of 16, got {self.block_size}")
+        else:
+            m = self.synthetic
+            if self.dcp_size > 1 and not m.is_mla:
+                raise ValueError("dcp_size > 1 needs an MLA synthetic model (synthetic.is_mla: true)")
+            if not m.is_mla:
+                heads, tp = m.num_kv_heads, self.tp_size
+                if (tp <= heads and heads % tp) or (tp > heads and tp % heads):
+                    raise ValueError(f"tp_size {tp} must divide, or be a multiple of, num_kv_heads {heads}")
+            if self.pp_size > m.num_layers:
+                raise ValueError(f"pp_size {self.pp_size} exceeds the model's {m.num_layers} layers")
+        return self
+
+    @property
+    def effective_block_size(self) -> int:
+        if self.block_size is not None:
+            return self.block_size
+        return 128 if self.backend == "vllm" else 16

@@ -1,0 +1,154 @@
+"""A raypd deployment: engines, routing, transfer, breakers, HTTP. Loaded from YAML.
+
+`DeploymentConfig.from_dict` is what the Serve builder, the CLI and the
+KubeRay manifests all go through, so a bad file is refused the same way
+everywhere, with a message that names the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from actors.engine_config import Backend, EngineConfig, SyntheticModelConfig
+
+
+class ConfigError(ValueError):
+    """A deployment file or dict is invalid; the message lists every problem."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineGroupConfig(_Strict):
+    """`count` engines of one role, all shaped alike."""
+
+    count: int = Field(1, ge=0, le=64)
+    tp_size: int = Field(1, ge=1, le=64)
+    pp_size: int = Field(1, ge=1, le=64)
+    dcp_size: int = Field(1, ge=1, le=64)
+    block_size: int | None = Field(None, ge=1, le=1024)
+    layout: str = "HND"
+    kv_cache_space_gib: float = Field(1.0, gt=0)
+    num_blocks: int = Field(512, ge=1)
+    num_cpus: float = Field(1.0, ge=0)
+    resources: dict[str, float] = {}
+    cpu_bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
+
+
+class RouterConfig(_Strict):
+    policy: Literal["least_outstanding"] = "least_outstanding"
+    short_prompt_tokens: int = Field(0, ge=0)  # prompts shorter than this prefill on the decode engine
+    no_prefill_fallback: Literal["decode_local", "reject"] = "decode_local"
+    prefill_retries: int = Field(1, ge=0, le=3)
+
+
+class TransferConfig(_Strict):
+    failure_policy: Literal["fail", "recompute"] = "fail"
+    lease_ttl_s: float = Field(30.0, gt=0)
+    read_timeout_s: float = Field(10.0, gt=0)
+    handoff_deadline_s: float = Field(60.0, gt=0)
+
+
+class BreakerConfig(_Strict):
+    failure_threshold: int = Field(3, ge=1)
+    cooldown_s: float = Field(10.0, gt=0)
+    probe_window_s: float = Field(5.0, gt=0)
+
+
+class HttpConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[str] = []
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    served_model_name: str | None = None
+
+
+class RayConfig(_Strict):
+    address: str | None = None  # None: start a local cluster
+    num_cpus: int | None = Field(None, ge=1)
+
+
+class DeploymentConfig(_Strict):
+    name: str = "raypd"
+    backend: Backend = "vllm"
+    model: str = "smollm2"
+    synthetic: SyntheticModelConfig = SyntheticModelConfig()
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = Field(2048, ge=16)
+    prefill: EngineGroupConfig = EngineGroupConfig()
+    decode: EngineGroupConfig = EngineGroupConfig()
+    router: RouterConfig = RouterConfig()
+    transfer: TransferConfig = TransferConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    http: HttpConfig = HttpConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "DeploymentConfig":
+        if self.decode.count < 1:
+            raise ValueError("at least one decode engine is needed (decode.count >= 1)")
+        if self.prefill.count == 0 and self.router.no_prefill_fallback == "reject":
+            raise ValueError("no prefill engine and router.no_prefill_fallback=reject: nothing could be served")
+        p, d = self.prefill, self.decode
+        if self.prefill.count:
+            big, small = max(p.tp_size, d.tp_size), min(p.tp_size, d.tp_size)
+            if big % small:
+                raise ValueError(f"prefill tp_size {p.tp_size} and decode tp_size {d.tp_size} must divide one another")
+            pb, db = self.engine_config("prefill").effective_block_size, self.engine_config("decode").effective_block_size
+            if db % pb:
+                raise ValueError(f"prefill block_size {pb} must divide decode block_size {db}")
+        for role, group in (("prefill", p), ("decode", d)):
+            if group.cpu_bind is not None and len(group.cpu_bind) != group.count:
+                raise ValueError(f"{role}.cpu_bind needs one entry per engine ({group.count})")
+        for role in ("prefill", "decode"):
+            try:
+                self.engine_config(role)  # surfaces per-engine rules (dcp, heads, block size)
+            except ValidationError as exc:
+                raise ValueError(f"{role} engines: " + "; ".join(e["msg"] for e in exc.errors())) from None
+        return self
+
+    def engine_config(self, role: str, index: int = 0, engine_id: str | None = None) -> EngineConfig:
+        group: EngineGroupConfig = getattr(self, "decode" if role == "both" else role)
+        return EngineConfig(
+            role=role, backend=self.backend, engine_id=engine_id, model=self.model,
+            synthetic=self.synthetic, dtype=self.dtype, tp_size=group.tp_size, pp_size=group.pp_size,
+            dcp_size=group.dcp_size, block_size=group.block_size, max_model_len=self.max_model_len,
+            kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
+            kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
+            read_timeout_s=self.transfer.read_timeout_s, num_cpus=group.num_cpus,
+            resources=group.resources, cpu_bind=group.cpu_bind[index] if group.cpu_bind else None,
+        )
+
+    @property
+    def served_model_name(self) -> str:
+        if self.http.served_model_name:
+            return self.http.served_model_name
+        return self.synthetic.model_id if self.backend == "synthetic" else Path(self.model).name or self.model
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "DeploymentConfig":
+        try:
+            return cls.model_validate(data or {})
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()
+            )
+            raise ConfigError(f"invalid raypd deployment: {problems}") from None
+
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return DeploymentConfig.from_dict(data)
