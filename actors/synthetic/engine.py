@@ -77,9 +77,11 @@ class TransferFailed(RuntimeError):
 
 class SyntheticEngine:
     def __init__(self, engine_id: str, role: str, model: SyntheticModel, shape: EngineShape,
-                 coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0):
+                 coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0,
+                 register: bool = True):
         self.engine_id, self.role, self.model, self.shape = engine_id, role, model, shape
         self.coordinator = coordinator
+        self.register = register
         self.lease_ttl_s = lease_ttl_s
         self.pool = BlockPool(shape.num_blocks)
         self.ranks = [
@@ -100,7 +102,7 @@ class SyntheticEngine:
     async def start(self) -> dict:
         """Collect handshakes and register with the coordinator; returns pair verdicts."""
         self.handshakes = await asyncio.gather(*(r.handshake.remote() for r in self.ranks))
-        if self.coordinator is None:
+        if self.coordinator is None or not self.register:
             return {}
         return await self.coordinator.register_engine.remote(
             self.engine_id, self.role, list(self.handshakes), self.ranks,
@@ -271,7 +273,7 @@ class SyntheticEngine:
         if self._pump is not None:
             self._pump.cancel()
         results = await asyncio.gather(*(r.shutdown.remote() for r in self.ranks), return_exceptions=True)
-        if self.coordinator is not None:
+        if self.coordinator is not None and self.register:
             try:
                 await self.coordinator.unregister_engine.remote(self.engine_id, "shutdown")
             except ray.exceptions.RayError:

@@ -1,0 +1,74 @@
+"""EngineActor with the synthetic backend: P/D through the coordinator equals colocated."""
+
+import asyncio
+
+import pytest
+import ray
+
+from actors.coordinator import COORDINATOR_NAME
+from actors.engine import EngineActor, engine_actor_options
+from actors.engine_config import EngineConfig
+
+Engine = ray.remote(EngineActor)
+
+
+def start(role, **kw):
+    cfg = EngineConfig(role=role, backend="synthetic", num_cpus=0, **kw)
+    opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}
+    actor = Engine.options(**opts).remote(cfg.model_dump(), COORDINATOR_NAME)
+    return actor
+
+
+async def collect(actor, req):
+    chunks = []
+    async for ref in actor.generate.options(num_returns="streaming").remote(req):
+        chunks.append(await ref)
+    return chunks
+
+
+def test_prefill_then_decode_equals_colocated(coordinator):
+    async def scenario():
+        p = start("prefill", engine_id="eng-p", tp_size=2, block_size=8)
+        d = start("decode", engine_id="eng-d", tp_size=1, block_size=16)
+        infos = await asyncio.gather(p.start.remote(), d.start.remote())
+        assert infos[1]["pairs"] == {"eng-p->eng-d": "ok"}
+        base = await asyncio.gather(p.stats.remote(), d.stats.remote())
+        prompt = "What is the capital of France? " * 3
+        pre = await p.prefill.remote({"request_id": "r1", "prompt": prompt})
+        params = pre["kv_transfer_params"]
+        assert params["remote_engine_id"] == "eng-p" and params["tp_size"] == 2
+        pd = await collect(d, {"request_id": "r1", "prompt": prompt, "max_tokens": 6, "kv_transfer_params": params})
+        local = await collect(d, {"request_id": "r2", "prompt": prompt, "max_tokens": 6})
+        assert [c["token_ids"] for c in pd] == [c["token_ids"] for c in local]
+        assert pd[-1]["finished"] and pd[-1]["finish_reason"] == "length" and len(pd) == 6
+        assert not any(c.get("recomputed") for c in pd)
+        for _ in range(200):  # the prefill engine frees its blocks once the decode ranks notified
+            after = await asyncio.gather(p.stats.remote(), d.stats.remote())
+            if after[0]["free_blocks"] == base[0]["free_blocks"]:
+                break
+            await asyncio.sleep(0.02)
+        assert [a["free_blocks"] for a in after] == [b["free_blocks"] for b in base]
+        assert after[0]["held_leases"] == 0
+        engines = await coordinator.engines.remote()
+        assert {e["engine_id"] for e in engines} >= {"eng-p", "eng-d"}
+        await asyncio.gather(p.shutdown.remote(), d.shutdown.remote())
+        for a in (p, d):
+            ray.kill(a)
+        return True
+
+    assert asyncio.run(scenario())
+
+
+def test_role_and_length_errors(coordinator):
+    async def scenario():
+        d = start("decode", engine_id="eng-d2", max_model_len=64)
+        await d.start.remote()
+        with pytest.raises(ray.exceptions.RayTaskError, match="is a decode engine"):
+            await d.prefill.remote({"request_id": "x", "prompt": "hi"})
+        with pytest.raises(ray.exceptions.RayTaskError, match="exceeds the context length"):
+            await collect(d, {"request_id": "y", "prompt": "x" * 100, "max_tokens": 4})
+        await d.shutdown.remote()
+        ray.kill(d)
+        return True
+
+    assert asyncio.run(scenario())
