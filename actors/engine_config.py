@@ -41,6 +41,7 @@ class EngineConfig(_Strict):
     backend: Backend = "vllm"
     engine_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     model: str = "smollm2"  # vllm: the embedded model or a local folder
+    model_id: str | None = None  # what the compatibility hash calls the model (default: folder name)
     synthetic: SyntheticModelConfig = SyntheticModelConfig()
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     tp_size: int = Field(1, ge=1, le=64)
@@ -79,6 +80,14 @@ class EngineConfig(_Strict):
             if self.pp_size > m.num_layers:
                 raise ValueError(f"pp_size {self.pp_size} exceeds the model's {m.num_layers} layers")
         return self
+
+    @property
+    def served_model_id(self) -> str:
+        if self.model_id:
+            return self.model_id
+        if self.backend == "synthetic":
+            return self.synthetic.model_id
+        return "SmolLM2-135M-Instruct" if self.model in ("smollm2", "embedded") else self.model.rstrip("/").rsplit("/", 1)[-1]
 
     @property
     def effective_block_size(self) -> int:

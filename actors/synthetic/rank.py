@@ -24,39 +24,25 @@ unit tests drive it in-process with `FakeTransport`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
+import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from actors.kv.errors import HandshakeError, KVTransferError
-from actors.kv.handshake import CompatInfo, RankHandshake, decode_handshake
-from actors.kv.layout import (
-    BlockLayout,
-    CacheGeometry,
-    canonical_view,
-    compatible_geometry,
-    block_read_runs,
-    to_local_layout,
-    token_read_runs,
-)
-from actors.kv.lease import LeaseTable
-from actors.kv.topology import (
-    EngineTransferInfo,
-    TransferTopology,
-    pp_layer_range,
-    rank_global_heads,
-)
-from actors.kv.transport import NixlTransport, PeerKey
+from actors.kv.handshake import CompatInfo
+from actors.kv.layout import BlockLayout, CacheGeometry, canonical_view
+from actors.kv.rank_transfer import HandshakeDirectory, PullRequest, RankIdentity, RankTransfer
+from actors.kv.topology import pp_layer_range, rank_global_heads
+from actors.kv.transport import NixlTransport
 from actors.synthetic.pattern import kv_values
 
 logger = logging.getLogger("raypd.synthetic")
 
-NOTIF_PREFIX = b"raypd1|"
 
 
 @dataclass(frozen=True)
@@ -101,39 +87,10 @@ class RankConfig:
         )
 
 
-@dataclass
-class _Pull:
-    token_ids: list[int]
-    seed: int
-    block_ids: list[int]
-    remote_layout: BlockLayout | None = None
-    ratio: int = 1
-    block_mode_layers: set[int] = field(default_factory=set)
-    notify: list[tuple[PeerKey, bytes]] = field(default_factory=list)
-
-
-def encode_notif(req_id: str, reader: str, consumers: int, ok: bool) -> bytes:
-    return NOTIF_PREFIX + json.dumps({"req": req_id, "reader": reader, "n": consumers, "ok": ok}).encode()
-
-
-def decode_notif(msg: bytes) -> dict | None:
-    if not msg.startswith(NOTIF_PREFIX):
-        return None
-    try:
-        data = json.loads(msg[len(NOTIF_PREFIX):])
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("req"), str):
-        return None
-    return data
-
-
-HandshakeDirectory = Callable[[str, int, list[int]], list[bytes]]
-
-
 class SyntheticRank:
     def __init__(self, cfg: RankConfig, directory: HandshakeDirectory | None = None,
-                 transport_factory: Callable[[str, CacheGeometry], object] | None = None):
+                 transport_factory: Callable[[str, CacheGeometry], object] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         m = cfg.model
         self.layout = BlockLayout.parse(cfg.layout)
@@ -152,30 +109,26 @@ class SyntheticRank:
             first_layer=self.first_layer,
         )
         self.compat = cfg.compat()
-        self.topology = TransferTopology(
-            tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, block_size=cfg.block_size,
-            engine_id=cfg.engine_id, is_mla=m.is_mla, is_mamba=False,
-            total_num_kv_heads=m.num_kv_heads, dcp_size=cfg.dcp_size,
-        )
         self.agent_name = f"{cfg.engine_id}-pp{cfg.pp_rank}-tp{cfg.tp_rank}-{uuid.uuid4().hex[:8]}"
         factory = transport_factory or (
             lambda name, geo: NixlTransport(name, geo, read_timeout_s=cfg.read_timeout_s)
         )
         self.transport = factory(self.agent_name, self.geometry)
         self.directory = directory
-        self.leases = LeaseTable()
-        self.reader_name = f"{cfg.engine_id}:{cfg.pp_rank}:{cfg.tp_rank}"
-        self._pulls: dict[str, _Pull] = {}
+        identity = RankIdentity(engine_id=cfg.engine_id, role=cfg.role, tp_rank=cfg.tp_rank,
+                                tp_size=cfg.tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
+                                dcp_size=cfg.dcp_size, block_size=cfg.block_size)
+        self.xfer = RankTransfer(identity, self.geometry, self.tensors, self.compat, self.transport,
+                                 is_mla=m.is_mla, clock=clock)
+        self.topology = self.xfer.topology
+        self.leases = self.xfer.leases
+        self.reader_name = identity.reader_name
+        self._pulls: dict[str, tuple[list[int], int, list[int]]] = {}  # req -> (tokens, seed, blocks)
+        self._released_early = False
 
     # ------------------------------------------------------------ identity
     def handshake(self) -> bytes:
-        cfg = self.cfg
-        return RankHandshake(
-            engine_id=cfg.engine_id, role=cfg.role, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
-            pp_rank=cfg.pp_rank, pp_size=cfg.pp_size, dcp_size=cfg.dcp_size,
-            block_size=cfg.block_size, agent_name=self.agent_name,
-            agent_metadata=self.transport.metadata(), geometry=self.geometry, compat=self.compat,
-        ).encode()
+        return self.xfer.handshake()
 
     # -------------------------------------------------------------- cache io
     def _kv_views(self, layer: int) -> list[torch.Tensor]:
@@ -218,7 +171,7 @@ class SyntheticRank:
                 for blk, start, n in self._block_chunks(block_ids, len(positions)):
                     view[blk, :, :n, :] = values[:, start:start + n, :]
         if lease_ttl_s is not None:
-            self.leases.grant(req_id, block_ids, readers=1, ttl_s=lease_ttl_s)
+            self._released_early = self.xfer.hold(req_id, block_ids, lease_ttl_s) is not None
 
     def read_back(self, token_ids: list[int], block_ids: list[int], seed: int) -> tuple[int, dict[int, float]]:
         """(mismatched elements, per-position checksums) of what this rank's cache holds."""
@@ -236,144 +189,49 @@ class SyntheticRank:
         return mismatches, {t: float(s) for t, s in zip(positions, sums)}
 
     # ------------------------------------------------------------- decode
-    def _connect(self, engine_id: str, pp_rank: int, tp_size: int, dcp_size: int) -> None:
-        """Handshake with the remote ranks this rank needs, once per (engine, pp rank)."""
-        targets = self.topology.handshake_target_ranks(tp_size, dcp_size)
-        if all(self.transport.has_peer((engine_id, pp_rank, r)) for r in targets):
-            try:
-                self.topology.get_engine_info(engine_id, pp_rank)
-                return
-            except KVTransferError:
-                pass
-        if self.directory is None:
-            raise HandshakeError("directory", "this rank has no handshake directory")
-        payloads = self.directory(engine_id, pp_rank, targets)
-        if len(payloads) != len(targets):
-            raise HandshakeError("ranks", f"asked for ranks {targets}, got {len(payloads)} payloads")
-        info = None
-        for data in payloads:
-            hs = decode_handshake(data, expect_compat_hash=self.compat.compat_hash())
-            if (hs.engine_id, hs.pp_rank, hs.tp_size, hs.dcp_size) != (engine_id, pp_rank, tp_size, dcp_size):
-                raise HandshakeError("engine_id", f"payload of {hs.key} does not match the request")
-            compatible_geometry(self.geometry, hs.geometry)
-            self.transport.add_peer(hs)
-            g = hs.geometry
-            layers = (g.first_layer, g.first_layer + g.num_layers) if hs.pp_size > 1 else (0, 0)
-            info = EngineTransferInfo(
-                remote_tp_size=hs.tp_size, remote_block_len=g.block_bytes,
-                remote_block_size=hs.block_size, remote_physical_blocks_per_logical=1,
-                remote_pp_rank=pp_rank, start_layer=layers[0], end_layer=layers[1],
-                remote_dcp_size=hs.dcp_size,
-            )
-        self.topology.unregister_remote_engine(engine_id, pp_rank)
-        self.topology.register_remote_engine(engine_id, info)
-
     def start_pull(self, req_id: str, params: dict, token_ids: list[int], block_ids: list[int], seed: int) -> None:
         """Post every READ this rank needs for a request prefilled elsewhere."""
-        engine_id = params["remote_engine_id"]
-        remote_ids = list(params["remote_block_ids"])
-        pull = _Pull(token_ids=list(token_ids), seed=seed, block_ids=list(block_ids))
-        self._pulls[req_id] = pull
-        try:
-            for pp_rank in range(params["pp_size"]):
-                self._connect(engine_id, pp_rank, params["tp_size"], params["dcp_size"])
-                plan = self.topology.read_plan(engine_id, pp_rank)
-                read_ranks = set()
-                for spec in plan.reads:
-                    key = (engine_id, pp_rank, spec.remote_rank)
-                    remote = self.transport.peer(key).geometry
-                    if spec.token_shard is None:
-                        runs = block_read_runs(spec, self.geometry, remote, block_ids, remote_ids)
-                        pull.remote_layout, pull.ratio = remote.layout, spec.block_size_ratio
-                        pull.block_mode_layers.update(
-                            range(max(self.first_layer, remote.first_layer),
-                                  min(self.end_layer, remote.first_layer + remote.num_layers)))
-                    else:
-                        runs = token_read_runs(spec, self.geometry, remote, block_ids, remote_ids, len(token_ids))
-                    notif = encode_notif(req_id, self.reader_name, plan.consumers_per_remote_rank, True)
-                    self.transport.start_read(req_id, key, runs, notif)
-                    read_ranks.add(spec.remote_rank)
-                for rank in plan.notify_ranks:
-                    key = (engine_id, pp_rank, rank)
-                    ok = encode_notif(req_id, self.reader_name, plan.consumers_per_remote_rank, True)
-                    pull.notify.append((key, ok if rank not in read_ranks else b""))
-        except KVTransferError as exc:
-            self.transport.fail_request(req_id, f"{type(exc).__name__}: {exc}")
+        if self.directory is None:
+            raise HandshakeError("directory", "this rank has no handshake directory")
+        self._pulls[req_id] = (list(token_ids), seed, list(block_ids))
+        req = PullRequest(
+            remote_engine_id=params["remote_engine_id"], remote_block_ids=list(params["remote_block_ids"]),
+            remote_tp_size=params["tp_size"], remote_pp_size=params["pp_size"],
+            remote_dcp_size=params["dcp_size"], local_block_ids=list(block_ids), num_tokens=len(token_ids),
+        )
+        self.xfer.start_pull(req_id, req, self.directory)
 
     def poll(self) -> dict:
         """Advance pulls and leases. Returns finished/failed pulls and released leases."""
         out: dict = {"finished": {}, "failed": {}, "released": [], "expired": []}
         if self._pulls:
-            result = self.transport.poll()
-            for req_id in result.done:
-                pull = self._pulls.pop(req_id)
-                self._to_local_layout(pull)
-                mismatches, sums = self.read_back(pull.token_ids, pull.block_ids, pull.seed)
+            outcome = self.xfer.poll_pulls()
+            for req_id in outcome.done:
+                tokens, seed, blocks = self._pulls.pop(req_id)
+                mismatches, sums = self.read_back(tokens, blocks, seed)
                 out["finished"][req_id] = {"mismatches": mismatches, "checksums": sums}
-                for key, msg in pull.notify:
-                    if msg:
-                        self._send_quietly(key, msg)
-            for req_id, reason in result.failed.items():
-                pull = self._pulls.pop(req_id, None)
-                out["failed"][req_id] = {"reason": reason, "invalid_block_ids": pull.block_ids if pull else []}
-                for key, _ in (pull.notify if pull else []):
-                    self._send_quietly(key, encode_notif(req_id, self.reader_name, 1, False))
-        if self.leases.held():
-            for msg in self.transport.get_notifs():
-                data = decode_notif(msg)
-                if data is None:
-                    continue
-                n = data.get("n") if isinstance(data.get("n"), int) and data.get("n", 0) >= 1 else None
-                if not data.get("ok", True):
-                    released = self.leases.release(data["req"]) or None
-                else:
-                    released = self.leases.notify(data["req"], str(data.get("reader")), n)
-                if released is not None:
-                    out["released"].append(data["req"])
-            out["expired"] = [req for req, _ in self.leases.expire()]
+            for req_id, reason in outcome.failed.items():
+                self._pulls.pop(req_id, None)
+                out["failed"][req_id] = {"reason": reason,
+                                         "invalid_block_ids": outcome.invalid_block_ids.get(req_id, [])}
+        if self.leases.held() or self._released_early:
+            out["released"], out["expired"] = self.xfer.poll_leases()
+            self._released_early = False
         return out
-
-    def _send_quietly(self, key: PeerKey, msg: bytes) -> None:
-        try:
-            if self.transport.has_peer(key):
-                self.transport.send_notif(key, msg)
-        except KVTransferError as exc:  # the producer may be gone; its lease will expire
-            logger.warning("notifying %s: %s", key, exc)
-
-    def _to_local_layout(self, pull: _Pull) -> None:
-        if pull.remote_layout is None or not pull.block_mode_layers:
-            return
-        n_blocks = math.ceil(len(self._my_positions(len(pull.token_ids))) / self.cfg.block_size)
-        for layer in sorted(pull.block_mode_layers):
-            for plane in self.tensors[layer - self.first_layer]:
-                to_local_layout(plane, pull.block_ids[:n_blocks], pull.remote_layout, self.layout, pull.ratio)
 
     # ---------------------------------------------------------- lifecycle
     def abort(self, req_id: str) -> bool:
         """Drop a request on this rank: cancel its pull and release its lease."""
         had_pull = self._pulls.pop(req_id, None) is not None
-        self.transport.cancel(req_id)
-        return bool(self.leases.release(req_id)) or had_pull
+        self.xfer.cancel(req_id)
+        return bool(self.xfer.release(req_id)) or had_pull
 
     def drop_engine(self, engine_id: str) -> int:
         """Forget a remote engine (it died or left): its agents and topology entries."""
-        self.topology.unregister_remote_engine(engine_id)
-        return self.transport.remove_engine(engine_id)
+        return self.xfer.drop_engine(engine_id)
 
     def stats(self) -> dict:
-        s = self.transport.stats
-        return {
-            "agent": self.agent_name,
-            "leases": self.leases.counters(),
-            "pulls_in_flight": len(self._pulls),
-            "transport_in_flight": self.transport.in_flight(),
-            "peers": len(self.transport.peers()),
-            "reads_posted": s.reads_posted,
-            "descriptors_posted": s.descriptors_posted,
-            "bytes_posted": s.bytes_posted,
-            "registered_regions": getattr(self.transport, "registered_regions", None),
-        }
+        return self.xfer.stats()
 
     def shutdown(self) -> dict:
-        self.transport.shutdown()
-        return self.stats()
+        return self.xfer.shutdown()

@@ -29,9 +29,8 @@ def make_engine(fabric, directory, engine_id, role, model, tp=1, pp=1, dcp=1, la
             rank = SyntheticRank(
                 cfg, directory=lambda e, p_, rs: [directory[(e, p_, r)] for r in rs],
                 transport_factory=lambda name, geo: FakeTransport(name, geo, fabric, clock=clock or Clock()),
+                clock=clock or Clock(),
             )
-            if clock is not None:
-                rank.leases._clock = clock
             directory[(engine_id, p, t)] = rank.handshake()
             ranks.append(rank)
     return ranks
@@ -127,7 +126,7 @@ def test_fault_switch_fails_the_request_with_invalid_blocks(fault):
     (result,) = decode(d, "r1", params)
     assert result[0] == "failed", result
     assert result[1]["invalid_block_ids"] and result[1]["reason"]
-    assert d[0].transport.in_flight() == 0 and not d[0]._pulls
+    assert d[0].transport.in_flight() == 0 and d[0].xfer.pulls_in_flight == 0 and not d[0]._pulls
     # the producer frees its blocks: at once when told, at the latest when the lease expires
     p[0].transport.faults.dead = False
     p[0].poll()
