@@ -72,9 +72,23 @@ class EngineActor:
         self._running: dict[str, float] = {}
         self.counters = {"requests": 0, "finished": 0, "errors": 0, "aborted": 0, "recomputed": 0}
         self.started = False
+        self._start_lock: asyncio.Lock | None = None
+        self._start_info: dict | None = None
 
     async def start(self) -> dict:
-        """Build the backend and register with the coordinator (if any)."""
+        """Build the backend and register with the coordinator (if any).
+
+        Idempotent: several ingress replicas share one engine and each calls
+        start(); the first builds the backend, later calls get its answer.
+        """
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._start_info is None:
+                self._start_info = await self._start()
+            return self._start_info
+
+    async def _start(self) -> dict:
         if self.coordinator_name is not None:
             from actors.coordinator import NAMESPACE
 
