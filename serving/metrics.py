@@ -1,0 +1,136 @@
+"""Prometheus metrics of the front, all named `raypd_*`.
+
+Recorded by the front as requests flow: request counts by endpoint and status,
+time to first token, inter-token latency, end-to-end latency, tokens.
+Read from the router at scrape time (a custom collector, so nothing is copied
+on the hot path): prefill / decode queue depths, breaker state per (prefill,
+decode) pair, KV transfer failures by peer, prefill failures, retries,
+fallbacks taken, and the engines' own stats (free blocks, leases held,
+running requests, transfer bytes and handshakes when the backend reports them).
+
+One registry per app (not the process-global one), so several apps - tests,
+several Serve replicas in one process - never collide. With several ingress
+replicas each one exposes its own view; scrape them all or aggregate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+# engine stats key -> (metric suffix, help)
+ENGINE_GAUGES = {
+    "running": ("engine_running_requests", "requests running on the engine"),
+    "free_blocks": ("engine_free_blocks", "free KV blocks"),
+    "num_blocks": ("engine_num_blocks", "KV blocks in total"),
+    "held_leases": ("leases_held", "prefill requests whose blocks are held under a lease"),
+    "transfer_bytes": ("kv_transfer_bytes", "KV bytes transferred (as reported by the engine)"),
+    "handshakes": ("handshakes", "handshakes the engine completed"),
+}
+
+
+class RouterCollector(Collector):
+    """Turns `Router.snapshot()` and the last engine stats into metric families."""
+
+    def __init__(self, router_getter: Callable[[], Any]):
+        self.router_getter = router_getter
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: the label sets depend on the engines
+
+    def collect(self) -> Iterator[Metric]:
+        router = self.router_getter()
+        if router is None:
+            return
+        snap = router.snapshot()
+        pq = GaugeMetricFamily("raypd_prefill_queue_depth", "prefills in flight, per prefill engine",
+                               labels=["engine"])
+        for eid, load in snap["prefill_load"].items():
+            pq.add_metric([eid], load["requests"])
+        yield pq
+        dq = GaugeMetricFamily("raypd_decode_queue_depth", "requests in flight, per decode engine",
+                               labels=["engine"])
+        dt = GaugeMetricFamily("raypd_decode_outstanding_tokens",
+                               "tokens still owed by the requests in flight, per decode engine", labels=["engine"])
+        for eid, load in snap["decode_load"].items():
+            dq.add_metric([eid], load["requests"])
+            dt.add_metric([eid], load["tokens"])
+        yield dq
+        yield dt
+        bs = GaugeMetricFamily("raypd_breaker_state",
+                               "circuit breaker per (prefill, decode) pair: 0 closed, 1 half-open, 2 open",
+                               labels=["prefill", "decode"])
+        bo = CounterMetricFamily("raypd_breaker_opened", "times the pair's breaker opened",
+                                 labels=["prefill", "decode"])
+        for pair, b in snap["breakers"].items():
+            p, d = pair.split("->", 1)
+            bs.add_metric([p, d], BREAKER_STATES.get(b["state"], -1))
+            bo.add_metric([p, d], b["opened_count"])
+        yield bs
+        yield bo
+        tf = CounterMetricFamily("raypd_kv_transfer_failures", "KV transfers that failed (error or recompute)",
+                                 labels=["prefill", "decode"])
+        for pair, n in snap["transfer_failures"].items():
+            p, d = pair.split("->", 1)
+            tf.add_metric([p, d], n)
+        yield tf
+        pf = CounterMetricFamily("raypd_prefill_failures", "prefill calls that failed", labels=["prefill"])
+        for p, n in snap["prefill_failures"].items():
+            pf.add_metric([p], n)
+        yield pf
+        fb = CounterMetricFamily("raypd_fallbacks", "requests prefilled on their decode engine",
+                                 labels=["reason"])
+        for reason, n in snap["fallbacks"].items():
+            fb.add_metric([reason], n)
+        n_short = snap["counters"].get("short_prompt_local", 0)
+        if n_short:
+            fb.add_metric(["short_prompt"], n_short)
+        yield fb
+        counters = snap["counters"]
+        yield CounterMetricFamily("raypd_prefill_retries", "prefills retried on another engine",
+                                  value=counters.get("prefill_retries", 0))
+        yield CounterMetricFamily("raypd_aborts", "requests aborted on the engines (client went away)",
+                                  value=counters.get("aborted", 0))
+        stats = getattr(router, "engine_stats", {}) or {}
+        up = GaugeMetricFamily("raypd_engine_up", "1 when the engine answered its last stats call",
+                               labels=["engine"])
+        for eid, s in stats.items():
+            up.add_metric([eid], 1 if s.get("up") else 0)
+        yield up
+        for key, (suffix, help_text) in ENGINE_GAUGES.items():
+            fam = GaugeMetricFamily(f"raypd_{suffix}", help_text, labels=["engine", "role"])
+            for eid, s in stats.items():
+                if isinstance(s.get(key), (int, float)):
+                    fam.add_metric([eid, str(s.get("role", ""))], float(s[key]))
+            yield fam
+
+
+class ServiceMetrics:
+    def __init__(self, router_getter: Callable[[], Any] | None = None, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("raypd_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("raypd_time_to_first_token_seconds", "time to first token",
+                              ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("raypd_inter_token_latency_seconds", "time between streamed chunks",
+                             ["endpoint"], buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("raypd_e2e_request_latency_seconds", "request latency, arrival to last token",
+                             ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("raypd_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("raypd_generation_tokens", "tokens generated", registry=r)
+        if router_getter is not None:
+            r.register(RouterCollector(router_getter))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
