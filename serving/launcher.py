@@ -1,0 +1,154 @@
+"""Get-or-create a deployment's coordinator and engine actors; tear them down.
+
+Engines are named, detached actors in the "raypd" namespace
+(`raypd-<deployment>-prefill-<i>`, `raypd-<deployment>-decode-<i>`), created
+with `get_if_exists`, so every ingress replica, `raypd up` and `raypd status`
+find the same engines; `EngineActor.start()` is idempotent, so each of them may
+call it. Their engine ids are `<deployment>-prefill-<i>` / `<deployment>-decode-<i>`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from actors.coordinator import COORDINATOR_NAME, NAMESPACE, start_coordinator
+from actors.engine import EngineActor, engine_actor_options
+from serving.config import DeploymentConfig
+
+logger = logging.getLogger("raypd.launcher")
+
+DEFAULT_TEMP_DIR = "/tmp/raypd-ray"
+ROLES = ("prefill", "decode")
+_Engine = ray.remote(EngineActor)
+
+
+def actor_name(deployment: str, role: str, index: int) -> str:
+    return f"raypd-{deployment}-{role}-{index}"
+
+
+def engine_id(deployment: str, role: str, index: int) -> str:
+    return f"{deployment}-{role}-{index}"
+
+
+@dataclass
+class Deployment:
+    """Handles of one deployment's actors."""
+
+    name: str
+    coordinator: Any
+    prefills: dict[str, Any] = field(default_factory=dict)  # engine id -> EngineActor handle
+    decodes: dict[str, Any] = field(default_factory=dict)
+    start_info: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def engines(self) -> dict[str, Any]:
+        return {**self.prefills, **self.decodes}
+
+
+def init_ray(cfg: DeploymentConfig | None = None, address: str | None = None,
+             temp_dir: str = DEFAULT_TEMP_DIR, log_to_driver: bool = False) -> bool:
+    """Join `address` (or `cfg.ray.address`) or start a local cluster; True when we started it."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        return False
+    address = address or (cfg.ray.address if cfg is not None else None)
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=log_to_driver)
+        return False
+    num_cpus = (cfg.ray.num_cpus if cfg is not None else None) or 4
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, namespace=NAMESPACE,
+             log_to_driver=log_to_driver)
+    return True
+
+
+def _engine_handle(cfg: DeploymentConfig, role: str, index: int) -> Any:
+    ecfg = cfg.engine_config(role, index, engine_id(cfg.name, role, index))
+    opts = {k: v for k, v in engine_actor_options(ecfg).items() if v is not None}
+    return _Engine.options(
+        name=actor_name(cfg.name, role, index), namespace=NAMESPACE, lifetime="detached",
+        get_if_exists=True, **opts,
+    ).remote(ecfg.model_dump(), COORDINATOR_NAME)
+
+
+def default_start_timeout(cfg: DeploymentConfig) -> float:
+    return 120.0 if cfg.backend == "synthetic" else 1200.0
+
+
+def launch(cfg: DeploymentConfig, timeout_s: float | None = None) -> Deployment:
+    """Get or create the coordinator and every engine of `cfg`, and start them. Blocking."""
+    coordinator = start_coordinator(detached=True)
+    ray.get(coordinator.ping.remote(), timeout=60)
+    dep = Deployment(cfg.name, coordinator)
+    for role in ROLES:
+        group = getattr(cfg, role)
+        for i in range(group.count):
+            handles = dep.prefills if role == "prefill" else dep.decodes
+            handles[engine_id(cfg.name, role, i)] = _engine_handle(cfg, role, i)
+    timeout_s = timeout_s or default_start_timeout(cfg)
+    t0 = time.monotonic()
+    refs = {eid: h.start.remote() for eid, h in dep.engines.items()}
+    try:
+        infos = ray.get(list(refs.values()), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"engines of {cfg.name!r} did not start within {timeout_s:.0f}s") from None
+    dep.start_info = dict(zip(refs, infos))
+    logger.info("deployment %s: %d engines up in %.1fs", cfg.name, len(refs), time.monotonic() - t0)
+    return dep
+
+
+def find_engines(name: str) -> dict[str, Any]:
+    """Engine actors of deployment `name` that exist now: actor name -> handle."""
+    prefixes = tuple(f"raypd-{name}-{role}-" for role in ROLES)
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == NAMESPACE and entry["name"].startswith(prefixes):
+            try:
+                found[entry["name"]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
+            except ValueError:
+                pass  # died meanwhile
+    return found
+
+
+def shutdown_deployment(name: str, keep_coordinator: bool = False, timeout_s: float = 20.0) -> list[str]:
+    """Shut down and kill deployment `name`'s engines, then the coordinator if nothing else uses it.
+
+    Returns the actor names that were stopped.
+    """
+    engines = find_engines(name)
+    refs = {n: h.shutdown.remote() for n, h in engines.items()}
+    if refs:
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                logger.warning("engine shutdown failed: %s", exc)
+    for h in engines.values():
+        try:
+            ray.kill(h)
+        except Exception as exc:  # noqa: BLE001 - already gone
+            logger.info("kill: %s", exc)
+    if not keep_coordinator:
+        try:
+            coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
+        except ValueError:
+            coordinator = None
+        if coordinator is not None:
+            try:
+                others = ray.get(coordinator.engines.remote(), timeout=10)
+            except ray.exceptions.RayError:
+                others = []
+            mine = {engine_id(name, r, 0).rsplit("-", 1)[0] for r in ROLES}
+            others = [e for e in others if e["engine_id"].rsplit("-", 1)[0] not in mine]
+            if others:
+                logger.info("keeping the coordinator: %d other engines still registered", len(others))
+            else:
+                ray.kill(coordinator)
+    return sorted(engines)

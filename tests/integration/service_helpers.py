@@ -1,0 +1,65 @@
+"""Shared by the service tests: a small synthetic deployment, a free port, an in-thread uvicorn."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import ray
+
+SYNTHETIC = {
+    "backend": "synthetic",
+    "synthetic": {"model_id": "synthetic-tiny", "num_layers": 2, "num_kv_heads": 2, "head_size": 32},
+    "max_model_len": 4096,
+    # heterogeneous TP: prefill TP=1 (block 16) -> decode TP=2 (block 32)
+    "prefill": {"count": 1, "tp_size": 1, "block_size": 16, "num_blocks": 512, "num_cpus": 0},
+    "decode": {"count": 1, "tp_size": 2, "block_size": 32, "num_blocks": 512, "num_cpus": 0},
+    "transfer": {"failure_policy": "fail", "lease_ttl_s": 10, "read_timeout_s": 5},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_stats(deployment) -> dict[str, dict]:
+    return dict(zip(deployment.engines, ray.get([h.stats.remote() for h in deployment.engines.values()])))
+
+
+def wait_blocks_at_baseline(deployment, baseline: dict[str, dict], timeout_s: float = 10.0) -> dict[str, dict]:
+    """Free blocks and leases return to baseline (prefill leases are released asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = engine_stats(deployment)
+        if all(now[e]["free_blocks"] == baseline[e]["free_blocks"] and now[e]["held_leases"] == 0 for e in now):
+            return now
+        if time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+class UvicornThread:
+    """The FastAPI app on a real socket, in a background thread of the test process."""
+
+    def __init__(self, app, port: int):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "UvicornThread":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
