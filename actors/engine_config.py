@@ -49,7 +49,7 @@ class EngineConfig(_Strict):
     dcp_size: int = Field(1, ge=1, le=64)
     block_size: int | None = Field(None, ge=1, le=1024)  # None: backend default
     max_model_len: int = Field(2048, ge=16)
-    kv_cache_space_gib: float = Field(1.0, gt=0)  # vLLM CPU KV cache per rank
+    kv_cache_space_gib: int = Field(1, ge=1, le=1024)  # vLLM CPU KV cache per rank (GiB, whole)
     num_blocks: int = Field(512, ge=1)  # synthetic backend
     layout: str = "HND"  # synthetic backend: HND | NHD | HCND | ND
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
@@ -59,6 +59,9 @@ class EngineConfig(_Strict):
     resources: dict[str, float] = {}
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
     enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    # Test knob: this fraction of KV pulls fails on purpose (fault-injection suites only).
+    fault_rate: float = Field(0.0, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "EngineConfig":

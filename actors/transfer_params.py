@@ -30,6 +30,9 @@ class TransferParams(BaseModel):
     block_size: int = Field(ge=1, le=4096)
     lease_expiry: float = 0.0
     handshakes: list[str] = Field(default_factory=list, max_length=4096)  # base64 rank payloads
+    # Fault-injection hook for tests: the pull of this request fails on purpose. Only the
+    # router/tests set it; the HTTP front never forwards client-supplied transfer params.
+    inject_fault: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> "TransferParams":

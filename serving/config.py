@@ -33,7 +33,7 @@ class EngineGroupConfig(_Strict):
     dcp_size: int = Field(1, ge=1, le=64)
     block_size: int | None = Field(None, ge=1, le=1024)
     layout: str = "HND"
-    kv_cache_space_gib: float = Field(1.0, gt=0)
+    kv_cache_space_gib: int = Field(1, ge=1, le=1024)
     num_blocks: int = Field(512, ge=1)
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}

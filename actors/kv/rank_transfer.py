@@ -215,6 +215,18 @@ class RankTransfer:
                 self._send_quietly(key, self._notice(req_id, 1, False))
         return out
 
+    def fail_pull(self, req_id: str, req: PullRequest, reason: str) -> None:
+        """Report a pull as failed without reading (fault injection, refused params).
+
+        Producers we already know are told (ok=false) at the next poll.
+        """
+        pull = _Pull(req)
+        for pp_rank in range(req.remote_pp_size):
+            for r in self.topology.handshake_target_ranks(req.remote_tp_size, req.remote_dcp_size):
+                pull.notify.append(((req.remote_engine_id, pp_rank, r), False))
+        self._pulls[req_id] = pull
+        self.transport.fail_request(req_id, reason)
+
     def abandon(self, req_id: str, req: PullRequest, directory: HandshakeDirectory) -> None:
         """Tell a request's producers it will never be read (aborted before loading)."""
         self.cancel(req_id)

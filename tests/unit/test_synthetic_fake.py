@@ -194,3 +194,32 @@ def test_shutdown_releases_everything_once():
     d[0].shutdown()  # idempotent
     with pytest.raises(Exception, match="shut down"):
         d[0].transport.poll()
+
+
+def test_fail_pull_reports_failure_and_tells_known_producers():
+    from actors.kv.rank_transfer import PullRequest
+
+    model = SyntheticModel(num_layers=2, num_kv_heads=2)
+    fabric, directory = FakeFabric(), {}
+    p = make_engine(fabric, directory, "P", "prefill", model)
+    d = make_engine(fabric, directory, "D", "decode", model)
+    assert decode(d, "r1", prefill(p, "r1"))[0][0] == "ok"  # connects D to P
+    params = prefill(p, "r2")
+    req = PullRequest("P", params["remote_block_ids"], 1, 1, 1, [2, 3, 4, 5, 6], len(TOKENS))
+    d[0].xfer.fail_pull("r2", req, "injected")
+    out = d[0].xfer.poll_pulls()
+    assert out.failed == {"r2": "injected"} and out.invalid_block_ids["r2"] == [2, 3, 4, 5, 6]
+    assert d[0].transport.stats.reads_posted == 1  # only r1 was ever read
+    assert "r2" in p[0].poll()["released"] and p[0].leases.held() == 0
+
+
+def test_notice_before_the_lease_is_applied_when_the_lease_arrives():
+    from actors.kv.notify import ReaderNotice
+
+    model = SyntheticModel(num_layers=2, num_kv_heads=2)
+    fabric, directory = FakeFabric(), {}
+    p = make_engine(fabric, directory, "P", "prefill", model)
+    fabric.mailboxes[p[0].agent_name].append(ReaderNotice("early", "D:0:0", 1, True).encode())
+    assert p[0].xfer.poll_leases() == ([], [])  # no lease yet: kept, not lost
+    assert p[0].xfer.hold("early", [1, 2], ttl_s=10) == [1, 2]
+    assert p[0].leases.held() == 0 and p[0].leases.counters()["released_by_readers"] == 1

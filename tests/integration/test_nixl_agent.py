@@ -1,0 +1,646 @@
+"""Integration tests of `actors.kv.nixl_agent.NixlAgent` across real processes.
+
+Every NIXL agent lives in a child process started with multiprocessing
+*spawn* (never in the pytest process, so a wedged UCX call cannot hang the
+test runner). The parent drives the children over pipes with a timeout on every
+call and always reaps them: killed peers are joined, the rest are asked to stop
+and killed if they do not. No Ray; loopback only.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nixl")
+torch = pytest.importorskip("torch")
+
+CTX = mp.get_context("spawn")
+CALL_TIMEOUT = 60.0
+BLOCK = 16 << 10
+SHARED_NBYTES = 4 << 20  # 256 blocks of 16 KiB
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# --------------------------------------------------------------------------- #
+# Child side: a tiny command server hosting one NixlAgent
+# --------------------------------------------------------------------------- #
+
+
+def _serve(conn: Any) -> None:
+    """Run `fn(state, *args)` for each message; progress the agent while idle."""
+    state: dict[str, Any] = {}
+    parent = os.getppid()
+    try:
+        while True:
+            if conn.poll(0.001):
+                msg = conn.recv()
+                if msg is None:
+                    break
+                fn, args = msg
+                try:
+                    reply = ("ok", fn(state, *args))
+                except BaseException as exc:  # report everything to the parent
+                    reply = ("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                conn.send(reply)
+            elif os.getppid() != parent:  # parent died: do not linger
+                break
+            else:
+                agent = state.get("agent")
+                if agent is not None and not agent.closed:
+                    agent.progress()
+    finally:
+        agent = state.get("agent")
+        if agent is not None:
+            agent.shutdown()
+
+
+def _pattern(nbytes: int, seed: int) -> "torch.Tensor":
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def c_init(state: dict, name: str, nbytes: int, seed: int) -> int:
+    from actors.kv.nixl_agent import NixlAgent
+
+    buf = _pattern(nbytes, seed) if seed >= 0 else torch.zeros(nbytes, dtype=torch.uint8)
+    agent = NixlAgent(name)
+    agent.register(buf)
+    state.update(agent=agent, buf=buf, transfers={}, prepared={})
+    return buf.data_ptr()
+
+
+def c_metadata(state: dict) -> bytes:
+    return state["agent"].metadata()
+
+
+def c_add_remote(state: dict, meta: bytes) -> str:
+    return state["agent"].add_remote(meta)
+
+
+def c_add_remote_error(state: dict, meta: bytes) -> str:
+    from actors.kv.errors import HandshakeError
+
+    try:
+        state["agent"].add_remote(meta)
+    except HandshakeError as exc:
+        return f"HandshakeError:{exc.field}"
+    return "no error"
+
+
+def c_remote_agents(state: dict) -> list[str]:
+    return sorted(state["agent"].remote_agents)
+
+
+def c_remove_remote(state: dict, name: str) -> bool:
+    return state["agent"].remove_remote(name)
+
+
+def c_send_notif(state: dict, peer: str, msg: bytes) -> None:
+    state["agent"].send_notif(peer, msg)
+
+
+def c_collect_notifs(state: dict, want: int, timeout: float) -> dict[str, list[bytes]]:
+    agent, got, deadline = state["agent"], {}, time.monotonic() + timeout
+    while time.monotonic() < deadline and sum(map(len, got.values())) < want:
+        for k, v in agent.get_notifs().items():
+            got.setdefault(k, []).extend(v)
+        time.sleep(0.001)
+    return got
+
+
+def _block_plan(nblocks: int, layout: str, seed: int) -> tuple[list[int], list[int]]:
+    """(local block ids, remote block ids) for a read of `nblocks` blocks."""
+    if layout in ("one", "contig"):
+        ids = list(range(nblocks))
+        return ids, ids
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(nblocks, generator=g).tolist(), torch.randperm(nblocks, generator=g).tolist()
+
+
+def c_read(
+    state: dict,
+    peer: str,
+    raddr: int,
+    nbytes: int,
+    remote_seed: int,
+    layout: str,
+    api: str,
+    notif: bytes,
+) -> dict[str, Any]:
+    """READ `nbytes` of the peer's buffer into ours and compare with the pattern."""
+    from actors.kv.nixl_agent import merge_contiguous
+
+    agent, buf = state["agent"], state["buf"]
+    buf.zero_()
+    laddr = buf.data_ptr()
+    if layout == "one":
+        lids, rids, blk = [0], [0], nbytes
+    else:
+        lids, rids = _block_plan(nbytes // BLOCK, layout, 7)
+        blk = BLOCK
+    local_ranges = [(laddr + i * blk, blk) for i in lids]
+    remote_ranges = [(raddr + i * blk, blk) for i in rids]
+    t0 = time.perf_counter()
+    if api == "prepped":
+        key = (peer, raddr, nbytes, blk)
+        if key not in state["prepared"]:
+            n = nbytes // blk
+            state["prepared"][key] = (
+                agent.prepare_local([(laddr + i * blk, blk) for i in range(n)]),
+                agent.prepare_remote(peer, [(raddr + i * blk, blk) for i in range(n)]),
+            )
+        lp, rp = state["prepared"][key]
+        x = agent.read(lp, lids, rp, rids, notif)
+    elif api == "merged":
+        ml, mr = merge_contiguous(local_ranges, remote_ranges)
+        x = agent.read_ranges(peer, ml, mr, notif)
+    else:
+        x = agent.read_ranges(peer, local_ranges, remote_ranges, notif)
+    st = agent.wait(x, 20.0)
+    elapsed = time.perf_counter() - t0
+    num_descs = x.num_descs
+    agent.release(x)
+    expected = _pattern(nbytes, remote_seed)
+    got = buf[: len(lids) * blk].view(-1, blk)
+    want = expected[: len(rids) * blk].view(-1, blk)
+    # local block lids[k] must hold remote block rids[k]
+    equal = bool(torch.equal(got[torch.tensor(lids)], want[torch.tensor(rids)]))
+    return {"state": st, "equal": equal, "elapsed": elapsed, "num_descs": num_descs}
+
+
+def c_post(state: dict, peer: str, raddr: int, nbytes: int, notif: bytes) -> tuple[int, str]:
+    agent, buf = state["agent"], state["buf"]
+    x = agent.read_ranges(peer, [(buf.data_ptr(), nbytes)], [(raddr, nbytes)], notif)
+    state["transfers"][id(x)] = x
+    return id(x), agent.check(x)
+
+
+def c_poll(state: dict, tid: int, limit: float) -> tuple[str, float, str]:
+    """Poll a posted transfer until DONE/ERR or `limit` seconds."""
+    agent, x = state["agent"], state["transfers"][tid]
+    t0 = time.monotonic()
+    st = agent.check(x)
+    while st == "PROC" and time.monotonic() - t0 < limit:
+        time.sleep(0.001)
+        st = agent.check(x)
+    return st, time.monotonic() - t0, type(x.error).__name__ if x.error else ""
+
+
+def c_release(state: dict, tid: int) -> None:
+    state["agent"].release(state["transfers"].pop(tid))
+
+
+def c_stall(state: dict, seconds: float) -> None:
+    """Block without driving UCX progress (a busy engine that never polls)."""
+    threading.Event().wait(seconds)
+
+
+# --------------------------------------------------------------------------- #
+# Parent side
+# --------------------------------------------------------------------------- #
+
+
+class ChildError(AssertionError):
+    pass
+
+
+class Peer:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=_serve, args=(child,), name=f"nixl-{name}", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
+        self.send(fn, *args)
+        return self.result(timeout)
+
+    def send(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.conn.send((fn, args))
+
+    def result(self, timeout: float = CALL_TIMEOUT) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.name}: no answer within {timeout}s")
+        status, value = self.conn.recv()
+        if status == "err":
+            raise ChildError(f"{self.name}: {value}")
+        return value
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(15)
+        if self.proc.is_alive():
+            self.kill()
+        self.conn.close()
+
+
+@pytest.fixture
+def spawn_peer() -> Iterator[Callable[[str], Peer]]:
+    peers: list[Peer] = []
+
+    def make(name: str) -> Peer:
+        peer = Peer(name)
+        peers.append(peer)
+        return peer
+
+    yield make
+    for peer in peers:
+        peer.close()
+    leftovers = [p.proc.pid for p in peers if p.proc.is_alive()]
+    assert not leftovers, f"child processes left behind: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def shared_pair() -> Iterator[tuple[Peer, Peer, int]]:
+    """One holder/reader pair reused by the tests that do not kill anything."""
+    peers: list[Peer] = []
+
+    def make(name: str) -> Peer:
+        peer = Peer(name)
+        peers.append(peer)
+        return peer
+
+    try:
+        yield _pair(make, SHARED_NBYTES)
+    finally:
+        for peer in peers:
+            peer.close()
+    assert not [p.proc.pid for p in peers if p.proc.is_alive()]
+
+
+def _pair(spawn_peer: Callable[[str], Peer], nbytes: int, holder: str = "holder"):
+    """A holder with a patterned buffer and a reader that loaded its metadata."""
+    h, r = spawn_peer(holder), spawn_peer("reader")
+    h.send(c_init, holder, nbytes, 1)
+    r.send(c_init, "reader", nbytes, -1)
+    raddr = h.result()
+    r.result()
+    assert r.call(c_add_remote, h.call(c_metadata)) == holder
+    return h, r, raddr
+
+
+# --------------------------------------------------------------------------- #
+# Tests
+# --------------------------------------------------------------------------- #
+
+
+def test_read_bytes_and_notifications(shared_pair):
+    h, r, raddr = shared_pair
+    nbytes = SHARED_NBYTES
+
+    res = r.call(c_read, "holder", raddr, nbytes, 1, "one", "prepped", b"req-1:done")
+    assert res["state"] == "DONE"
+    assert res["equal"]
+    # the READ's notification reaches the block owner, keyed by the reader's name
+    assert h.call(c_collect_notifs, 1, 10.0) == {"reader": [b"req-1:done"]}
+
+    # standalone notifications both ways (the holder needs the reader's metadata)
+    if "reader" not in h.call(c_remote_agents):
+        assert h.call(c_add_remote, r.call(c_metadata)) == "reader"
+    h.call(c_send_notif, "reader", b"lease-expired:42")
+    r.call(c_send_notif, "holder", b"ping")
+    assert r.call(c_collect_notifs, 1, 10.0) == {"holder": [b"lease-expired:42"]}
+    assert h.call(c_collect_notifs, 1, 10.0) == {"reader": [b"ping"]}
+
+
+@pytest.mark.parametrize(
+    "layout,api",
+    [
+        ("one", "prepped"),
+        ("one", "ranges"),
+        ("contig", "prepped"),
+        ("contig", "ranges"),
+        ("contig", "merged"),
+        ("shuffled", "prepped"),
+        ("shuffled", "ranges"),
+    ],
+)
+def test_merged_and_many_descriptors_read_correct_bytes(shared_pair, layout, api):
+    h, r, raddr = shared_pair
+    nbytes = SHARED_NBYTES
+    for i in range(2):  # the second read reuses the prepared lists
+        res = r.call(c_read, "holder", raddr, nbytes, 1, layout, api, f"n{i}".encode())
+        assert res["state"] == "DONE", res
+        assert res["equal"], res
+    expected_descs = {"one": 1, "merged": 1}.get(layout if layout == "one" else api, nbytes // BLOCK)
+    assert res["num_descs"] == expected_descs
+    assert h.call(c_collect_notifs, 2, 10.0) == {"reader": [b"n0", b"n1"]}
+
+
+@pytest.mark.parametrize("when", ["before_read", "while_pending"])
+def test_killed_peer_is_err_and_agent_stays_usable(spawn_peer, when):
+    nbytes = 1 << 20
+    h, r, raddr = _pair(spawn_peer, nbytes, holder="victim")
+    meta = h.call(c_metadata)
+    warm = r.call(c_read, "victim", raddr, nbytes, 1, "one", "prepped", b"warm")
+    assert warm["state"] == "DONE" and warm["equal"]
+
+    if when == "before_read":
+        h.kill()
+        tid, _ = r.call(c_post, "victim", raddr, nbytes, b"after-death")
+    else:
+        # The holder stops driving progress; a READ with a notification then
+        # cannot complete, so it is still in flight when the holder dies.
+        h.send(c_stall, 120.0)
+        tid = None
+        for attempt in range(8):
+            t, _ = r.call(c_post, "victim", raddr, nbytes, f"p{attempt}".encode())
+            state, _, _ = r.call(c_poll, t, 0.5)
+            if state == "PROC":
+                tid = t
+                break
+            assert state == "DONE"
+            r.call(c_release, t)
+        assert tid is not None, "no READ stayed in flight while the holder was stalled"
+        h.kill()
+
+    assert h.proc.exitcode == -signal.SIGKILL
+    state, waited, error = r.call(c_poll, tid, 30.0)
+    assert state == "ERR", (state, waited)
+    assert waited < 10.0
+    assert error == "nixlRemoteDisconnectError"
+    r.call(c_release, tid)
+
+    # the dead peer can be forgotten, and cannot be loaded again
+    assert r.call(c_remove_remote, "victim") is True
+    assert r.call(c_remove_remote, "victim") is False
+    assert r.call(c_add_remote_error, meta) == "HandshakeError:metadata"
+
+    # the same reader agent still works with a healthy peer
+    h2 = spawn_peer("healthy")
+    raddr2 = h2.call(c_init, "healthy", nbytes, 5)
+    assert r.call(c_add_remote, h2.call(c_metadata)) == "healthy"
+    res = r.call(c_read, "healthy", raddr2, nbytes, 5, "contig", "prepped", b"ok")
+    assert res["state"] == "DONE" and res["equal"]
+    assert h2.call(c_collect_notifs, 1, 10.0) == {"reader": [b"ok"]}
+
+
+# ---- single-process scenarios (still in a spawned child) -------------------- #
+
+
+def c_shutdown_scenario(state: dict) -> dict[str, Any]:
+    """Two agents in one process; count NIXL release calls across two shutdowns."""
+    import collections
+
+    from actors.kv.errors import TransportClosedError
+    from actors.kv.nixl_agent import NixlAgent
+
+    calls: collections.Counter[str] = collections.Counter()
+
+    class Counting:
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            attr = getattr(self._inner, name)
+            if not callable(attr):
+                return attr
+
+            def wrapped(*a: Any, **k: Any) -> Any:
+                calls[name] += 1
+                return attr(*a, **k)
+
+            return wrapped
+
+    a, b = NixlAgent("a"), NixlAgent("b")
+    a._nixl.agent = Counting(a._nixl.agent)  # before any handle is created
+    src = _pattern(1 << 20, 3)
+    dst1, dst2 = torch.zeros(1 << 19, dtype=torch.uint8), torch.zeros(1 << 19, dtype=torch.uint8)
+    b.register(src)
+    a.register(dst1)
+    a.register([(dst2.data_ptr(), dst2.numel())])
+    a.add_remote(b.metadata())
+    lp = a.prepare_local([(dst1.data_ptr(), 4096), (dst2.data_ptr(), 4096)])
+    rp = a.prepare_remote("b", [(src.data_ptr(), 4096), (src.data_ptr() + 4096, 4096)])
+    done = a.read(lp, [0, 1], rp, [0, 1], b"x")
+    while a.check(done) == "PROC":
+        b.progress()
+    kept = a.read(lp, [0], rp, [1])  # left for shutdown to release
+    ranges_x = a.read_ranges("b", [(dst1.data_ptr(), 64)], [(src.data_ptr(), 64)])
+    assert a.open_transfers == 3
+    a.release(done)
+    a.release(done)  # idempotent per handle
+    before = dict(calls)
+    a.shutdown()
+    first = dict(calls)
+    a.shutdown()
+    second = dict(calls)
+
+    raised = {}
+    probes = {
+        "register": lambda: a.register([(dst1.data_ptr(), 16)]),
+        "metadata": a.metadata,
+        "add_remote": lambda: a.add_remote(b.metadata()),
+        "remove_remote": lambda: a.remove_remote("b"),
+        "prepare_local": lambda: a.prepare_local([(dst1.data_ptr(), 16)]),
+        "prepare_remote": lambda: a.prepare_remote("b", [(src.data_ptr(), 16)]),
+        "read": lambda: a.read(lp, [0], rp, [0]),
+        "read_ranges": lambda: a.read_ranges("b", [(dst1.data_ptr(), 16)], [(src.data_ptr(), 16)]),
+        "check": lambda: a.check(kept),
+        "release": lambda: a.release(kept),
+        "send_notif": lambda: a.send_notif("b", b"x"),
+        "get_notifs": a.get_notifs,
+        "progress": a.progress,
+        "deregister_all": a.deregister_all,
+    }
+    for name, probe in probes.items():
+        try:
+            probe()
+            raised[name] = "no error"
+        except TransportClosedError:
+            raised[name] = "TransportClosedError"
+        except Exception as exc:  # noqa: BLE001
+            raised[name] = type(exc).__name__
+    b.shutdown()
+
+    def delta(after: dict, base: dict, key: str) -> int:
+        return after.get(key, 0) - base.get(key, 0)
+
+    return {
+        "released_before_shutdown": before.get("releaseXferReq", 0),
+        "xfer_releases": delta(first, before, "releaseXferReq"),
+        "dlist_releases": delta(first, before, "releasedDlistH"),
+        "deregs": delta(first, before, "deregisterMem"),
+        "invalidations": delta(first, before, "invalidateRemoteMD"),
+        "second_shutdown_calls": {k: v for k, v in second.items() if v != first.get(k)},
+        "flags": [kept.released, ranges_x.released, lp.released, rp.released],
+        "closed": a.closed,
+        "raised": raised,
+    }
+
+
+def test_shutdown_is_idempotent_and_releases_everything_once(spawn_peer):
+    out = spawn_peer("solo").call(c_shutdown_scenario)
+    assert out["released_before_shutdown"] == 1  # `done`, released once despite two calls
+    assert out["xfer_releases"] == 2  # `kept` and `ranges_x`
+    assert out["dlist_releases"] == 2  # lp, rp
+    assert out["deregs"] == 2  # two registrations
+    assert out["invalidations"] == 1  # remote "b"
+    assert out["second_shutdown_calls"] == {}
+    assert out["flags"] == [True, True, True, True]
+    assert out["closed"] is True
+    assert set(out["raised"].values()) == {"TransportClosedError"}, out["raised"]
+
+
+def c_validation_scenario(state: dict) -> dict[str, str]:
+    from actors.kv.errors import KVTransferError
+    from actors.kv.nixl_agent import NixlAgent
+
+    a, b = NixlAgent("va"), NixlAgent("vb")
+    src = torch.ones(1 << 16, dtype=torch.uint8)
+    dst = torch.zeros(1 << 16, dtype=torch.uint8)
+    b.register(src)
+    a.register(dst)
+    a.add_remote(b.metadata())
+    lp = a.prepare_local([(dst.data_ptr(), 4096), (dst.data_ptr() + 4096, 8192)])
+    rp = a.prepare_remote("vb", [(src.data_ptr(), 4096)])
+    cases: dict[str, Callable[[], Any]] = {
+        "local_outside_registration": lambda: a.prepare_local([(dst.data_ptr(), (1 << 16) + 1)]),
+        "local_negative_len": lambda: a.prepare_local([(dst.data_ptr(), -5)]),
+        "local_not_pairs": lambda: a.prepare_local([(dst.data_ptr(),)]),
+        "local_empty": lambda: a.prepare_local([]),
+        "remote_outside_registration": lambda: a.prepare_remote("vb", [(src.data_ptr(), (1 << 16) + 8)]),
+        "remote_unknown_agent": lambda: a.prepare_remote("nobody", [(src.data_ptr(), 16)]),
+        "index_out_of_range": lambda: a.read(lp, [2], rp, [0]),
+        "negative_index": lambda: a.read(lp, [-1], rp, [0]),
+        "index_count_mismatch": lambda: a.read(lp, [0, 0], rp, [0]),
+        "length_mismatch": lambda: a.read(lp, [1], rp, [0]),
+        "swapped_sides": lambda: a.read(rp, [0], lp, [0]),
+        "notif_not_bytes": lambda: a.read(lp, [0], rp, [0], "text"),  # type: ignore[arg-type]
+        "ranges_length_mismatch": lambda: a.read_ranges("vb", [(dst.data_ptr(), 8)], [(src.data_ptr(), 16)]),
+        "ranges_unknown_agent": lambda: a.read_ranges("nobody", [(dst.data_ptr(), 8)], [(src.data_ptr(), 8)]),
+        "garbage_metadata": lambda: a.add_remote(b"not metadata"),
+        "empty_metadata": lambda: a.add_remote(b""),
+        "own_metadata": lambda: a.add_remote(a.metadata()),
+        "notify_unknown_agent": lambda: a.send_notif("nobody", b"x"),
+        "register_bad_mem": lambda: a.register([(dst.data_ptr(), 16)], mem="FILE"),
+        "unknown_backend": lambda: NixlAgent("vc", backend="NOPE"),
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except KVTransferError as exc:
+            out[name] = type(exc).__name__
+        except Exception as exc:  # noqa: BLE001 - anything untyped is a failure
+            out[name] = f"untyped {type(exc).__name__}"
+    # a transfer handle of another agent is refused
+    x = b.read_ranges("vb", [(src.data_ptr(), 8)], [(src.data_ptr() + 8, 8)])
+    try:
+        a.check(x)
+        out["foreign_handle"] = "no error"
+    except KVTransferError as exc:
+        out["foreign_handle"] = type(exc).__name__
+    a.shutdown()
+    b.shutdown()
+    return out
+
+
+def test_bad_input_raises_typed_errors(spawn_peer):
+    out = spawn_peer("val").call(c_validation_scenario)
+    expected = {
+        "local_outside_registration": "BlockRangeError",
+        "local_negative_len": "BlockRangeError",
+        "local_not_pairs": "BlockRangeError",
+        "local_empty": "BlockRangeError",
+        "remote_outside_registration": "BlockRangeError",
+        "remote_unknown_agent": "TransferSetupError",
+        "index_out_of_range": "BlockRangeError",
+        "negative_index": "BlockRangeError",
+        "index_count_mismatch": "TransferSetupError",
+        "length_mismatch": "TransferSetupError",
+        "swapped_sides": "TransferSetupError",
+        "notif_not_bytes": "TransferSetupError",
+        "ranges_length_mismatch": "TransferSetupError",
+        "ranges_unknown_agent": "TransferSetupError",
+        "garbage_metadata": "HandshakeError",
+        "empty_metadata": "HandshakeError",
+        "own_metadata": "HandshakeError",
+        "notify_unknown_agent": "TransferSetupError",
+        "register_bad_mem": "TransferSetupError",
+        "unknown_backend": "TransferSetupError",
+        "foreign_handle": "TransferSetupError",
+    }
+    assert out == expected
+
+
+def c_thread_scenario(state: dict) -> dict[str, Any]:
+    """Post on one thread, check on another; two threads reading concurrently."""
+    from actors.kv.nixl_agent import NixlAgent
+
+    a, b = NixlAgent("ta"), NixlAgent("tb")
+    src = _pattern(4 << 20, 9)
+    dst = torch.zeros(4 << 20, dtype=torch.uint8)
+    b.register(src)
+    a.register(dst)
+    a.add_remote(b.metadata())
+    n = (4 << 20) // BLOCK
+    lp = a.prepare_local([(dst.data_ptr() + i * BLOCK, BLOCK) for i in range(n)])
+    rp = a.prepare_remote("tb", [(src.data_ptr() + i * BLOCK, BLOCK) for i in range(n)])
+    stop = threading.Event()
+
+    def owner_progress() -> None:  # the memory owner keeps progressing
+        while not stop.is_set():
+            b.progress()
+            time.sleep(0.0005)
+
+    prog = threading.Thread(target=owner_progress)
+    prog.start()
+    box: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: box.update(x=a.read(lp, [0], rp, [0], b"t")))
+    t.start()
+    t.join()
+    t = threading.Thread(target=lambda: box.update(st=a.wait(box["x"], 10.0)))
+    t.start()
+    t.join()
+    cross_thread = box["st"]
+    a.release(box["x"])
+
+    errors: list[str] = []
+
+    def worker(half: int) -> None:
+        ids = list(range(half * n // 2, (half + 1) * n // 2))
+        for _ in range(50):
+            x = a.read(lp, ids, rp, ids)
+            st = a.wait(x, 10.0, poll_interval=0)
+            a.release(x)
+            if st != "DONE":
+                errors.append(st)
+
+    workers = [threading.Thread(target=worker, args=(h,)) for h in (0, 1)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    stop.set()
+    prog.join(10)
+    equal = bool(torch.equal(dst, src))
+    a.shutdown()
+    b.shutdown()
+    return {"cross_thread": cross_thread, "errors": errors, "equal": equal}
+
+
+def test_check_from_another_thread_and_concurrent_reads(spawn_peer):
+    out = spawn_peer("threads").call(c_thread_scenario)
+    assert out == {"cross_thread": "DONE", "errors": [], "equal": True}
