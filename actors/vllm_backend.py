@@ -1,0 +1,276 @@
+"""vLLM (AsyncLLM) behind an EngineActor, with RayNixlConnector moving the KV.
+
+Life cycle of a P/D request here:
+
+  prefill engine  prefill(req)  runs the prompt with max_tokens=1 and
+                  do_remote_decode; returns the first sampled token (the
+                  router streams it to the client at once: TTFT is the
+                  prefill engine's) and the transfer params;
+  decode engine   generate(req) the prompt is the original prompt plus that
+                  first token; the params (completed here with the producer
+                  ranks' handshake payloads, fetched from the coordinator)
+                  make the connector pull the prompt's KV; vLLM computes
+                  only the new token and streams on.
+
+The engine core and workers are child processes of this actor (vLLM on CPU
+always runs AsyncLLM's core in a subprocess); their ranks publish handshake
+payloads into a per-engine folder this backend collects for the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from actors.engine_config import EngineConfig
+from actors.kv.handshake import decode_handshake
+from actors.kv.topology import TransferTopology
+from actors.transfer_params import TransferParams, TransferParamsError
+
+logger = logging.getLogger("raypd.vllm")
+
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def _usage_logger_factory(sink: dict):
+    """A vLLM stat logger that keeps the last scheduler stats (KV usage, queue depths)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class KVUsageLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            sink["num_blocks"] = vllm_config.cache_config.num_gpu_blocks or 0
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                sink["kv_cache_usage"] = scheduler_stats.kv_cache_usage
+                sink["running"] = scheduler_stats.num_running_reqs
+                sink["waiting"] = scheduler_stats.num_waiting_reqs
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return KVUsageLogger
+
+
+class VllmBackend:
+    def __init__(self, cfg: EngineConfig, engine_id: str, start_timeout_s: float = 600.0):
+        self.cfg, self.engine_id = cfg, engine_id
+        self.start_timeout_s = start_timeout_s
+        self.llm: Any = None
+        self.tokenizer: Any = None
+        self.coordinator: Any = None
+        self._handshakes: list[bytes] = []
+        self._peer_payloads: dict[str, dict[int, list[str]]] = {}  # engine -> pp -> payloads
+        self._own: Any = None  # decoded handshake of our rank 0
+        self.handshake_dir = tempfile.mkdtemp(prefix=f"raypd-{engine_id}-")
+        self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0}
+        self._usage: dict[str, Any] = {"num_blocks": 0, "kv_cache_usage": 0.0, "running": 0, "waiting": 0}
+
+    # ---------------------------------------------------------------- start
+    def _engine_args(self, model_path: str) -> Any:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        cfg = self.cfg
+        kv = KVTransferConfig(
+            kv_connector="RayNixlConnector",
+            kv_connector_module_path="actors.connector",
+            kv_role=KV_ROLES[cfg.role],
+            engine_id=self.engine_id,
+            kv_load_failure_policy=cfg.kv_load_failure_policy,
+            kv_connector_extra_config={
+                "engine_id": self.engine_id,
+                "handshake_dir": self.handshake_dir,
+                "model_id": cfg.served_model_id,
+                "lease_ttl_s": cfg.lease_ttl_s,
+                "read_timeout_s": cfg.read_timeout_s,
+                "fault_rate": cfg.fault_rate,
+            },
+        )
+        extra: dict[str, Any] = {}
+        if cfg.block_size is not None:
+            extra["block_size"] = cfg.block_size
+        if cfg.tp_size * cfg.pp_size > 1:
+            extra["distributed_executor_backend"] = "mp"  # vLLM's Ray executor is refused on CPU
+        return AsyncEngineArgs(
+            model=model_path, tokenizer=model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tp_size,
+            pipeline_parallel_size=cfg.pp_size, disable_log_stats=False, kv_transfer_config=kv,
+            seed=0, enable_prefix_caching=cfg.enable_prefix_caching, **extra,
+        )
+
+    async def start(self, coordinator: Any) -> dict:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from actors.models import resolve_model
+
+        self.coordinator = coordinator
+        model_path = str(await asyncio.to_thread(resolve_model, self.cfg.model))
+        self.llm = AsyncLLM.from_engine_args(self._engine_args(model_path),
+                                             stat_loggers=[_usage_logger_factory(self._usage)])
+        self.tokenizer = self.llm.tokenizer if getattr(self.llm, "tokenizer", None) else await self.llm.get_tokenizer()
+        self._handshakes = await self._collect_handshakes()
+        self._own = decode_handshake(self._handshakes[0])
+        return {}
+
+    async def _collect_handshakes(self) -> list[bytes]:
+        from actors.connector.worker import handshake_file
+
+        expected = [handshake_file(self.handshake_dir, p, t)
+                    for p in range(self.cfg.pp_size) for t in range(self.cfg.tp_size)]
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in expected):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.engine_id}: vLLM workers published no handshake in 60 s")
+            await asyncio.sleep(0.05)
+        return [f.read_bytes() for f in expected]
+
+    def handshakes(self) -> list[bytes]:
+        return list(self._handshakes)
+
+    def liveness_handles(self) -> list[Any]:
+        return []
+
+    # ------------------------------------------------------------- requests
+    def _prompt(self, req: dict) -> Any:
+        from actors.engine import EngineRequestError
+
+        if req.get("prompt_token_ids"):
+            ids = [int(t) for t in req["prompt_token_ids"]]
+        elif req.get("messages"):
+            try:
+                text = self.tokenizer.apply_chat_template(req["messages"], add_generation_prompt=True,
+                                                          tokenize=False)
+            except Exception as exc:  # noqa: BLE001 - template errors are the client's
+                raise EngineRequestError(f"cannot apply the chat template: {exc}") from None
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif req.get("prompt"):
+            ids = self.tokenizer.encode(req["prompt"])
+        else:
+            raise EngineRequestError("the prompt is empty")
+        max_tokens = int(req.get("max_tokens") or 16)
+        if len(ids) + max_tokens > self.cfg.max_model_len:
+            raise EngineRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                f"{self.cfg.max_model_len}"
+            )
+        return ids
+
+    def _sampling(self, req: dict, max_tokens: int, kv_params: dict | None) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        temperature = req.get("temperature")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if temperature is None else float(temperature),
+            top_p=1.0 if req.get("top_p") is None else float(req["top_p"]),
+            seed=req.get("seed"),
+            stop=req.get("stop") or None,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
+        )
+
+    async def prefill(self, req: dict) -> dict:
+        """Prefill for remote decode: first token + transfer params."""
+        ids = self._prompt(req)
+        ttl = float(req.get("lease_ttl_s") or self.cfg.lease_ttl_s)
+        sp = self._sampling(req, 1, {"do_remote_decode": True, "lease_ttl_s": ttl})
+        first_ids: list[int] = []
+        text, finish, params = "", None, None
+        async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=req["request_id"]):
+            o = out.outputs[0]
+            first_ids.extend(o.token_ids)
+            text += o.text
+            if out.finished:
+                finish, params = o.finish_reason, out.kv_transfer_params
+        return {"kv_transfer_params": params, "num_prompt_tokens": len(ids), "prompt_token_ids": ids,
+                "first_token_ids": first_ids, "first_text": text, "finish_reason": finish}
+
+    async def _with_handshakes(self, params: dict) -> dict:
+        """Attach the payloads of exactly the producer ranks our ranks read from."""
+        p = TransferParams.parse(params)
+        payloads: list[str] = []
+        for pp_rank in range(p.pp_size):
+            cached = self._peer_payloads.get(p.remote_engine_id, {}).get(pp_rank)
+            if cached is None:
+                targets: set[int] = set()
+                own = self._own
+                for rank in range(self.cfg.tp_size):
+                    topo = TransferTopology(rank, self.cfg.tp_size, own.block_size, self.engine_id,
+                                            own.compat.is_mla, False, own.compat.num_kv_heads)
+                    targets.update(topo.handshake_target_ranks(p.tp_size, p.dcp_size))
+                raw = await self.coordinator.handshake_payloads.remote(p.remote_engine_id, pp_rank, sorted(targets))
+                cached = [base64.b64encode(b).decode() for b in raw]
+                self._peer_payloads.setdefault(p.remote_engine_id, {})[pp_rank] = cached
+            payloads.extend(cached)
+        params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
+        # (vLLM would report the producer's prefix hits instead of what we pulled.)
+        return {**params, "do_remote_prefill": True, "handshakes": payloads}
+
+    async def generate(self, req: dict) -> AsyncIterator[dict]:
+        from actors.engine import EngineRequestError
+
+        ids = self._prompt(req)
+        max_tokens = int(req.get("max_tokens") or 16)
+        params = req.get("kv_transfer_params")
+        expected_external = 0
+        if params:
+            try:
+                params = await self._with_handshakes(params)
+            except TransferParamsError as exc:
+                raise EngineRequestError(str(exc)) from None
+            expected_external = min(int(params["num_tokens"]), len(ids) - 1)
+            self.counters["kv_pulls"] += 1
+        sp = self._sampling(req, max_tokens, params)
+        req_id = req["request_id"]
+        cached = 0
+        async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=req_id):
+            o = out.outputs[0]
+            cached = max(cached, out.num_cached_tokens or 0)  # reported on the first delta
+            chunk = {"request_id": req_id, "token_ids": list(o.token_ids), "text": o.text,
+                     "finished": out.finished, "finish_reason": None, "num_prompt_tokens": len(ids),
+                     "recomputed": False}
+            if out.finished:
+                reason = str(o.finish_reason) if o.finish_reason is not None else "stop"
+                chunk["finish_reason"] = reason
+                if reason == "error":
+                    self.counters["kv_failures"] += 1
+                    chunk["error"] = "KV transfer failed (kv_load_failure_policy=fail)"
+                if params and reason != "error" and cached < expected_external:
+                    chunk["recomputed"] = True  # the pull failed and vLLM recomputed the prompt
+                    self.counters["recomputed"] += 1
+                chunk["num_cached_tokens"] = cached
+            yield chunk
+
+    async def abort(self, req_id: str) -> None:
+        if self.llm is not None:
+            await self.llm.abort(req_id)
+
+    async def drop_engine(self, engine_id: str) -> None:
+        # The next request to that engine fetches fresh payloads; workers replace
+        # agents whose name changed (a restarted engine never meets stale metadata).
+        self._peer_payloads.pop(engine_id, None)
+
+    async def stats(self) -> dict:
+        """Counters plus the scheduler's view as of its last step (vLLM reports per step)."""
+        u = self._usage
+        total = int(u["num_blocks"])
+        return {"backend": "vllm", **self.counters, "num_blocks": total,
+                "free_blocks": round((1.0 - float(u["kv_cache_usage"])) * total),
+                "engine_running": u["running"], "engine_waiting": u["waiting"]}
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+        shutil.rmtree(self.handshake_dir, ignore_errors=True)
