@@ -95,6 +95,9 @@ class SyntheticEngine:
             for p in range(shape.pp_size) for t in range(shape.tp_size)
         ]
         self._held: dict[str, tuple[list[int], set[int]]] = {}  # req -> (blocks, ranks still holding)
+        # rank.poll() drains every request's pull outcome; concurrent decodes (and the lease
+        # pump) share one drain, so outcomes are parked here per rank until their request asks.
+        self._pull_outcomes: list[dict[str, tuple[str, dict]]] = [{} for _ in self.ranks]
         self._pump: asyncio.Task | None = None
         self.pump_interval_s = 0.002
         self.closed = False
@@ -137,7 +140,7 @@ class SyntheticEngine:
         """Free blocks of requests every rank released; returns their ids."""
         if not self._held:
             return []
-        outs = await asyncio.gather(*(r.poll.remote() for r in self.ranks))
+        outs = await self._poll_ranks()
         freed = []
         for i, out in enumerate(outs):
             for req_id in out["released"] + out["expired"]:
@@ -198,6 +201,8 @@ class SyntheticEngine:
             raise
         finally:
             self.pool.free(block_ids)
+            for parked in self._pull_outcomes:  # nothing of this request stays parked
+                parked.pop(req_id, None)
         checksums: dict[int, float] = {}
         for out in per_rank:
             for pos, value in out["checksums"].items():
@@ -209,6 +214,15 @@ class SyntheticEngine:
             "checksums": ordered,
         }
 
+    async def _poll_ranks(self) -> list[dict]:
+        outs = await asyncio.gather(*(r.poll.remote() for r in self.ranks))
+        for parked, out in zip(self._pull_outcomes, outs):
+            for req_id, res in out["finished"].items():
+                parked[req_id] = ("finished", res)
+            for req_id, res in out["failed"].items():
+                parked[req_id] = ("failed", res)
+        return outs
+
     async def _await_pulls(self, req_id: str, timeout_s: float) -> list[dict]:
         aggregator = KVOutputAggregator(len(self.ranks))
         results: dict[int, dict] = {}
@@ -216,20 +230,25 @@ class SyntheticEngine:
         deadline = time.monotonic() + timeout_s
         delay = 0.0005
         while True:
-            outs = await asyncio.gather(*(r.poll.remote() for r in self.ranks))
+            await self._poll_ranks()
             rank_outputs = []
-            for i, out in enumerate(outs):
+            for i, parked in enumerate(self._pull_outcomes):
                 out_i = KVConnectorOutput()
-                if req_id in out["finished"]:
-                    results[i] = out["finished"][req_id]
+                kind, res = parked.pop(req_id, (None, None))
+                if kind == "finished":
+                    results[i] = res
                     out_i.finished_recving.add(req_id)
-                if req_id in out["failed"]:
-                    failures[i] = out["failed"][req_id]
+                elif kind == "failed":
+                    failures[i] = res
                     out_i.finished_recving.add(req_id)
                     out_i.failed_recving.add(req_id)
-                    out_i.invalid_block_ids.update(out["failed"][req_id]["invalid_block_ids"])
+                    out_i.invalid_block_ids.update(res["invalid_block_ids"])
                 rank_outputs.append(out_i)
             verdict = aggregator.aggregate(rank_outputs)
+            if self.coordinator is not None and any(not o.is_empty() for o in rank_outputs):
+                for o in rank_outputs:
+                    o.expected_finished_count = len(self.ranks)
+                self.coordinator.report_outcomes.remote(self.engine_id, rank_outputs)
             if req_id in verdict.finished_recving:
                 if req_id in verdict.failed_recving:
                     raise TransferFailed(req_id, [f["reason"] for f in failures.values()],

@@ -170,10 +170,14 @@ def test_concurrent_streams_all_complete(service):
         async with httpx.AsyncClient(timeout=60) as http:
             return await asyncio.gather(*(one(http, i) for i in range(24)))
 
+    router = service["router"]
+    before = (sum(router.fallbacks.values()), sum(router.transfer_failures.values()))
     results = asyncio.run(go())
     assert all(done and text.count(" w") == 5 for done, text in results)
-    snap = service["router"].snapshot()
+    snap = router.snapshot()
     assert all(load["requests"] == 0 for load in snap["decode_load"].values())
+    # every one of them went prefill -> KV transfer -> decode (no failure hidden by the fallback)
+    assert (sum(router.fallbacks.values()), sum(router.transfer_failures.values())) == before
 
 
 def test_status_collection_without_serve(service):
