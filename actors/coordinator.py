@@ -25,9 +25,11 @@ from typing import Any
 
 import ray
 
+from actors.kv.aggregator import KVConnectorOutput
 from actors.kv.compat import pair_problem
 from actors.kv.errors import HandshakeError
 from actors.kv.handshake import RankHandshake, decode_handshake
+from actors.ledger import BreakerSettings, TransferLedger, Verdict
 
 logger = logging.getLogger("raypd.coordinator")
 
@@ -68,7 +70,10 @@ class EngineEntry:
 
 class Coordinator:
     def __init__(self, heartbeat_timeout_s: float = 15.0, check_interval_s: float = 1.0,
-                 ping_timeout_s: float = 5.0):
+                 ping_timeout_s: float = 5.0, handoff_deadline_s: float = 60.0,
+                 breaker: dict | None = None):
+        self.ledger = TransferLedger(deadline_s=handoff_deadline_s,
+                                     breaker_settings=BreakerSettings(**(breaker or {})))
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.check_interval_s = check_interval_s
         self.ping_timeout_s = ping_timeout_s
@@ -148,6 +153,8 @@ class Coordinator:
     async def _remove(self, engine_id: str, reason: str) -> None:
         entry = self._engines.pop(engine_id)
         self._pairs = {k: v for k, v in self._pairs.items() if engine_id not in k}
+        for handoff in self.ledger.forget_engine(engine_id):
+            self._release_prefill(handoff.prefill_id, handoff.req_id)
         self._event("removed", engine_id, reason=reason)
         # Tell every decode rank to drop the agents of this engine (fire and forget:
         # a rank that is itself dead will not answer, and that is fine).
@@ -178,7 +185,45 @@ class Coordinator:
         return self._pairs.get((prefill_id, decode_id), "pair never judged")
 
     async def compatible_prefills(self, decode_id: str) -> list[str]:
-        return sorted(p for (p, d), problem in self._pairs.items() if d == decode_id and problem is None)
+        """Prefill engines the router may pair with `decode_id`: compatible, breaker not open."""
+        return sorted(p for (p, d), problem in self._pairs.items()
+                      if d == decode_id and problem is None and not self.ledger.is_open(decode_id, p))
+
+    # ---------------------------------------------------------------- ledger
+    async def open_handoff(self, req_id: str, prefill_id: str, decode_id: str) -> None:
+        self.ledger.open(req_id, prefill_id, decode_id)
+
+    async def report_outcomes(self, decode_id: str, outputs: list[KVConnectorOutput | None]) -> list[dict]:
+        """Per-unit transfer outcomes of a decode engine -> verdicts (feeds the breakers)."""
+        verdicts = self.ledger.report(decode_id, outputs)
+        for v in verdicts:
+            if not v.ok:
+                self._event("transfer_failed", decode_id, req_id=v.req_id, prefill_id=v.prefill_id)
+        return [self._verdict_dict(v) for v in verdicts]
+
+    async def unit_died(self, decode_id: str, last_outputs: list[KVConnectorOutput | None]) -> None:
+        self.ledger.rank_died(decode_id, last_outputs)
+
+    async def handshake_failed(self, decode_id: str, prefill_id: str) -> None:
+        self.ledger.record_handshake_failure(decode_id, prefill_id)
+
+    async def transfers(self) -> dict:
+        """In-flight handoffs, verdict counts and breaker states (for status/metrics)."""
+        return self.ledger.snapshot()
+
+    @staticmethod
+    def _verdict_dict(v: Verdict) -> dict:
+        return {"req_id": v.req_id, "prefill_id": v.prefill_id, "decode_id": v.decode_id, "ok": v.ok,
+                "reason": v.reason}
+
+    def _release_prefill(self, prefill_id: str | None, req_id: str) -> None:
+        """Ask a prefill engine to let go of a request's blocks (best effort)."""
+        entry = self._engines.get(prefill_id) if prefill_id else None
+        if entry is not None and entry.handles:
+            try:
+                entry.handles[0].abort.remote(req_id)
+            except Exception as exc:  # noqa: BLE001 - its lease expires anyway
+                logger.info("releasing %s on %s: %s", req_id, prefill_id, exc)
 
     async def engines(self) -> list[dict]:
         return [e.summary() for e in self._engines.values()]
@@ -206,6 +251,9 @@ class Coordinator:
             await asyncio.sleep(self.check_interval_s)
             try:
                 await self.check_engines()
+                for v in self.ledger.expire():
+                    self._event("handoff_expired", v.decode_id, req_id=v.req_id, prefill_id=v.prefill_id)
+                    self._release_prefill(v.prefill_id, v.req_id)
             except Exception:  # noqa: BLE001 - the monitor must survive anything
                 logger.exception("engine health check failed")
 

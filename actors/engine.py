@@ -144,6 +144,10 @@ class EngineActor:
         req_id = req["request_id"]
         self.counters["requests"] += 1
         self._running[req_id] = time.monotonic()
+        params = req.get("kv_transfer_params")
+        if self._coordinator is not None and isinstance(params, dict) and params.get("remote_engine_id"):
+            # the ledger watches this handoff until the transfer outcome is reported
+            self._coordinator.open_handoff.remote(req_id, str(params["remote_engine_id"]), self.engine_id)
         try:
             async for chunk in self.backend.generate(req):
                 if chunk.get("recomputed"):

@@ -233,24 +233,40 @@ class VllmBackend:
             self.counters["kv_pulls"] += 1
         sp = self._sampling(req, max_tokens, params)
         req_id = req["request_id"]
-        cached = 0
+        first = True
         async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=req_id):
             o = out.outputs[0]
-            cached = max(cached, out.num_cached_tokens or 0)  # reported on the first delta
             chunk = {"request_id": req_id, "token_ids": list(o.token_ids), "text": o.text,
                      "finished": out.finished, "finish_reason": None, "num_prompt_tokens": len(ids),
                      "recomputed": False}
+            if first:
+                # vLLM reports cached tokens on the first delta: fewer than we pulled means
+                # the pull failed and the prompt was recomputed (kv_load_failure_policy=recompute).
+                first = False
+                chunk["num_cached_tokens"] = cached = out.num_cached_tokens or 0
+                if params and cached < expected_external and o.token_ids:
+                    chunk["recomputed"] = True
+                    self.counters["recomputed"] += 1
+                if params:
+                    failed = chunk["recomputed"] or (out.finished and str(o.finish_reason) == "error")
+                    self._report(req_id, failed)
             if out.finished:
                 reason = str(o.finish_reason) if o.finish_reason is not None else "stop"
                 chunk["finish_reason"] = reason
                 if reason == "error":
                     self.counters["kv_failures"] += 1
                     chunk["error"] = "KV transfer failed (kv_load_failure_policy=fail)"
-                if params and reason != "error" and cached < expected_external:
-                    chunk["recomputed"] = True  # the pull failed and vLLM recomputed the prompt
-                    self.counters["recomputed"] += 1
-                chunk["num_cached_tokens"] = cached
             yield chunk
+
+    def _report(self, req_id: str, failed: bool) -> None:
+        """One outcome per pulled request to the coordinator's ledger (vLLM merged its ranks)."""
+        if self.coordinator is None:
+            return
+        from actors.kv.aggregator import KVConnectorOutput
+
+        out = KVConnectorOutput(finished_recving={req_id}, failed_recving={req_id} if failed else set(),
+                                expected_finished_count=1)
+        self.coordinator.report_outcomes.remote(self.engine_id, [out])
 
     async def abort(self, req_id: str) -> None:
         if self.llm is not None:

@@ -68,7 +68,10 @@ async def pd(engines, decode, prompt, max_tokens=12, rid=None, **params_extra):
         "request_id": rid + "-d", "prompt_token_ids": pre["prompt_token_ids"] + pre["first_token_ids"],
         "max_tokens": max_tokens - 1, "kv_transfer_params": params})
     tokens = pre["first_token_ids"] + [t for c in chunks for t in c["token_ids"]]
-    return tokens, chunks[-1]
+    # the transfer verdict rides on the first chunk, the finish on the last
+    summary = {**chunks[-1], "num_cached_tokens": chunks[0].get("num_cached_tokens"),
+               "recomputed": any(c.get("recomputed") for c in chunks)}
+    return tokens, summary
 
 
 async def local(engine, prompt, max_tokens=12):
