@@ -60,11 +60,17 @@ class EngineConfig(_Strict):
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
+    # False: plain vLLM with no KV connector at all (role "both" only). Used as the
+    # colocated baseline of benchmarks/pd_vs_vllm.py; such an engine cannot take part
+    # in P/D (it publishes no handshake payload).
+    kv_connector: bool = True
     # Test knob: this fraction of KV pulls fails on purpose (fault-injection suites only).
     fault_rate: float = Field(0.0, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "EngineConfig":
+        if not self.kv_connector and (self.role != "both" or self.backend != "vllm"):
+            raise ValueError("kv_connector: false (plain vLLM) needs role 'both' and the vllm backend")
         if self.dcp_size not in (1, self.tp_size):
             raise ValueError(f"dcp_size {self.dcp_size} must be 1 or tp_size {self.tp_size}")
         if self.backend == "vllm":

@@ -104,7 +104,8 @@ class VllmBackend:
         return AsyncEngineArgs(
             model=model_path, tokenizer=model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
             enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tp_size,
-            pipeline_parallel_size=cfg.pp_size, disable_log_stats=False, kv_transfer_config=kv,
+            pipeline_parallel_size=cfg.pp_size, disable_log_stats=False,
+            kv_transfer_config=kv if cfg.kv_connector else None,  # None: plain vLLM (baseline)
             seed=0, enable_prefix_caching=cfg.enable_prefix_caching, **extra,
         )
 
@@ -118,8 +119,9 @@ class VllmBackend:
         self.llm = AsyncLLM.from_engine_args(self._engine_args(model_path),
                                              stat_loggers=[_usage_logger_factory(self._usage)])
         self.tokenizer = self.llm.tokenizer if getattr(self.llm, "tokenizer", None) else await self.llm.get_tokenizer()
-        self._handshakes = await self._collect_handshakes()
-        self._own = decode_handshake(self._handshakes[0])
+        if self.cfg.kv_connector:
+            self._handshakes = await self._collect_handshakes()
+            self._own = decode_handshake(self._handshakes[0])
         return {}
 
     async def _collect_handshakes(self) -> list[bytes]:
@@ -184,7 +186,9 @@ class VllmBackend:
         """Prefill for remote decode: first token + transfer params."""
         ids = self._prompt(req)
         ttl = float(req.get("lease_ttl_s") or self.cfg.lease_ttl_s)
-        sp = self._sampling(req, 1, {"do_remote_decode": True, "lease_ttl_s": ttl})
+        # max_tokens 1: the first token is the whole answer, nothing to hand off
+        remote = int(req.get("max_tokens") or 16) > 1
+        sp = self._sampling(req, 1, {"do_remote_decode": True, "lease_ttl_s": ttl} if remote else None)
         first_ids: list[int] = []
         text, finish, params = "", None, None
         async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=req["request_id"]):

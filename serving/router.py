@@ -229,6 +229,11 @@ class RoutedStream:
         self.close()
 
 
+async def _no_more() -> AsyncIterator[dict]:
+    return
+    yield  # an empty async generator
+
+
 # -------------------------------------------------------------------- router
 class Router:
     def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
@@ -344,9 +349,16 @@ class Router:
                     self.counters["prefill_retries"] += 1
                 engine_req_id = request_id if route.attempts == 1 else f"{request_id}-retry{route.attempts - 1}"
                 route.prefill_id = prefill_id
-                params = await self._prefill(route, {**req, "request_id": engine_req_id}, estimate)
-                if params is None:
+                out = await self._prefill(route, {**req, "request_id": engine_req_id}, estimate)
+                if out is None:
                     continue  # the prefill failed; its breaker knows; try another engine
+                if out.get("first_token_ids") is not None:
+                    # The prefill engine sampled the first token: stream it now (TTFT is the
+                    # prefill engine's) and let the decode engine continue from token two.
+                    charged = False
+                    return self._continuation(route, decode, req, out, request_id, engine_req_id,
+                                              max_tokens, estimate)
+                params = out["kv_transfer_params"]
                 stream = await self._start_decode(route, decode, {
                     **req, "request_id": engine_req_id, "kv_transfer_params": params},
                     request_id, max_tokens, estimate)
@@ -380,7 +392,8 @@ class Router:
                 self._charge_decode(decode_id, -(estimate + max_tokens), requests=-1)
 
     async def _prefill(self, route: Route, req: dict, estimate: int) -> dict | None:
-        """Run the prompt on route.prefill_id; the transfer params, or None after a failure (recorded)."""
+        """Run the prompt on route.prefill_id; its output (transfer params, maybe the first
+        token), or None after a failure (recorded)."""
         p, d = route.prefill_id, route.decode_id
         load = self.prefill_load[p]
         load.requests += 1
@@ -388,9 +401,9 @@ class Router:
         try:
             out = await self.prefills[p].prefill(req)
             params = out.get("kv_transfer_params") if isinstance(out, dict) else None
-            if not params:
+            if not params and not (isinstance(out, dict) and out.get("first_token_ids") is not None):
                 raise EngineUnavailable(f"prefill engine {p} returned no kv_transfer_params")
-            return params
+            return out
         except RequestRejected as exc:
             raise RouteError(400, str(exc), type="invalid_request_error", code="invalid_prompt") from None
         except asyncio.CancelledError:
@@ -446,6 +459,41 @@ class Router:
             self._close_gen(gen)
             return None
         return RoutedStream(self, request_id, engine_req_id, route, gen, first, max_tokens, estimate)
+
+    def _continuation(self, route: Route, decode: EngineClient, req: dict, out: dict, request_id: str,
+                      engine_req_id: str, max_tokens: int, estimate: int) -> RoutedStream:
+        """A stream whose first chunk is the prefill engine's token; the decode engine goes on."""
+        params = out.get("kv_transfer_params")
+        first = {"request_id": engine_req_id, "token_ids": list(out["first_token_ids"]),
+                 "text": out.get("first_text") or "", "finished": False, "finish_reason": None,
+                 "num_prompt_tokens": int(out.get("num_prompt_tokens") or 0)}
+        if max_tokens <= 1 or not params or out.get("finish_reason") == "stop":
+            first.update(finished=True, finish_reason=out.get("finish_reason") or "length")
+            return RoutedStream(self, request_id, engine_req_id, route, _no_more(), first, max_tokens, estimate)
+        dreq = {k: v for k, v in req.items() if k not in ("messages", "prompt")}
+        dreq.update(request_id=engine_req_id, max_tokens=max_tokens - 1, kv_transfer_params=params,
+                    prompt_token_ids=list(out["prompt_token_ids"]) + list(out["first_token_ids"]))
+        gen = self._continue_decode(route, decode, dreq)
+        return RoutedStream(self, request_id, engine_req_id, route, gen, first, max_tokens, estimate)
+
+    async def _continue_decode(self, route: Route, decode: EngineClient, dreq: dict) -> AsyncIterator[dict]:
+        """Decode after a streamed first token; a failed pull continues locally (nothing is lost
+        or repeated: the decode engine recomputes the prompt and goes on from token two)."""
+        gen = decode.generate(dreq)
+        first = await gen.__anext__()
+        failed = first.get("finish_reason") == "error" and not first.get("token_ids")
+        self._record_transfer(route, ok=not (failed or first.get("recomputed")))
+        if failed:
+            self.fallbacks["transfer_failed"] += 1
+            route.failures.append(first.get("error") or "KV transfer failed")
+            self._abort_prefill(route, dreq["request_id"])
+            local = {k: v for k, v in dreq.items() if k != "kv_transfer_params"}
+            async for chunk in decode.generate(local):
+                yield chunk
+            return
+        yield first
+        async for chunk in gen:
+            yield chunk
 
     # ------------------------------------------------------------ outcomes
     def _record_transfer(self, route: Route, ok: bool) -> None:
