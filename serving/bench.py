@@ -15,9 +15,11 @@ request). `--plot` writes a PNG (matplotlib, Agg).
 Overhead mode (`--overhead`): starts its own local Ray cluster with the
 synthetic backend (`--config`, default configs/synthetic.yaml), then runs the
 same P/D requests (prefill on a prefill engine, stream from the decode engine)
-twice: as direct actor calls from this process, and through the HTTP front
-(Ray Serve proxy -> FastAPI -> router -> actors). Prints p50/p90 latency and
-requests/s side by side with the difference and the ratio.
+as direct actor calls from this process, through the Serve-hosted front (HTTP
+-> Serve proxy -> ingress replica: FastAPI + router -> actors) and through the
+same app under plain uvicorn in a child process (no Serve proxy hop). Prints
+p50/p90 latency, TTFT and requests/s side by side with the difference and the
+ratio to the direct call.
 """
 
 from __future__ import annotations
@@ -292,7 +294,8 @@ async def direct_request(prefill: Any, decode: Any, i: int, prompt: str, max_tok
     return sample
 
 
-async def measure_overhead(args: argparse.Namespace, dep: Any, url: str, model: str) -> dict:
+async def measure_overhead(args: argparse.Namespace, dep: Any, fronts: dict[str, str], model: str) -> dict:
+    """Same requests: direct actor calls, then through each front (name -> base URL)."""
     import httpx
 
     rng = random.Random(args.seed)
@@ -309,13 +312,16 @@ async def measure_overhead(args: argparse.Namespace, dep: Any, url: str, model: 
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "stream": True}
 
-        async def front(i: int) -> Sample:
-            return await one_request(client, url, body, {}, False)
+        def via(url: str) -> Any:
+            async def front(i: int) -> Sample:
+                return await one_request(client, url, body, {}, False)
+            return front
 
-        out: dict[str, Any] = {}
-        for name, worker in (("direct", direct), ("front", front)):
+        workers = {"direct": direct, **{name: via(url) for name, url in fronts.items()}}
+        for worker in workers.values():
             await closed_loop(worker, 2, 20)  # warm-up: handshakes, connections, code paths
-        for name, worker in (("direct", direct), ("front", front)):
+        out: dict[str, Any] = {}
+        for name, worker in workers.items():
             seq, wall1 = await closed_loop(worker, 1, args.requests)
             par, wall_hi = await closed_loop(worker, c_hi, args.requests * 2)
             errors = [s.error for s in seq + par if not s.ok]
@@ -328,21 +334,68 @@ async def measure_overhead(args: argparse.Namespace, dep: Any, url: str, model: 
     return out
 
 
+FRONT_LABELS = {"serve": "Serve front", "uvicorn": "uvicorn front"}
+
+
 def print_overhead(res: dict, args: argparse.Namespace) -> None:
-    d, f = res["direct"], res["front"]
+    d = res["direct"]
+    fronts = [f for f in ("serve", "uvicorn") if f in res]
     c_hi = args.overhead_concurrency
     print(f"\nfront overhead: synthetic backend, prompt {args.prompt_len} words, {args.output_len} output tokens, "
-          f"{args.requests} sequential + {args.requests * 2} concurrent requests")
-    print(f"  {'':<26}{'direct actor':>14}{'HTTP front':>14}{'added':>12}{'ratio':>9}")
-    for key, label, unit in (("p50_ms", "latency p50 (ms)", "ms"), ("p90_ms", "latency p90 (ms)", "ms"),
-                             ("ttft_p50_ms", "TTFT p50 (ms)", "ms"), ("rps_c1", "requests/s @c=1", ""),
-                             (f"rps_c{c_hi}", f"requests/s @c={c_hi}", "")):
-        added = f[key] - d[key]
-        print(f"  {label:<26}{d[key]:>14.2f}{f[key]:>14.2f}{added:>+12.2f}{f[key] / d[key]:>8.2f}x")
+          f"{args.requests} sequential + {args.requests * 2} concurrent requests per column")
+    print("  serve: HTTP -> Serve proxy -> ingress replica (FastAPI + router) -> actors; "
+          "uvicorn: the same app in one uvicorn process, no Serve proxy")
+    header = f"  {'':<22}{'direct actor':>13}"
+    for f in fronts:
+        header += f"{FRONT_LABELS[f]:>15}{'added':>10}{'ratio':>8}"
+    print(header)
+    for key, label in (("p50_ms", "latency p50 (ms)"), ("p90_ms", "latency p90 (ms)"),
+                       ("ttft_p50_ms", "TTFT p50 (ms)"), ("rps_c1", "requests/s @c=1"),
+                       (f"rps_c{c_hi}", f"requests/s @c={c_hi}")):
+        line = f"  {label:<22}{d[key]:>13.2f}"
+        for f in fronts:
+            v = res[f][key]
+            line += f"{v:>15.2f}{v - d[key]:>+10.2f}{v / d[key]:>7.2f}x"
+        print(line)
     sys.stdout.flush()
 
 
+def _uvicorn_front_main(config_json: str, port: int, address: str) -> None:
+    """Child process of `--overhead`: the front app under plain uvicorn, attached to the same engines."""
+    import uvicorn
+
+    from serving.api import create_app
+    from serving.config import DeploymentConfig
+    from serving.launcher import init_ray, launch
+    from serving.ray_clients import build_router
+
+    cfg = DeploymentConfig.from_dict(json.loads(config_json))
+    init_ray(cfg, address=address)
+    router = build_router(cfg, launch(cfg))  # get-or-create: the engines are already up
+    uvicorn.run(create_app(cfg, router), host="127.0.0.1", port=port, log_level="warning")
+
+
+def _wait_health(url: str, timeout_s: float, proc: Any = None) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the front at {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"the front at {url} did not become healthy in {timeout_s:.0f}s")
+
+
 def run_overhead(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import subprocess
+
     import ray
     from ray import serve
 
@@ -354,25 +407,38 @@ def run_overhead(args: argparse.Namespace) -> int:
     if base.backend != "synthetic":
         print("raypd bench --overhead needs a synthetic-backend config", file=sys.stderr)
         return 2
-    port = free_port()
+    serve_port, uv_port = free_port(), free_port()
     data = base.model_dump(mode="json")
     data["name"] = "raypd-bench"
-    data["http"].update({"host": "127.0.0.1", "port": port})
+    data["http"].update({"host": "127.0.0.1", "port": serve_port})
     cfg = DeploymentConfig.from_dict(data)
     started = init_ray(cfg, None, temp_dir="/tmp/raypd-bench-ray")
+    child = None
     try:
-        print(f"starting {cfg.prefill.count}P+{cfg.decode.count}D synthetic engines and the front on :{port}...",
-              flush=True)
+        print(f"starting {cfg.prefill.count}P+{cfg.decode.count}D synthetic engines, the Serve front on "
+              f":{serve_port} and a uvicorn front on :{uv_port}...", flush=True)
         dep = launch(cfg)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
         serve.run(build_app(data), name=cfg.name, route_prefix="/", blocking=False)
-        res = asyncio.run(measure_overhead(args, dep, f"http://127.0.0.1:{port}", cfg.served_model_name))
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+        child = subprocess.Popen([sys.executable, "-m", "serving.bench", "--uvicorn-front", json.dumps(data),
+                                  str(uv_port), ray.get_runtime_context().gcs_address], env=env)
+        fronts = {"serve": f"http://127.0.0.1:{serve_port}", "uvicorn": f"http://127.0.0.1:{uv_port}"}
+        for url in fronts.values():
+            _wait_health(url, 120, child)
+        res = asyncio.run(measure_overhead(args, dep, fronts, cfg.served_model_name))
         print_overhead(res, args)
         if args.json_out:
             with open(args.json_out, "w") as fh:
                 json.dump(res, fh, indent=2)
         return 0
     finally:
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
         try:
             serve.shutdown()
         except Exception:  # noqa: BLE001
@@ -393,3 +459,12 @@ def run(args: argparse.Namespace) -> int:
         plot(results, args.plot, f"{args.url} prompt={args.prompt_len} output={args.output_len}")
         print(f"plot written to {args.plot}")
     return 0 if all(r.errors == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--uvicorn-front":
+        _uvicorn_front_main(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    else:
+        from serving.cli import main
+
+        sys.exit(main(["bench", *sys.argv[1:]]))
