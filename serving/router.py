@@ -469,6 +469,8 @@ class Router:
                  "num_prompt_tokens": int(out.get("num_prompt_tokens") or 0)}
         if max_tokens <= 1 or not params or out.get("finish_reason") == "stop":
             first.update(finished=True, finish_reason=out.get("finish_reason") or "length")
+            if params:  # nobody will read the KV: release the prefill engine's lease now
+                self._abort_prefill(route, engine_req_id)
             return RoutedStream(self, request_id, engine_req_id, route, _no_more(), first, max_tokens, estimate)
         dreq = {k: v for k, v in req.items() if k not in ("messages", "prompt")}
         dreq.update(request_id=engine_req_id, max_tokens=max_tokens - 1, kv_transfer_params=params,

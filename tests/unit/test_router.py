@@ -458,3 +458,63 @@ def test_snapshot_is_plain_data():
         assert stats["d0"]["up"] and stats["p0"]["free_blocks"] == 10
 
     run(go())
+
+
+# ------------------------------------------------------------------ first token from the prefill engine
+class FirstTokenPrefill(FakeEngine):
+    """A vLLM-style prefill engine that samples the first token itself."""
+
+    async def prefill(self, req):
+        out = await super().prefill(req)
+        return {**out, "first_token_ids": [42], "first_text": " first", "prompt_token_ids": [7, 8, 9]}
+
+
+def test_first_token_from_prefill_is_streamed_and_decode_continues_from_token_two():
+    async def go():
+        router, ps, ds, _ = make(prefills=("p0",))
+        router.prefills["p0"] = ps["p0"] = FirstTokenPrefill("p0")
+        s = await router.open(req(max_tokens=4))
+        chunks = await collect(s)
+        assert chunks[0]["token_ids"] == [42] and chunks[0]["text"] == " first"
+        sent = ds["d0"].generates[0]
+        assert sent["prompt_token_ids"] == [7, 8, 9, 42] and sent["max_tokens"] == 3
+        assert "prompt" not in sent and sent["kv_transfer_params"]["remote_engine_id"] == "p0"
+        assert s.num_generated == 1 + 3 and router.breaker("d0", "p0").consecutive_failures == 0
+        assert router.decode_load["d0"].requests == 0 and router.decode_load["d0"].tokens == 0
+
+    run(go())
+
+
+def test_first_token_then_failed_pull_continues_locally():
+    async def go():
+        router, ps, ds, _ = make(prefills=("p0",))
+        router.prefills["p0"] = ps["p0"] = FirstTokenPrefill("p0")
+        orig = ds["d0"].generate
+
+        def flaky(r):
+            ds["d0"].first_chunk = ({"token_ids": [], "text": "", "finished": True, "finish_reason": "error",
+                                     "error": "KV transfer failed"} if "kv_transfer_params" in r else None)
+            return orig(r)
+
+        ds["d0"].generate = flaky
+        s = await router.open(req(max_tokens=4))
+        chunks = await collect(s)
+        assert [c["text"] for c in chunks] == [" first", " t0", " t1", " t2"]  # nothing lost or repeated
+        assert "kv_transfer_params" not in ds["d0"].generates[1]
+        assert ds["d0"].generates[1]["prompt_token_ids"] == [7, 8, 9, 42]
+        assert router.transfer_failures[("d0", "p0")] == 1 and router.fallbacks["transfer_failed"] == 1
+
+    run(go())
+
+
+def test_max_tokens_one_is_served_by_the_prefill_engine_alone():
+    async def go():
+        router, ps, ds, _ = make(prefills=("p0",))
+        router.prefills["p0"] = ps["p0"] = FirstTokenPrefill("p0")
+        chunks = await collect(await router.open(req(max_tokens=1)))
+        assert [c["token_ids"] for c in chunks] == [[42]] and chunks[-1]["finish_reason"] == "length"
+        assert ds["d0"].generates == []
+        await router.drain()
+        assert ps["p0"].aborted == ["r1"]  # the KV nobody reads is released at once, not at lease expiry
+
+    run(go())
