@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Protocol
 import ray
 
 from actors.engine_config import EngineConfig
+from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.engine")
 
@@ -142,9 +143,14 @@ class EngineActor:
         """Stream token deltas; the last chunk has `finished` and `finish_reason`."""
         self._check_role("decode", "both")
         req_id = req["request_id"]
+        params = req.get("kv_transfer_params")
+        if params is not None:
+            try:
+                TransferParams.parse(params)
+            except TransferParamsError as exc:
+                raise EngineRequestError(str(exc)) from None
         self.counters["requests"] += 1
         self._running[req_id] = time.monotonic()
-        params = req.get("kv_transfer_params")
         if self._coordinator is not None and isinstance(params, dict) and params.get("remote_engine_id"):
             # the ledger watches this handoff until the transfer outcome is reported
             self._coordinator.open_handoff.remote(req_id, str(params["remote_engine_id"]), self.engine_id)

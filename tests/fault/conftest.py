@@ -27,3 +27,9 @@ def coordinator(ray_cluster):
     ray_cluster.get(handle.ping.remote())
     yield handle
     ray_cluster.kill(handle)
+
+import sys
+from pathlib import Path
+
+# the service helpers (free port, in-thread uvicorn, synthetic deployment) live with the integration tests
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))

@@ -1,0 +1,154 @@
+"""Bad input, through the HTTP front and the actor APIs: a clear, typed error each time,
+the service healthy afterwards, and nothing stranded at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import ray
+
+from serving.api import create_app
+from serving.config import DeploymentConfig
+from serving.launcher import launch, shutdown_deployment
+from serving.ray_clients import build_router
+
+from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port, wait_blocks_at_baseline
+
+NAME = "bad-input"
+KEY = "sk-bad-input"
+MODEL = "synthetic-tiny"
+AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def service(coordinator):
+    cfg = DeploymentConfig.from_dict({**SYNTHETIC, "name": NAME,
+                                      "http": {"api_keys": [KEY], "max_body_bytes": 64 * 1024}})
+    dep = launch(cfg)
+    baseline = engine_stats(dep)
+    port = free_port()
+    with UvicornThread(create_app(cfg, build_router(cfg, dep)), port):
+        yield {"url": f"http://127.0.0.1:{port}", "dep": dep}
+    after = wait_blocks_at_baseline(dep, baseline)
+    shutdown_deployment(NAME, keep_coordinator=True)
+    for eid, stats in after.items():
+        assert stats["free_blocks"] == baseline[eid]["free_blocks"], (eid, stats)
+        assert stats["held_leases"] == 0, (eid, stats)
+
+
+def completion(**kw):
+    return {"model": MODEL, "prompt": "hello", "max_tokens": 4, **kw}
+
+
+def chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+
+
+HTTP_CASES = [
+    ("malformed json", "completions", b'{"model": "synthetic-tiny", "prompt": ', AUTH),
+    ("invalid utf-8", "completions", b'{"model": "synthetic-tiny", "prompt": "\xff\xfe"}', AUTH),
+    ("body is a list", "completions", b"[1, 2, 3]", AUTH),
+    ("max_tokens wrong type", "completions", completion(max_tokens="many"), AUTH),
+    ("max_tokens negative", "completions", completion(max_tokens=-1), AUTH),
+    ("max_tokens huge", "completions", completion(max_tokens=10**9), AUTH),
+    ("prompt longer than the context", "completions", completion(prompt="z" * 5000), AUTH),
+    ("prompt wrong type", "completions", completion(prompt={"a": 1}), AUTH),
+    ("empty prompt", "completions", completion(prompt=""), AUTH),
+    ("unknown model", "completions", completion(model="not-a-model"), AUTH),
+    ("missing api key", "completions", completion(), {"Content-Type": "application/json"}),
+    ("wrong api key", "completions", completion(), {"Authorization": "Bearer sk-wrong"}),
+    ("n > 1", "completions", completion(n=2), AUTH),
+    ("temperature negative", "completions", completion(temperature=-1), AUTH),
+    ("top_p out of range", "completions", completion(top_p=7), AUTH),
+    ("stop wrong type", "completions", completion(stop=5), AUTH),
+    ("oversized body", "completions", completion(prompt="q" * (100 * 1024)), AUTH),
+    ("chat messages not a list", "chat/completions", chat(messages="hi"), AUTH),
+    ("chat no messages", "chat/completions", chat(messages=[]), AUTH),
+    ("chat bad role", "chat/completions", chat(messages=[{"role": "wizard", "content": "x"}]), AUTH),
+    ("chat max_tokens negative", "chat/completions", chat(max_tokens=-5), AUTH),
+]
+
+
+@pytest.mark.parametrize("name, path, body, headers", HTTP_CASES, ids=[c[0] for c in HTTP_CASES])
+def test_http_bad_input_gets_a_clear_4xx(service, name, path, body, headers):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{service['url']}/v1/{path}", content=content, headers=headers, timeout=30)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["message"] and err["type"], err
+    assert httpx.get(service["url"] + "/health").status_code == 200
+
+
+def test_client_supplied_transfer_params_never_reach_an_engine(service):
+    """Only the router sets kv_transfer_params; a client's are dropped and the request is routed as usual."""
+    forged = {"remote_engine_id": "x", "remote_block_ids": [999999], "num_tokens": 5, "tp_size": 1,
+              "block_size": 16}
+    r = httpx.post(f"{service['url']}/v1/completions", headers=AUTH, timeout=30,
+                   content=json.dumps(completion(kv_transfer_params=forged)).encode())
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 200:
+        assert r.json()["choices"][0]["finish_reason"] == "length"  # a normal answer, from real KV
+
+
+FORGED = [
+    ("unknown engine id", {"remote_engine_id": "no-such-engine"}),
+    ("out-of-range block ids", {"remote_block_ids": [10**6] * 3}),
+    ("negative token count", {"num_tokens": -4}),
+    ("wrong tp size", {"tp_size": 3}),
+    ("dcp without tp", {"dcp_size": 2}),
+    ("block ids of the wrong type", {"remote_block_ids": "1,2,3"}),
+]
+
+
+@pytest.mark.parametrize("name, change", FORGED, ids=[c[0] for c in FORGED])
+def test_forged_transfer_params_at_the_actor_api_never_produce_an_answer(service, name, change):
+    dep = service["dep"]
+    (prefill,) = dep.prefills.values()
+    (decode,) = dep.decodes.values()
+    prompt = "what is in the cache? " * 3
+
+    async def go():
+        pre = await prefill.prefill.remote({"request_id": f"forge-{name}", "prompt": prompt, "max_tokens": 4})
+        params = {**pre["kv_transfer_params"], **change}
+        chunks = []
+        try:
+            async for ref in decode.generate.options(num_returns="streaming").remote(
+                    {"request_id": f"forge-{name}-d", "prompt": prompt, "max_tokens": 4,
+                     "kv_transfer_params": params}):
+                chunks.append(await ref)
+        except ray.exceptions.RayTaskError as exc:
+            assert "EngineRequestError" in str(exc) or "kv_transfer_params" in str(exc)
+            await prefill.abort.remote(f"forge-{name}")
+            return
+        # accepted at the boundary, then the transfer itself failed: an error, never tokens
+        assert chunks[-1]["finish_reason"] == "error" and chunks[-1]["error"], chunks[-1]
+        assert not any(c["token_ids"] for c in chunks)
+        await prefill.abort.remote(f"forge-{name}")
+
+    asyncio.run(go())
+    assert httpx.get(service["url"] + "/health").status_code == 200
+
+
+def test_foreign_block_ids_are_caught_by_verification(service):
+    """Ids in range but holding another request's KV: the synthetic decode's checks refuse them."""
+    dep = service["dep"]
+    (prefill,) = dep.prefills.values()
+    (decode,) = dep.decodes.values()
+
+    async def go():
+        a = await prefill.prefill.remote({"request_id": "own", "prompt": "A" * 64, "max_tokens": 4})
+        b = await prefill.prefill.remote({"request_id": "foreign", "prompt": "B" * 64, "max_tokens": 4})
+        params = {**a["kv_transfer_params"], "remote_block_ids": b["kv_transfer_params"]["remote_block_ids"]}
+        chunks = []
+        async for ref in decode.generate.options(num_returns="streaming").remote(
+                {"request_id": "own-d", "prompt": "A" * 64, "max_tokens": 4, "kv_transfer_params": params}):
+            chunks.append(await ref)
+        assert chunks[-1]["finish_reason"] == "error" and "verification" in chunks[-1]["error"]
+        for rid in ("own", "foreign"):
+            await prefill.abort.remote(rid)
+
+    asyncio.run(go())
