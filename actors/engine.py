@@ -186,6 +186,11 @@ class EngineActor:
     def ping(self) -> str:
         return "pong"
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     def drop_engine(self, engine_id: str) -> None:
         """Coordinator notice: a remote engine died; its agents are dropped lazily."""
         drop = getattr(self.backend, "drop_engine", None)
