@@ -241,6 +241,9 @@ class Coordinator:
     async def ping(self) -> str:
         return "pong"
 
+    async def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     # --------------------------------------------------------------- health
     def _ensure_monitor(self) -> None:
         if self._monitor is None or self._monitor.done():
@@ -286,14 +289,17 @@ class Coordinator:
         del self.events[:-1000]
 
 
-def start_coordinator(detached: bool = False, **kwargs: Any) -> Any:
-    """Get or create the cluster's coordinator actor."""
+def start_coordinator(detached: bool = False, on_head_node: bool = False, **kwargs: Any) -> Any:
+    """Get or create the cluster's coordinator actor (on the head node if asked)."""
     options: dict[str, Any] = dict(
         name=COORDINATOR_NAME, namespace=NAMESPACE, num_cpus=0, get_if_exists=True,
         max_concurrency=64,
     )
     if detached:
         options["lifetime"] = "detached"
+    if on_head_node:
+        # Ray gives the head node this marker resource; the directory lives as long as the cluster
+        options["resources"] = {"node:__internal_head__": 0.001}
     return ray.remote(Coordinator).options(**options).remote(**kwargs)
 
 

@@ -191,6 +191,12 @@ class EngineActor:
 
         return os.getpid()
 
+    async def placement(self) -> dict:
+        """Where this engine and its rank actors run (node ids), for placement checks."""
+        ranks = self.backend.liveness_handles()
+        rank_nodes = await asyncio.gather(*(r.node_id.remote() for r in ranks)) if ranks else []
+        return {"node_id": ray.get_runtime_context().get_node_id(), "rank_nodes": list(rank_nodes)}
+
     def drop_engine(self, engine_id: str) -> None:
         """Coordinator notice: a remote engine died; its agents are dropped lazily."""
         drop = getattr(self.backend, "drop_engine", None)

@@ -68,12 +68,41 @@ def init_ray(cfg: DeploymentConfig | None = None, address: str | None = None,
     return True
 
 
+def placement_group_name(deployment: str, role: str, index: int) -> str:
+    return f"{actor_name(deployment, role, index)}-pg"
+
+
+def engine_placement_group(cfg: DeploymentConfig, role: str, index: int) -> Any:
+    """One STRICT_PACK placement group per engine: the engine and every rank it starts share a node.
+
+    The bundle carries the group's custom resources (e.g. `prefill: 1`), which is how
+    prefill and decode pools are pinned to labelled nodes.
+    """
+    from ray.util.placement_group import get_placement_group, placement_group
+
+    name = placement_group_name(cfg.name, role, index)
+    try:
+        return get_placement_group(name)
+    except ValueError:
+        pass
+    ecfg = cfg.engine_config(role, index)
+    bundle = {"CPU": max(ecfg.num_cpus, 0.01), **ecfg.resources}
+    return placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached")
+
+
 def _engine_handle(cfg: DeploymentConfig, role: str, index: int) -> Any:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     ecfg = cfg.engine_config(role, index, engine_id(cfg.name, role, index))
     opts = {k: v for k, v in engine_actor_options(ecfg).items() if v is not None}
+    opts["num_cpus"] = max(ecfg.num_cpus, 0.01)
+    opts.pop("resources", None)  # they are in the bundle
+    pg = engine_placement_group(cfg, role, index)
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0,
+                                                placement_group_capture_child_tasks=True)
     return _Engine.options(
         name=actor_name(cfg.name, role, index), namespace=NAMESPACE, lifetime="detached",
-        get_if_exists=True, **opts,
+        get_if_exists=True, scheduling_strategy=strategy, **opts,
     ).remote(ecfg.model_dump(), COORDINATOR_NAME)
 
 
@@ -83,9 +112,17 @@ def default_start_timeout(cfg: DeploymentConfig) -> float:
 
 def launch(cfg: DeploymentConfig, timeout_s: float | None = None) -> Deployment:
     """Get or create the coordinator and every engine of `cfg`, and start them. Blocking."""
-    coordinator = start_coordinator(detached=True)
+    coordinator = start_coordinator(detached=True, on_head_node=True)
     ray.get(coordinator.ping.remote(), timeout=60)
     dep = Deployment(cfg.name, coordinator)
+    pgs = [engine_placement_group(cfg, role, i) for role in ROLES for i in range(getattr(cfg, role).count)]
+    try:
+        ray.get([pg.ready() for pg in pgs], timeout=timeout_s or default_start_timeout(cfg))
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"no node offers the resources of {cfg.name!r}'s engines (bundles: "
+            f"{[pg.bundle_specs for pg in pgs]}); check the node labels/resources"
+        ) from None
     for role in ROLES:
         group = getattr(cfg, role)
         for i in range(group.count):
@@ -101,6 +138,19 @@ def launch(cfg: DeploymentConfig, timeout_s: float | None = None) -> Deployment:
     dep.start_info = dict(zip(refs, infos))
     logger.info("deployment %s: %d engines up in %.1fs", cfg.name, len(refs), time.monotonic() - t0)
     return dep
+
+
+def _remove_placement_groups(name: str) -> None:
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    prefix = f"raypd-{name}-"
+    for info in ray.util.placement_group_table().values():
+        pg_name = info.get("name") or ""
+        if pg_name.startswith(prefix) and pg_name.endswith("-pg") and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(pg_name))
+            except ValueError:
+                pass
 
 
 def find_engines(name: str) -> dict[str, Any]:
@@ -135,6 +185,7 @@ def shutdown_deployment(name: str, keep_coordinator: bool = False, timeout_s: fl
             ray.kill(h)
         except Exception as exc:  # noqa: BLE001 - already gone
             logger.info("kill: %s", exc)
+    _remove_placement_groups(name)
     if not keep_coordinator:
         try:
             coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)

@@ -1,6 +1,30 @@
-"""Session-wide settings: Ray without auth or usage stats, temp dirs under /tmp."""
+"""Session-wide settings and fixtures: one local Ray cluster for the whole test session
+(2 cores: keep it small), Ray without auth or usage stats, temp dirs under /tmp."""
 
 import os
 
+import pytest
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, namespace="raypd",
+                 _temp_dir="/tmp/raypd-ray", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def coordinator(ray_cluster):
+    from actors.coordinator import start_coordinator
+
+    handle = start_coordinator(check_interval_s=0.5, ping_timeout_s=5.0)
+    ray_cluster.get(handle.ping.remote())
+    yield handle
+    ray_cluster.kill(handle)

@@ -53,6 +53,9 @@ class SyntheticRankActor(SyntheticRank):
 
         return os.getpid()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 _RankActor = ray.remote(SyntheticRankActor)
 
