@@ -669,8 +669,9 @@ def _consistency_errors(doc: dict, serve_config: dict, cfg: Any) -> list[str]:
                         f"{role}.count {group_cfg.count} (one engine per pod, static engine count)")
         c = ray_container(group)
         cpus = pod_ray_cpus(group)
-        if cpus is not None and ecfg.num_cpus > cpus:
-            errs.append(f"{gw}: an engine asks {ecfg.num_cpus} Ray CPUs, a pod has {cpus}")
+        bundle_cpus = max(ecfg.num_cpus, 0.01)  # the engine's placement-group bundle (serving/launcher.py)
+        if cpus is not None and bundle_cpus > cpus:
+            errs.append(f"{gw}: an engine's placement group asks {bundle_cpus} Ray CPUs, a pod has {cpus}")
         gpus = _quantity(c, GPU)
         want = ecfg.tp_size * ecfg.pp_size
         num_gpus = (group.get("rayStartParams") or {}).get("num-gpus")

@@ -447,6 +447,9 @@ BROKEN = [
     ("no IPC_LOCK on GPU pods", lambda d: _container(d).pop("securityContext"), "IPC_LOCK"),
     ("engine needs more CPUs than the pod", lambda d: _worker(d)["rayStartParams"].update({"num-cpus": "4"}),
      "asks 8.0 Ray CPUs"),
+    ("engine with 0 CPUs on a 0-CPU pod", lambda d: [_edit_serve(d, "num_cpus: 8", "num_cpus: 0"),
+                                                     _worker(d)["rayStartParams"].update({"num-cpus": "0"})],
+     "asks 0.01 Ray CPUs"),
     ("small /dev/shm", lambda d: _container(d).update(volumeMounts=[m for m in _container(d)["volumeMounts"]
                                                                    if m["mountPath"] != "/dev/shm"]), "/dev/shm"),
 ]
