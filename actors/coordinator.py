@@ -289,10 +289,11 @@ class Coordinator:
         del self.events[:-1000]
 
 
-def start_coordinator(detached: bool = False, on_head_node: bool = False, **kwargs: Any) -> Any:
+def start_coordinator(detached: bool = False, on_head_node: bool = False, name: str = COORDINATOR_NAME,
+                      **kwargs: Any) -> Any:
     """Get or create the cluster's coordinator actor (on the head node if asked)."""
     options: dict[str, Any] = dict(
-        name=COORDINATOR_NAME, namespace=NAMESPACE, num_cpus=0, get_if_exists=True,
+        name=name, namespace=NAMESPACE, num_cpus=0, get_if_exists=True,
         max_concurrency=64,
     )
     if detached:
