@@ -293,4 +293,30 @@ class VllmBackend:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        await asyncio.to_thread(_reap_children)
         shutil.rmtree(self.handshake_dir, ignore_errors=True)
+
+
+def _reap_children(grace_s: float = 3.0) -> None:
+    """vLLM's engine core and workers are our child processes: make sure none outlives the engine
+    (a slow shutdown on a loaded machine must not strand them once the actor is killed)."""
+    import psutil
+
+    def is_vllm(proc: "psutil.Process") -> bool:
+        try:
+            return "resource_tracker" not in " ".join(proc.cmdline() or [])
+        except psutil.Error:
+            return False
+
+    children = [c for c in psutil.Process().children(recursive=True) if is_vllm(c)]
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass

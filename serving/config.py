@@ -52,6 +52,7 @@ class TransferConfig(_Strict):
     lease_ttl_s: float = Field(30.0, gt=0)
     read_timeout_s: float = Field(10.0, gt=0)
     handoff_deadline_s: float = Field(60.0, gt=0)
+    fault_rate: float = Field(0.0, ge=0.0, le=1.0)  # test knob: fail this fraction of KV pulls on purpose
 
 
 class BreakerConfig(_Strict):
@@ -124,7 +125,8 @@ class DeploymentConfig(_Strict):
             dcp_size=group.dcp_size, block_size=group.block_size, max_model_len=self.max_model_len,
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
             kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
-            read_timeout_s=self.transfer.read_timeout_s, num_cpus=group.num_cpus,
+            read_timeout_s=self.transfer.read_timeout_s, fault_rate=self.transfer.fault_rate,
+            num_cpus=group.num_cpus,
             resources=group.resources, cpu_bind=group.cpu_bind[index] if group.cpu_bind else None,
         )
 

@@ -9,6 +9,7 @@ is an error, never an answer.
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any, AsyncIterator
 
 from actors.engine_config import EngineConfig
@@ -40,6 +41,7 @@ class SyntheticBackend:
                                  block_size=cfg.effective_block_size, num_blocks=cfg.num_blocks,
                                  layout="ND" if m.is_mla else cfg.layout)
         self.token_latency_s = token_latency_s
+        self._faults = random.Random(0)
         self.engine: SyntheticEngine | None = None
         self._decoding: set[str] = set()
 
@@ -87,6 +89,8 @@ class SyntheticBackend:
         tokens = self._tokens(req)
         max_tokens = int(req.get("max_tokens", 16))
         params = req.get("kv_transfer_params")
+        if params and self.cfg.fault_rate and self._faults.random() < self.cfg.fault_rate:
+            params = {**params, "inject_fault": True}  # fault-injection knob (tests)
         recomputed = False
         self._decoding.add(req_id)
         try:

@@ -199,6 +199,9 @@ class SyntheticRank:
             remote_tp_size=params["tp_size"], remote_pp_size=params["pp_size"],
             remote_dcp_size=params["dcp_size"], local_block_ids=list(block_ids), num_tokens=len(token_ids),
         )
+        if params.get("inject_fault"):  # fault-injection hook (tests): fail without reading
+            self.xfer.fail_pull(req_id, req, "fault injected on purpose (test knob)")
+            return
         self.xfer.start_pull(req_id, req, self.directory)
 
     def poll(self) -> dict:

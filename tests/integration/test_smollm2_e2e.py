@@ -79,3 +79,39 @@ def test_chat_answers_paris_through_prefill_and_decode(service):
     assert after[decode_id]["recomputed"] == before[decode_id]["recomputed"]
     for eid, s in after.items():
         assert s["free_blocks"] == s["num_blocks"], (eid, s)
+
+
+def test_pd_equals_colocated_for_short_one_block_and_long_prompts(service):
+    """Greedy P/D output equals the decode engine's own (colocated) output, token for token.
+
+    The colocated run goes first, so the decode engine's prefix cache never holds
+    transferred KV when the reference is computed.
+    """
+    import asyncio
+
+    dep = service["dep"]
+    (prefill,), (decode,) = dep.prefills.values(), dep.decodes.values()
+    word_ids = list(range(1000, 1400))
+    prompts = {"short": word_ids[:20], "one block": word_ids[:128], "many blocks": word_ids[:300]}
+
+    async def tokens(engine, req):
+        out = []
+        async for ref in engine.generate.options(num_returns="streaming").remote(req):
+            out.extend((await ref)["token_ids"])
+        return out
+
+    async def go():
+        for name, ids in prompts.items():
+            want = await tokens(decode, {"request_id": f"co-{name}", "prompt_token_ids": ids, "max_tokens": 8})
+            pre = await prefill.prefill.remote({"request_id": f"pd-{name}", "prompt_token_ids": ids,
+                                                "max_tokens": 8})
+            got = pre["first_token_ids"] + await tokens(decode, {
+                "request_id": f"pd-{name}", "prompt_token_ids": ids + pre["first_token_ids"], "max_tokens": 7,
+                "kv_transfer_params": pre["kv_transfer_params"]})
+            assert got == want, name
+
+    asyncio.run(go())
+    after = all_free(dep)
+    for eid, s in after.items():
+        assert s["free_blocks"] == s["num_blocks"], (eid, s)
+
