@@ -29,6 +29,7 @@ class TransferParams(BaseModel):
     dcp_size: int = Field(1, ge=1, le=1024)
     block_size: int = Field(ge=1, le=4096)
     lease_expiry: float = 0.0
+    remote_request_id: str | None = Field(None, max_length=512)  # the producer's id (names its lease)
     handshakes: list[str] = Field(default_factory=list, max_length=4096)  # base64 rank payloads
     # Fault-injection hook for tests: the pull of this request fails on purpose. Only the
     # router/tests set it; the HTTP front never forwards client-supplied transfer params.

@@ -135,6 +135,7 @@ class ConnectorScheduler:
         return True, {
             "do_remote_prefill": True,
             "remote_engine_id": self.engine_id,
+            "remote_request_id": req_id,  # vLLM's own (suffixed) id: readers' notices must name it
             "remote_block_ids": ids,
             "num_tokens": int(request.num_computed_tokens),
             "tp_size": self.tp_size,

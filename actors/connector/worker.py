@@ -193,7 +193,7 @@ class ConnectorWorker:
         return PullRequest(
             remote_engine_id=params.remote_engine_id, remote_block_ids=list(remote_ids),
             remote_tp_size=params.tp_size, remote_pp_size=params.pp_size, remote_dcp_size=params.dcp_size,
-            local_block_ids=list(local_ids), num_tokens=num_tokens,
+            local_block_ids=list(local_ids), num_tokens=num_tokens, remote_request_id=params.remote_request_id,
         )
 
     def _start(self, req_id: str, recv: RecvSpec) -> None:

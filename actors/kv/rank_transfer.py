@@ -82,6 +82,9 @@ class PullRequest:
     remote_dcp_size: int
     local_block_ids: Sequence[int]
     num_tokens: int
+    # The producer's id of this request, when it differs from ours (vLLM suffixes ids
+    # per engine): notices must name the producer's lease.
+    remote_request_id: str | None = None
 
 
 @dataclass
@@ -160,8 +163,9 @@ class RankTransfer:
         self.topology.unregister_remote_engine(engine_id, pp_rank)
         self.topology.register_remote_engine(engine_id, info)
 
-    def _notice(self, req_id: str, consumers: int, ok: bool) -> bytes:
-        return ReaderNotice(req_id, self.identity.reader_name, consumers, ok).encode()
+    def _notice(self, req: PullRequest, req_id: str, consumers: int, ok: bool) -> bytes:
+        lease_id = req.remote_request_id or req_id
+        return ReaderNotice(lease_id, self.identity.reader_name, consumers, ok).encode()
 
     def start_pull(self, req_id: str, req: PullRequest, directory: HandshakeDirectory) -> None:
         """Post every READ this rank needs; a setup error fails the request (never raises)."""
@@ -172,7 +176,7 @@ class RankTransfer:
             for pp_rank in range(req.remote_pp_size):
                 self._connect(directory, engine_id, pp_rank, req.remote_tp_size, req.remote_dcp_size)
                 plan = self.topology.read_plan(engine_id, pp_rank)
-                notice = self._notice(req_id, plan.consumers_per_remote_rank, True)
+                notice = self._notice(req, req_id, plan.consumers_per_remote_rank, True)
                 read_ranks = set()
                 for spec in plan.reads:
                     key = (engine_id, pp_rank, spec.remote_rank)
@@ -205,14 +209,14 @@ class RankTransfer:
             self._to_local_layout(pull)
             for key, notified in pull.notify:
                 if not notified:
-                    self._send_quietly(key, self._notice(req_id, 1, True))
+                    self._send_quietly(key, self._notice(pull.req, req_id, 1, True))
             out.done[req_id] = time.monotonic() - pull.started
         for req_id, reason in result.failed.items():
             pull = self._pulls.pop(req_id, None)
             out.failed[req_id] = reason
             out.invalid_block_ids[req_id] = list(pull.req.local_block_ids) if pull else []
             for key, _ in (pull.notify if pull else []):
-                self._send_quietly(key, self._notice(req_id, 1, False))
+                self._send_quietly(key, self._notice(pull.req, req_id, 1, False))
         return out
 
     def fail_pull(self, req_id: str, req: PullRequest, reason: str) -> None:
@@ -234,7 +238,7 @@ class RankTransfer:
             for pp_rank in range(req.remote_pp_size):
                 self._connect(directory, req.remote_engine_id, pp_rank, req.remote_tp_size, req.remote_dcp_size)
                 for r in self.topology.handshake_target_ranks(req.remote_tp_size, req.remote_dcp_size):
-                    self._send_quietly((req.remote_engine_id, pp_rank, r), self._notice(req_id, 1, False))
+                    self._send_quietly((req.remote_engine_id, pp_rank, r), self._notice(req, req_id, 1, False))
         except (KVTransferError, ValueError) as exc:
             logger.info("abandoning %s: producers not reachable (%s); their lease will expire", req_id, exc)
 

@@ -30,7 +30,7 @@ def stats(dep) -> dict[str, dict]:
     return dict(zip(dep.engines, ray.get([h.stats.remote() for h in dep.engines.values()])))
 
 
-def all_free(dep, timeout_s: float = 30.0) -> dict[str, dict]:
+def all_free(dep, timeout_s: float = 10.0) -> dict[str, dict]:  # < the 30 s lease: freed by notices
     deadline = time.monotonic() + timeout_s
     while True:
         now = stats(dep)

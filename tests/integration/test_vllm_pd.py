@@ -3,6 +3,8 @@
 Tiny random Llamas keep it fast: P and D share weights "a"; D2 has weights "b"
 under the same compatibility id, so its answers show whose KV it used.
 Prefix caching is off so a colocated reference never reuses transferred KV.
+Leases last 60 s and every wait for freed blocks is 20 s at most: blocks come
+back because readers notified the producer, never because a lease expired.
 """
 
 import asyncio
@@ -31,7 +33,7 @@ def run(coro):
 def make_engine(role, engine_id, model, bind, **kw):
     cfg = EngineConfig(role=role, backend="vllm", engine_id=engine_id, model=str(model), model_id="tiny-a",
                        block_size=32, max_model_len=512, cpu_bind=bind, enable_prefix_caching=False,
-                       num_cpus=0, lease_ttl_s=20, read_timeout_s=10, **kw)
+                       num_cpus=0, lease_ttl_s=60, read_timeout_s=10, **kw)
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}
     return Engine.options(**opts).remote(cfg.model_dump(), COORDINATOR_NAME)
 
