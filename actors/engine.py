@@ -55,7 +55,7 @@ def make_backend(cfg: EngineConfig, engine_id: str) -> Backend:
     if cfg.backend == "synthetic":
         from actors.synthetic.backend import SyntheticBackend
 
-        return SyntheticBackend(cfg, engine_id)
+        return SyntheticBackend(cfg, engine_id, token_latency_s=cfg.synthetic.token_latency_s)
     from actors.vllm_backend import VllmBackend
 
     return VllmBackend(cfg, engine_id)

@@ -28,6 +28,7 @@ class SyntheticModelConfig(_Strict):
     head_size: int = Field(32, ge=1, le=1024)
     is_mla: bool = False
     vocab_size: int = Field(32000, ge=16)
+    token_latency_s: float = Field(0.0, ge=0.0, le=10.0)  # pause per streamed token (tests, demos)
 
     @model_validator(mode="after")
     def _mla_has_one_head(self) -> "SyntheticModelConfig":

@@ -6,11 +6,12 @@ Life cycle of a request on a decode (reader) rank:
                 ranks `handshake_target_ranks` names (payloads come from the
                 caller's directory), register them in the TransferTopology,
                 build the read plan, turn it into bounds-checked byte runs and
-                post one READ per source rank, each carrying a notice;
+                post one READ per source rank, each carrying a notice; replicas
+                we skip are told at once (our polling for the READs drives that
+                message out too);
   poll_pulls    finished pulls are permuted into the local layout (block-size
-                ratio, HND/NHD) and reported; replicas that were skipped get
-                their notice now; a failed pull sends ok=false notices to every
-                source so producers free at once;
+                ratio, HND/NHD) and reported; a failed pull sends ok=false
+                notices to every source so producers free at once;
   abandon       a request that will never pull tells its producers the same.
 
 Life cycle on a prefill (producer) rank:
@@ -93,7 +94,7 @@ class _Pull:
     remote_layout: BlockLayout | None = None
     ratio: int = 1
     block_layers: set[int] = field(default_factory=set)
-    notify: list[tuple[PeerKey, bool]] = field(default_factory=list)  # (rank, already notified by READ)
+    sources: list[PeerKey] = field(default_factory=list)  # every rank told about this pull
     started: float = field(default_factory=time.monotonic)
 
 
@@ -193,7 +194,12 @@ class RankTransfer:
                                                req.remote_block_ids, req.num_tokens)
                     self.transport.start_read(req_id, key, runs, notice)
                     read_ranks.add(spec.remote_rank)
-                pull.notify.extend(((engine_id, pp_rank, r), r in read_ranks) for r in plan.notify_ranks)
+                for r in plan.notify_ranks:
+                    if r not in read_ranks:
+                        # a replica we skip: tell it now, while our polling for the READs
+                        # also drives this message out
+                        self._send_quietly((engine_id, pp_rank, r), notice)
+                pull.sources.extend((engine_id, pp_rank, r) for r in plan.notify_ranks)
         except (KVTransferError, ValueError) as exc:
             self.transport.fail_request(req_id, f"{type(exc).__name__}: {exc}")
 
@@ -207,15 +213,12 @@ class RankTransfer:
             if pull is None:
                 continue
             self._to_local_layout(pull)
-            for key, notified in pull.notify:
-                if not notified:
-                    self._send_quietly(key, self._notice(pull.req, req_id, 1, True))
             out.done[req_id] = time.monotonic() - pull.started
         for req_id, reason in result.failed.items():
             pull = self._pulls.pop(req_id, None)
             out.failed[req_id] = reason
             out.invalid_block_ids[req_id] = list(pull.req.local_block_ids) if pull else []
-            for key, _ in (pull.notify if pull else []):
+            for key in (pull.sources if pull else []):
                 self._send_quietly(key, self._notice(pull.req, req_id, 1, False))
         return out
 
@@ -227,7 +230,7 @@ class RankTransfer:
         pull = _Pull(req)
         for pp_rank in range(req.remote_pp_size):
             for r in self.topology.handshake_target_ranks(req.remote_tp_size, req.remote_dcp_size):
-                pull.notify.append(((req.remote_engine_id, pp_rank, r), False))
+                pull.sources.append((req.remote_engine_id, pp_rank, r))
         self._pulls[req_id] = pull
         self.transport.fail_request(req_id, reason)
 

@@ -261,6 +261,12 @@ class NixlTransport(_TransportBase):
         if name != hs.agent_name:
             self._agent.remove_remote(name)
             raise HandshakeError("agent_name", f"metadata is for {name!r}, payload says {hs.agent_name!r}")
+        try:
+            # Start UCX wire-up now: it completes while we poll for our first READ, so a
+            # later notification to a rank we never read from is not stuck behind it.
+            self._agent.make_connection(name)
+        except TransferSetupError as exc:
+            logger.info("eager connection to %s failed (the first READ retries): %s", name, exc)
 
     def _disconnect(self, hs: RankHandshake) -> None:
         self._agent.remove_remote(hs.agent_name)
