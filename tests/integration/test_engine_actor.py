@@ -13,7 +13,9 @@ Engine = ray.remote(EngineActor)
 
 
 def start(role, **kw):
-    cfg = EngineConfig(role=role, backend="synthetic", num_cpus=0, **kw)
+    # a model id of its own: the coordinator refuses one model id under two shapes
+    cfg = EngineConfig(role=role, backend="synthetic", num_cpus=0,
+                       synthetic={"model_id": "engine-actor-model"}, **kw)
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}
     actor = Engine.options(**opts).remote(cfg.model_dump(), COORDINATOR_NAME)
     return actor
@@ -30,8 +32,17 @@ def test_prefill_then_decode_equals_colocated(coordinator):
     async def scenario():
         p = start("prefill", engine_id="eng-p", tp_size=2, block_size=8)
         d = start("decode", engine_id="eng-d", tp_size=1, block_size=16)
-        infos = await asyncio.gather(p.start.remote(), d.start.remote())
-        assert infos[1]["pairs"] == {"eng-p->eng-d": "ok"}
+        try:
+            return await run(p, d)
+        finally:  # a failure must not leave engines registered for the next tests
+            await asyncio.gather(p.shutdown.remote(), d.shutdown.remote(), return_exceptions=True)
+            for a in (p, d):
+                ray.kill(a)
+
+    async def run(p, d):
+        await asyncio.gather(p.start.remote(), d.start.remote())
+        # whichever engine registered second got the verdict; the coordinator keeps it
+        assert await coordinator.pair_verdict.remote("eng-p", "eng-d") is None
         base = await asyncio.gather(p.stats.remote(), d.stats.remote())
         prompt = "What is the capital of France? " * 3
         pre = await p.prefill.remote({"request_id": "r1", "prompt": prompt})
@@ -51,9 +62,6 @@ def test_prefill_then_decode_equals_colocated(coordinator):
         assert after[0]["held_leases"] == 0
         engines = await coordinator.engines.remote()
         assert {e["engine_id"] for e in engines} >= {"eng-p", "eng-d"}
-        await asyncio.gather(p.shutdown.remote(), d.shutdown.remote())
-        for a in (p, d):
-            ray.kill(a)
         return True
 
     assert asyncio.run(scenario())

@@ -66,7 +66,8 @@ async def run_case(coordinator, model, p_shape, d_shape):
 
 @pytest.mark.parametrize("name, model_kwargs, p_shape, d_shape", CASES, ids=[c[0] for c in CASES])
 def test_fabric(coordinator, name, model_kwargs, p_shape, d_shape):
-    model = SyntheticModel(num_layers=4, head_size=32, **model_kwargs)
+    # one model id per case: the coordinator refuses one model id under two shapes
+    model = SyntheticModel(model_id=f"fabric-{name}", num_layers=4, head_size=32, **model_kwargs)
     out, want, p, d, p_stats, d_stats = asyncio.run(run_case(coordinator, model, p_shape, d_shape))
     assert out["mismatches"] == 0
     assert out["checksums"] == want["checksums"] and out["token_ids"] == want["token_ids"]
