@@ -226,6 +226,8 @@ class ConnectorWorker:
             sending.update(released, expired)
             if expired:
                 logger.warning("raypd: leases expired without readers: %s", expired)
+        elif not self.xfer.pulls_in_flight:
+            self.xfer.transport.progress()  # notices we sent may wait for a connection set-up
         return sending, set(outcome.done) | failed, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:

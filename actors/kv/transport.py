@@ -219,6 +219,14 @@ class _TransportBase:
         self._require_open()
         return self._recv()
 
+    def progress(self) -> None:
+        """Drive the backend once (sends queued behind a connection set-up go out)."""
+        if not self._closed:
+            self._progress()
+
+    def _progress(self) -> None:
+        return None
+
     # ----------------------------------------------------------- shutdown
     def shutdown(self) -> None:
         """Release every handle, peer and registration exactly once; idempotent."""
@@ -287,6 +295,9 @@ class NixlTransport(_TransportBase):
 
     def _recv(self) -> list[bytes]:
         return [m for msgs in self._agent.get_notifs().values() for m in msgs]
+
+    def _progress(self) -> None:
+        self._agent.progress()
 
     def _close(self) -> None:
         self._agent.shutdown()

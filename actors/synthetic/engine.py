@@ -102,6 +102,7 @@ class SyntheticEngine:
         # pump) share one drain, so outcomes are parked here per rank until their request asks.
         self._pull_outcomes: list[dict[str, tuple[str, dict]]] = [{} for _ in self.ranks]
         self._pump: asyncio.Task | None = None
+        self._flush_until = 0.0  # keep driving our ranks' agents this long after a pull
         self.pump_interval_s = 0.002
         self.closed = False
 
@@ -141,7 +142,7 @@ class SyntheticEngine:
 
     async def poll(self) -> list[str]:
         """Free blocks of requests every rank released; returns their ids."""
-        if not self._held:
+        if not self._held and time.monotonic() >= self._flush_until:
             return []
         outs = await self._poll_ranks()
         freed = []
@@ -168,7 +169,7 @@ class SyntheticEngine:
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())
 
     async def _run_pump(self) -> None:
-        while self._held and not self.closed:
+        while (self._held or time.monotonic() < self._flush_until) and not self.closed:
             try:
                 await self.poll()
             except ray.exceptions.RayError as exc:
@@ -206,6 +207,9 @@ class SyntheticEngine:
             self.pool.free(block_ids)
             for parked in self._pull_outcomes:  # nothing of this request stays parked
                 parked.pop(req_id, None)
+            # notices to producers may still sit behind a connection set-up on our side
+            self._flush_until = time.monotonic() + 1.0
+            self._ensure_pump()
         checksums: dict[int, float] = {}
         for out in per_rank:
             for pos, value in out["checksums"].items():

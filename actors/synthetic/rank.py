@@ -220,6 +220,8 @@ class SyntheticRank:
         if self.leases.held() or self._released_early:
             out["released"], out["expired"] = self.xfer.poll_leases()
             self._released_early = False
+        elif not self._pulls:
+            self.transport.progress()  # notices we sent may wait for a connection set-up
         return out
 
     # ---------------------------------------------------------- lifecycle
