@@ -65,6 +65,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from serving.bench import percentile  # noqa: E402
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -80,13 +81,7 @@ NAMES = {"a": "(a) colocated vLLM", "b": "(b) raypd P/D (RayNixlConnector)", "c"
 
 
 # ------------------------------------------------------------------ helpers
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+pct = percentile  # one percentile definition for every benchmark (serving/bench.py)
 
 
 def med(values: list[float]) -> float:
