@@ -24,31 +24,15 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator
 
 import ray
 
 from actors.engine_config import EngineConfig
+from actors.protocol import Backend, EngineRequest, EngineRequestError, PrefillResult, TokenChunk
 from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.engine")
-
-
-class EngineRequestError(ValueError):
-    """A request the engine refuses (bad prompt, bad params, too long)."""
-
-
-class Backend(Protocol):
-    engine_id: str
-
-    async def start(self, coordinator: Any) -> dict: ...
-    async def prefill(self, req: dict) -> dict: ...
-    def generate(self, req: dict) -> AsyncIterator[dict]: ...
-    async def abort(self, req_id: str) -> None: ...
-    async def stats(self) -> dict: ...
-    async def shutdown(self) -> None: ...
-    def liveness_handles(self) -> list[Any]: ...
-    def handshakes(self) -> list[bytes]: ...
 
 
 def make_backend(cfg: EngineConfig, engine_id: str) -> Backend:
@@ -94,7 +78,8 @@ class EngineActor:
             from actors.coordinator import NAMESPACE
 
             self._coordinator = ray.get_actor(self.coordinator_name, namespace=NAMESPACE)
-        verdicts = await self.backend.start(self._coordinator)
+        verdicts: dict = {}
+        await self.backend.start(self._coordinator)
         if self._coordinator is not None:
             verdicts = await self._register()
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
@@ -133,32 +118,32 @@ class EngineActor:
         if self.cfg.role not in allowed:
             raise EngineRequestError(f"engine {self.engine_id} is a {self.cfg.role} engine")
 
-    async def prefill(self, req: dict) -> dict:
-        """Run the prompt for remote decode; returns the transfer params."""
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        """Run the prompt for remote decode: the first token and the transfer params."""
         self._check_role("prefill", "both")
         self.counters["requests"] += 1
         return await self.backend.prefill(req)
 
-    async def generate(self, req: dict) -> AsyncIterator[dict]:
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
         """Stream token deltas; the last chunk has `finished` and `finish_reason`."""
         self._check_role("decode", "both")
-        req_id = req["request_id"]
-        params = req.get("kv_transfer_params")
-        if params is not None:
+        req_id = req.request_id
+        params = None
+        if req.kv_transfer_params is not None:
             try:
-                TransferParams.parse(params)
+                params = TransferParams.parse(req.kv_transfer_params)
             except TransferParamsError as exc:
                 raise EngineRequestError(str(exc)) from None
         self.counters["requests"] += 1
         self._running[req_id] = time.monotonic()
-        if self._coordinator is not None and isinstance(params, dict) and params.get("remote_engine_id"):
+        if self._coordinator is not None and params is not None:
             # the ledger watches this handoff until the transfer outcome is reported
-            self._coordinator.open_handoff.remote(req_id, str(params["remote_engine_id"]), self.engine_id)
+            self._coordinator.open_handoff.remote(req_id, params.remote_engine_id, self.engine_id)
         try:
             async for chunk in self.backend.generate(req):
-                if chunk.get("recomputed"):
+                if chunk.recomputed:
                     self.counters["recomputed"] += 1
-                if chunk.get("finish_reason") == "error":
+                if chunk.failed:
                     self.counters["errors"] += 1
                 yield chunk
             self.counters["finished"] += 1

@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator
 from actors.engine_config import EngineConfig
 from actors.kv.handshake import decode_handshake
 from actors.kv.topology import TransferTopology
+from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, SamplingSpec, TokenChunk
 from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.vllm")
@@ -109,7 +110,7 @@ class VllmBackend:
             seed=0, enable_prefix_caching=cfg.enable_prefix_caching, **extra,
         )
 
-    async def start(self, coordinator: Any) -> dict:
+    async def start(self, coordinator: Any) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from actors.models import resolve_model
@@ -122,7 +123,6 @@ class VllmBackend:
         if self.cfg.kv_connector:
             self._handshakes = await self._collect_handshakes()
             self._own = decode_handshake(self._handshakes[0])
-        return {}
 
     async def _collect_handshakes(self) -> list[bytes]:
         from actors.connector.worker import handshake_file
@@ -143,62 +143,60 @@ class VllmBackend:
         return []
 
     # ------------------------------------------------------------- requests
-    def _prompt(self, req: dict) -> Any:
-        from actors.engine import EngineRequestError
-
-        if req.get("prompt_token_ids"):
-            ids = [int(t) for t in req["prompt_token_ids"]]
-        elif req.get("messages"):
+    def _prompt(self, req: EngineRequest) -> list[int]:
+        if req.prompt_token_ids:
+            ids = list(req.prompt_token_ids)
+        elif req.messages:
             try:
-                text = self.tokenizer.apply_chat_template(req["messages"], add_generation_prompt=True,
+                text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True,
                                                           tokenize=False)
             except Exception as exc:  # noqa: BLE001 - template errors are the client's
                 raise EngineRequestError(f"cannot apply the chat template: {exc}") from None
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif req.get("prompt"):
-            ids = self.tokenizer.encode(req["prompt"])
+        elif req.prompt:
+            ids = self.tokenizer.encode(req.prompt)
         else:
             raise EngineRequestError("the prompt is empty")
-        max_tokens = int(req.get("max_tokens") or 16)
-        if len(ids) + max_tokens > self.cfg.max_model_len:
+        if len(ids) + req.max_tokens > self.cfg.max_model_len:
             raise EngineRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context length "
                 f"{self.cfg.max_model_len}"
             )
         return ids
 
-    def _sampling(self, req: dict, max_tokens: int, kv_params: dict | None) -> Any:
+    def _sampling(self, spec: SamplingSpec, max_tokens: int, kv_params: dict | None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        temperature = req.get("temperature")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=0.0 if temperature is None else float(temperature),
-            top_p=1.0 if req.get("top_p") is None else float(req["top_p"]),
-            seed=req.get("seed"),
-            stop=req.get("stop") or None,
+            temperature=0.0 if spec.temperature is None else spec.temperature,
+            top_p=1.0 if spec.top_p is None else spec.top_p,
+            seed=spec.seed,
+            stop=list(spec.stop) or None,
+            ignore_eos=spec.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_params} if kv_params else None,
         )
 
-    async def prefill(self, req: dict) -> dict:
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
         """Prefill for remote decode: first token + transfer params."""
         ids = self._prompt(req)
-        ttl = float(req.get("lease_ttl_s") or self.cfg.lease_ttl_s)
+        ttl = req.lease_ttl_s or self.cfg.lease_ttl_s
         # max_tokens 1: the first token is the whole answer, nothing to hand off
-        remote = int(req.get("max_tokens") or 16) > 1
-        sp = self._sampling(req, 1, {"do_remote_decode": True, "lease_ttl_s": ttl} if remote else None)
+        remote = req.max_tokens > 1
+        sp = self._sampling(req.sampling, 1, {"do_remote_decode": True, "lease_ttl_s": ttl} if remote else None)
         first_ids: list[int] = []
         text, finish, params = "", None, None
-        async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=req["request_id"]):
+        async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=req.request_id):
             o = out.outputs[0]
             first_ids.extend(o.token_ids)
             text += o.text
             if out.finished:
                 finish, params = o.finish_reason, out.kv_transfer_params
-        return {"kv_transfer_params": params, "num_prompt_tokens": len(ids), "prompt_token_ids": ids,
-                "first_token_ids": first_ids, "first_text": text, "finish_reason": finish}
+        return PrefillResult(prompt_token_ids=tuple(ids), first_token_ids=tuple(first_ids), first_text=text,
+                             finish_reason=str(finish) if finish is not None else None,
+                             kv_transfer_params=params)
 
     async def _with_handshakes(self, params: dict) -> dict:
         """Attach the payloads of exactly the producer ranks our ranks read from."""
@@ -221,12 +219,9 @@ class VllmBackend:
         # (vLLM would report the producer's prefix hits instead of what we pulled.)
         return {**params, "do_remote_prefill": True, "handshakes": payloads}
 
-    async def generate(self, req: dict) -> AsyncIterator[dict]:
-        from actors.engine import EngineRequestError
-
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
         ids = self._prompt(req)
-        max_tokens = int(req.get("max_tokens") or 16)
-        params = req.get("kv_transfer_params")
+        params = req.kv_transfer_params
         expected_external = 0
         if params:
             try:
@@ -235,31 +230,30 @@ class VllmBackend:
                 raise EngineRequestError(str(exc)) from None
             expected_external = min(int(params["num_tokens"]), len(ids) - 1)
             self.counters["kv_pulls"] += 1
-        sp = self._sampling(req, max_tokens, params)
-        req_id = req["request_id"]
+        sp = self._sampling(req.sampling, req.max_tokens, params)
+        req_id = req.request_id
         first = True
         async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=req_id):
             o = out.outputs[0]
-            chunk = {"request_id": req_id, "token_ids": list(o.token_ids), "text": o.text,
-                     "finished": out.finished, "finish_reason": None, "num_prompt_tokens": len(ids),
-                     "recomputed": False}
+            chunk = TokenChunk(req_id, tuple(o.token_ids), o.text, finished=out.finished,
+                               num_prompt_tokens=len(ids) - req.num_resumed_tokens)
             if first:
                 # vLLM reports cached tokens on the first delta: fewer than we pulled means
                 # the pull failed and the prompt was recomputed (kv_load_failure_policy=recompute).
                 first = False
-                chunk["num_cached_tokens"] = cached = out.num_cached_tokens or 0
-                if params and cached < expected_external and o.token_ids:
-                    chunk["recomputed"] = True
+                cached = out.num_cached_tokens or 0
+                recomputed = bool(params and cached < expected_external and o.token_ids)
+                chunk = chunk.replace(num_cached_tokens=cached, recomputed=recomputed)
+                if recomputed:
                     self.counters["recomputed"] += 1
                 if params:
-                    failed = chunk["recomputed"] or (out.finished and str(o.finish_reason) == "error")
-                    self._report(req_id, failed)
+                    self._report(req_id, recomputed or (out.finished and str(o.finish_reason) == "error"))
             if out.finished:
                 reason = str(o.finish_reason) if o.finish_reason is not None else "stop"
-                chunk["finish_reason"] = reason
+                chunk = chunk.replace(finish_reason=reason)
                 if reason == "error":
                     self.counters["kv_failures"] += 1
-                    chunk["error"] = "KV transfer failed (kv_load_failure_policy=fail)"
+                    chunk = chunk.replace(error="KV transfer failed (kv_load_failure_policy=fail)")
             yield chunk
 
     def _report(self, req_id: str, failed: bool) -> None:

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.protocol import EngineRequest, SamplingSpec, TokenChunk
 from serving.config import DeploymentConfig
 from serving.metrics import CONTENT_TYPE, ServiceMetrics
 from serving.router import RouteError
@@ -238,6 +239,18 @@ def parse_chat(body: dict, cfg: DeploymentConfig) -> tuple[ChatCompletionRequest
     return p, fields
 
 
+def engine_request(request_id: str, fields: dict) -> EngineRequest:
+    """The parsed request fields as the engines' typed request."""
+    sampling = SamplingSpec(
+        max_tokens=fields["max_tokens"], temperature=fields.get("temperature"), top_p=fields.get("top_p"),
+        seed=fields.get("seed"), stop=tuple(fields.get("stop") or ()), ignore_eos=bool(fields.get("ignore_eos")),
+    )
+    ids = fields.get("prompt_token_ids")
+    messages = fields.get("messages")
+    return EngineRequest(request_id, sampling, prompt_token_ids=tuple(ids) if ids else None,
+                         prompt=fields.get("prompt"), messages=tuple(messages) if messages else None)
+
+
 # ------------------------------------------------------------------- app
 def create_app(cfg: DeploymentConfig, router: Any, metrics: ServiceMetrics | None = None) -> FastAPI:
     """The front for one deployment; `router` is a `serving.router.Router` (or a fake with its API)."""
@@ -367,7 +380,7 @@ def create_app(cfg: DeploymentConfig, router: Any, metrics: ServiceMetrics | Non
             admitted = True
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             try:
-                stream = await app.state.router.open({"request_id": rid, **fields}, fields["max_tokens"])
+                stream = await app.state.router.open(engine_request(rid, fields))
             except RouteError as exc:
                 raise ApiError(exc.status, exc.message, type=exc.type if exc.status < 500 else "server_error",
                                param=exc.param, code=exc.code,
@@ -414,19 +427,19 @@ class _Ctx:
         self.error: str | None = None
         self.done = False
 
-    def observe(self, chunk: dict) -> None:
+    def observe(self, chunk: TokenChunk) -> None:
         now = time.perf_counter()
         m = self.app.state.metrics
-        if chunk.get("token_ids") or chunk.get("text"):
+        if chunk.token_ids or chunk.text:
             if self.last_token_at is None:
                 m.ttft.labels(self.kind).observe(now - self.t0)
             else:
                 m.itl.labels(self.kind).observe(now - self.last_token_at)
             self.last_token_at = now
-        if chunk.get("finished"):
-            self.finish_reason = chunk.get("finish_reason") or "stop"
-            if self.finish_reason == "error":
-                self.error = chunk.get("error") or "the engine failed the request"
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason or "stop"
+            if chunk.failed:
+                self.error = chunk.error or "the engine failed the request"
 
     @property
     def usage(self) -> dict:
@@ -478,9 +491,9 @@ async def _sse_events(ctx: _Ctx, include_usage: bool) -> AsyncIterator[str]:
             if ctx.error is not None:
                 yield _sse(error_body(ctx.error, "server_error", None, "engine_error"))
                 break
-            if chunk.get("text"):
-                yield _sse(_chunk(ctx, chunk["text"], None))
-            if chunk.get("finished"):
+            if chunk.text:
+                yield _sse(_chunk(ctx, chunk.text, None))
+            if chunk.finished:
                 yield _sse(_chunk(ctx, None if ctx.kind == "chat" else "", ctx.finish_reason))
                 break
         if include_usage and ctx.error is None:
@@ -506,9 +519,9 @@ async def _collect(ctx: _Ctx, request: Request) -> Response:
     async def drain() -> None:
         async for chunk in ctx.stream:
             ctx.observe(chunk)
-            if chunk.get("text"):
-                ctx.text_parts.append(chunk["text"])
-            if chunk.get("finished"):
+            if chunk.text:
+                ctx.text_parts.append(chunk.text)
+            if chunk.finished:
                 break
 
     work = asyncio.ensure_future(drain())

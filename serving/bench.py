@@ -267,26 +267,28 @@ def free_port() -> int:
 
 
 async def direct_request(prefill: Any, decode: Any, i: int, prompt: str, max_tokens: int) -> Sample:
-    """The P/D path without the front: prefill on an actor, then stream from the decode actor."""
+    """The P/D path without the front: the prefill actor's first token, then the decode actor's stream
+    (the same continuation the router runs)."""
+    from actors.protocol import EngineRequest, SamplingSpec
+
     t0 = time.perf_counter()
-    req = {"request_id": f"direct-{i}-{time.monotonic_ns()}", "prompt": prompt, "max_tokens": max_tokens}
+    req = EngineRequest(f"direct-{i}-{time.monotonic_ns()}", SamplingSpec(max_tokens=max_tokens), prompt=prompt)
     sample = Sample(ok=False)
     try:
         pre = await prefill.prefill.remote(req)
-        last = None
-        async for ref in decode.generate.options(num_returns="streaming").remote(
-                {**req, "kv_transfer_params": pre["kv_transfer_params"]}):
-            chunk = await ref
-            if chunk.get("finish_reason") == "error":
-                sample.error = chunk.get("error")
-                return sample
-            now = time.perf_counter()
-            if last is None:
-                sample.ttft = now - t0
-            else:
+        last = sample.ttft = time.perf_counter() - t0
+        last += t0
+        sample.output_tokens = len(pre.first_token_ids)
+        if pre.needs_decode:
+            async for ref in decode.generate.options(num_returns="streaming").remote(pre.continuation(req)):
+                chunk = await ref
+                if chunk.failed:
+                    sample.error = chunk.error
+                    return sample
+                now = time.perf_counter()
                 sample.itls.append(now - last)
-            last = now
-            sample.output_tokens += len(chunk.get("token_ids") or [])
+                last = now
+                sample.output_tokens += len(chunk.token_ids)
         sample.e2e = time.perf_counter() - t0
         sample.ok = True
     except Exception as exc:  # noqa: BLE001

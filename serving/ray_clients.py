@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from actors.engine import EngineRequestError
+from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
 from serving.router import EngineUnavailable, RequestRejected, Router, RouterSettings
 
 logger = logging.getLogger("raypd.router")
@@ -38,13 +38,13 @@ class RayEngineClient:
     def __init__(self, engine_id: str, handle: Any):
         self.engine_id, self.handle = engine_id, handle
 
-    async def prefill(self, req: dict) -> dict:
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
         try:
             return await self.handle.prefill.remote(req)
         except (ray.exceptions.RayError, EngineRequestError) as exc:
             raise translate(exc) from None
 
-    async def generate(self, req: dict) -> AsyncIterator[dict]:
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
         try:
             gen = self.handle.generate.options(num_returns="streaming").remote(req)
         except ray.exceptions.RayError as exc:
@@ -56,7 +56,7 @@ class RayEngineClient:
                     chunk = await ref
                 except (ray.exceptions.RayError, EngineRequestError) as exc:
                     raise translate(exc) from None
-                finished = bool(chunk.get("finished"))
+                finished = chunk.finished
                 yield chunk
         except ray.exceptions.RayError as exc:
             raise translate(exc) from None

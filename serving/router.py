@@ -2,23 +2,22 @@
 
 Life cycle of one request (`Router.open`):
 
-  1. the decode engine with the least outstanding work (tokens still owed by
-     the requests this router sent it, then request count) is chosen among the
-     decode engines the directory (the coordinator) lists as alive;
-  2. unless the prompt is short (`short_prompt_tokens`), a prefill engine is
-     chosen among those the directory judged compatible with that decode
-     engine and whose (decode, prefill) breaker allows traffic, least loaded
-     first; it runs the prompt and returns the transfer params;
-  3. the decode engine is streamed from with those params; the first chunk
-     carries the transfer verdict: `finish_reason == "error"` or
-     `recomputed: true` is a transfer failure of that pair, anything else a
-     success; both feed the pair's breaker;
-  4. a failed attempt (the prefill engine raised, or the decode engine failed
-     the transfer before any token) is retried once on another prefill engine
-     (`prefill_retries`); when no usable prefill engine is left, the fallback
-     decides: `decode_local` (the decode engine prefills itself) or `reject`
-     (503). Nothing is retried once a token has been handed to the caller;
-  5. the caller iterates the returned `RoutedStream`; closing it early (client
+  1. select: the decode engine with the least outstanding work (tokens still
+     owed by the requests this router sent it, then request count) among the
+     decode engines the directory (the coordinator) lists as alive; it is
+     charged for the request until its stream ends (`DecodeCharge`);
+  2. remote attempts: unless the prompt is short (`short_prompt_tokens`), a
+     prefill engine is chosen among those the directory judged compatible
+     with that decode engine and whose (decode, prefill) breaker allows
+     traffic, least loaded first; it runs the prompt and returns a
+     `PrefillResult`: the first token, streamed to the client at once, and
+     the transfer params the decode engine pulls the KV with; the decode
+     engine continues from token two. A failed prefill is retried once on
+     another prefill engine (`prefill_retries`);
+  3. local fallback: a short prompt, or no (more) usable prefill engine: the
+     decode engine prefills itself (`decode_local`) or the request is refused
+     (`reject`, 503);
+  4. the caller iterates the returned `RoutedStream`; closing it early (client
      disconnect) aborts the request on the decode and on the prefill engine.
 
 Pure asyncio: engines are `EngineClient`s and the coordinator a `Directory`, so
@@ -38,19 +37,23 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from actors.kv.breaker import CircuitBreaker
+from actors.protocol import EngineRequest, PrefillResult, TokenChunk
+from serving.routed_stream import (
+    DecodeCharge,
+    EngineUnavailable,
+    Load,
+    RequestRejected,
+    Route,
+    RoutedStream,
+    no_more_chunks,
+)
+
+__all__ = ["EngineUnavailable", "RequestRejected", "RouteError", "Router", "RouterSettings", "RoutedStream"]
 
 logger = logging.getLogger("raypd.router")
 
 
 # ---------------------------------------------------------------- interfaces
-class RequestRejected(Exception):
-    """The engine refused the request itself (empty prompt, too long...): the client's fault."""
-
-
-class EngineUnavailable(Exception):
-    """The engine could not run the request (died, unreachable, out of capacity)."""
-
-
 class RouteError(Exception):
     """The request cannot be served; `status` is the HTTP status the front answers with."""
 
@@ -63,8 +66,8 @@ class RouteError(Exception):
 class EngineClient(Protocol):
     engine_id: str
 
-    async def prefill(self, req: dict) -> dict: ...
-    def generate(self, req: dict) -> AsyncIterator[dict]: ...
+    async def prefill(self, req: EngineRequest) -> PrefillResult: ...
+    def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]: ...
     async def abort(self, request_id: str) -> None: ...
     async def stats(self) -> dict: ...
 
@@ -102,136 +105,15 @@ class RouterSettings:
         )
 
 
-def estimate_prompt_tokens(req: dict, chars_per_token: float = 4.0) -> int:
+def estimate_prompt_tokens(req: EngineRequest, chars_per_token: float = 4.0) -> int:
     """Prompt length in tokens: exact for token ids, estimated from text otherwise."""
-    if req.get("prompt_token_ids"):
-        return len(req["prompt_token_ids"])
-    if req.get("messages"):
-        text_len = sum(len(str(m.get("content") or "").encode()) + 8 for m in req["messages"])
+    if req.prompt_token_ids:
+        return len(req.prompt_token_ids)
+    if req.messages:
+        text_len = sum(len(str(m.get("content") or "").encode()) + 8 for m in req.messages)
     else:
-        text_len = len(str(req.get("prompt") or "").encode())
+        text_len = len((req.prompt or "").encode())
     return max(1, math.ceil(text_len / chars_per_token))
-
-
-@dataclass
-class Load:
-    requests: int = 0
-    tokens: int = 0
-
-
-# -------------------------------------------------------------------- stream
-@dataclass
-class Route:
-    """How a request is served: decode engine, prefill engine (None: local), why."""
-
-    decode_id: str
-    prefill_id: str | None = None
-    path: str = "pd"  # pd | short | fallback
-    attempts: int = 0
-    failures: list[str] = field(default_factory=list)
-
-
-class RoutedStream:
-    """The token deltas of one routed request; iterate it, and close it when done.
-
-    The first chunk was already received when the router handed this out
-    (so routing errors surfaced as `RouteError` before any byte reached the
-    client). An engine failure mid-stream becomes a final chunk with
-    finish_reason "error" - never a retry. `close()` is synchronous so it is
-    safe in a cancelled task: the aborts it issues run in the background.
-    """
-
-    def __init__(self, router: "Router", request_id: str, engine_request_id: str, route: Route,
-                 gen: AsyncIterator[dict], first: dict, max_tokens: int, prompt_estimate: int):
-        self.router, self.request_id, self.engine_request_id = router, request_id, engine_request_id
-        self.route = route
-        self._gen = gen
-        self._pending: dict | None = first
-        self._owed = prompt_estimate + max_tokens  # what open() charged the decode engine
-        self.num_prompt_tokens = int(first.get("num_prompt_tokens") or 0)
-        self.num_generated = 0
-        self.finished = False
-        self.closed = False
-
-    @property
-    def decode_id(self) -> str:
-        return self.route.decode_id
-
-    @property
-    def prefill_id(self) -> str | None:
-        return self.route.prefill_id
-
-    def __aiter__(self) -> "RoutedStream":
-        return self
-
-    async def __anext__(self) -> dict:
-        if self.finished or self.closed:
-            raise StopAsyncIteration
-        if self._pending is not None:
-            chunk, self._pending = self._pending, None
-        else:
-            try:
-                chunk = await self._gen.__anext__()
-            except StopAsyncIteration:
-                # the engine ended the stream without a final chunk: treat as finished
-                chunk = {"request_id": self.engine_request_id, "token_ids": [], "text": "",
-                         "finished": True, "finish_reason": "stop"}
-            except (EngineUnavailable, RequestRejected) as exc:
-                chunk = self._error_chunk(f"decode engine {self.decode_id} failed mid-stream: {exc}")
-            except asyncio.CancelledError:
-                self.close()
-                raise
-            except Exception as exc:  # noqa: BLE001 - any engine failure ends this stream, cleanly
-                logger.exception("decode stream of %s failed", self.request_id)
-                chunk = self._error_chunk(f"decode engine {self.decode_id} failed mid-stream: {exc}")
-        self._observe(chunk)
-        return chunk
-
-    def _error_chunk(self, message: str) -> dict:
-        return {"request_id": self.engine_request_id, "token_ids": [], "text": "", "finished": True,
-                "finish_reason": "error", "error": message, "num_prompt_tokens": self.num_prompt_tokens}
-
-    def _observe(self, chunk: dict) -> None:
-        n = len(chunk.get("token_ids") or [])
-        self.num_generated += n
-        if chunk.get("num_prompt_tokens"):
-            self.num_prompt_tokens = int(chunk["num_prompt_tokens"])
-        if n:
-            owed = min(n, self._owed)
-            self._owed -= owed
-            self.router._charge_decode(self.decode_id, -owed)
-        if chunk.get("finished"):
-            self.finished = True
-            self._release()
-            if chunk.get("finish_reason") == "error":
-                # the engine ended the request on error; make sure the prefill side lets go too
-                self.router._abort_prefill(self.route, self.engine_request_id)
-
-    def _release(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.router._charge_decode(self.decode_id, -self._owed, requests=-1)
-            self._owed = 0
-
-    def close(self) -> None:
-        """Stop: if the request had not finished, abort it on both engines."""
-        if self.closed:
-            return
-        unfinished = not self.finished
-        self._release()
-        if unfinished:
-            self.router.counters["aborted"] += 1
-            self.router._abort_decode(self.decode_id, self.engine_request_id)
-            self.router._abort_prefill(self.route, self.engine_request_id)
-        self.router._close_gen(self._gen)
-
-    async def aclose(self) -> None:
-        self.close()
-
-
-async def _no_more() -> AsyncIterator[dict]:
-    return
-    yield  # an empty async generator
 
 
 # -------------------------------------------------------------------- router
@@ -315,14 +197,12 @@ class Router:
         return None
 
     # ------------------------------------------------------------- serving
-    async def open(self, req: dict, max_tokens: int | None = None) -> RoutedStream:
-        """Route `req` (an engine request dict with `request_id`); returns its stream after the first chunk.
+    async def open(self, req: EngineRequest) -> RoutedStream:
+        """Route `req`; returns its stream once the first chunk is known.
 
         Raises `RouteError` when the request cannot be served; nothing is left
         running on any engine in that case.
         """
-        request_id = req["request_id"]
-        max_tokens = int(max_tokens if max_tokens is not None else req.get("max_tokens") or 16)
         estimate = estimate_prompt_tokens(req, self.settings.chars_per_token)
         self.counters["requests"] += 1
         routes = await self.routes()
@@ -331,166 +211,127 @@ class Router:
             self.counters["rejected_no_decode"] += 1
             raise RouteError(503, "no decode engine is available" + (
                 f" (directory: {self._routes_error})" if self._routes_error else ""), code="no_decode_engine")
-        decode = self.decodes[decode_id]
         route = Route(decode_id)
-        self._charge_decode(decode_id, estimate + max_tokens, requests=1)
-        charged = True
-        try:
-            short = self.settings.short_prompt_tokens and estimate < self.settings.short_prompt_tokens
-            tried: set[str] = set()
-            budget = 1 + self.settings.prefill_retries
-            while not short and route.attempts < budget:
-                prefill_id = self.pick_prefill(decode_id, routes, tried)
-                if prefill_id is None:
-                    break
-                tried.add(prefill_id)
-                route.attempts += 1
-                if route.attempts > 1:
-                    self.counters["prefill_retries"] += 1
-                engine_req_id = request_id if route.attempts == 1 else f"{request_id}-retry{route.attempts - 1}"
-                route.prefill_id = prefill_id
-                out = await self._prefill(route, {**req, "request_id": engine_req_id}, estimate)
-                if out is None:
-                    continue  # the prefill failed; its breaker knows; try another engine
-                if out.get("first_token_ids") is not None:
-                    # The prefill engine sampled the first token: stream it now (TTFT is the
-                    # prefill engine's) and let the decode engine continue from token two.
-                    charged = False
-                    return self._continuation(route, decode, req, out, request_id, engine_req_id,
-                                              max_tokens, estimate)
-                params = out["kv_transfer_params"]
-                stream = await self._start_decode(route, decode, {
-                    **req, "request_id": engine_req_id, "kv_transfer_params": params},
-                    request_id, max_tokens, estimate)
+        with DecodeCharge(self.decode_load[decode_id], estimate + req.max_tokens) as charge:
+            short = bool(self.settings.short_prompt_tokens) and estimate < self.settings.short_prompt_tokens
+            if not short:
+                stream = await self._remote_attempts(route, req, routes, estimate, charge)
                 if stream is not None:
-                    charged = False
                     return stream
-            # served locally: a short prompt, or no (more) usable prefill engine
-            route.prefill_id = None
-            if short:
-                route.path = "short"
-                self.counters["short_prompt_local"] += 1
-            else:
-                reason = "prefill_failed" if route.failures else "no_prefill_engine"
-                if self.settings.no_prefill_fallback != "decode_local":
-                    self.counters["rejected_no_prefill"] += 1
-                    why = "; ".join(route.failures) or "no compatible prefill engine with a closed breaker"
-                    raise RouteError(503, f"no prefill engine is available for decode engine {decode_id}: {why}",
-                                     code="no_prefill_engine")
-                route.path = "fallback"
-                self.fallbacks[reason] += 1
-            engine_req_id = request_id if route.attempts == 0 else f"{request_id}-local"
-            stream = await self._start_decode(route, decode, {**req, "request_id": engine_req_id},
-                                              request_id, max_tokens, estimate)
-            if stream is None:  # a local run has no transfer to fail; an error chunk is final
-                raise RouteError(503, f"decode engine {decode_id} failed: {route.failures[-1]}",
-                                 code="engine_error")
-            charged = False
-            return stream
-        finally:
-            if charged:
-                self._charge_decode(decode_id, -(estimate + max_tokens), requests=-1)
+            return await self._local(route, req, short, charge)
 
-    async def _prefill(self, route: Route, req: dict, estimate: int) -> dict | None:
-        """Run the prompt on route.prefill_id; its output (transfer params, maybe the first
-        token), or None after a failure (recorded)."""
+    async def _remote_attempts(self, route: Route, req: EngineRequest, routes: dict[str, list[str]],
+                               estimate: int, charge: DecodeCharge) -> RoutedStream | None:
+        """Prefill on a usable prefill engine (retried once elsewhere); None when none succeeded."""
+        tried: set[str] = set()
+        while route.attempts < 1 + self.settings.prefill_retries:
+            prefill_id = self.pick_prefill(route.decode_id, routes, tried)
+            if prefill_id is None:
+                return None
+            tried.add(prefill_id)
+            route.attempts += 1
+            if route.attempts > 1:
+                self.counters["prefill_retries"] += 1
+            engine_req = req.replace(request_id=self._attempt_id(req.request_id, route.attempts))
+            route.prefill_id = prefill_id
+            out = await self._prefill(route, engine_req, estimate)
+            if out is not None:
+                return self._continuation(route, engine_req, out, req.request_id, charge)
+        return None
+
+    async def _local(self, route: Route, req: EngineRequest, short: bool, charge: DecodeCharge) -> RoutedStream:
+        """The decode engine prefills itself: a short prompt, or the fallback."""
+        route.prefill_id = None
+        if short:
+            route.path = "short"
+            self.counters["short_prompt_local"] += 1
+        else:
+            reason = "prefill_failed" if route.failures else "no_prefill_engine"
+            if self.settings.no_prefill_fallback != "decode_local":
+                self.counters["rejected_no_prefill"] += 1
+                why = "; ".join(route.failures) or "no compatible prefill engine with a closed breaker"
+                raise RouteError(503, f"no prefill engine is available for decode engine {route.decode_id}: {why}",
+                                 code="no_prefill_engine")
+            route.path = "fallback"
+            self.fallbacks[reason] += 1
+        engine_req = req.replace(request_id=req.request_id if route.attempts == 0 else f"{req.request_id}-local")
+        gen = self.decodes[route.decode_id].generate(engine_req)
+        first = await self._first_chunk(route, engine_req, gen)
+        if first.failed_before_output:  # a local run has no transfer to fail: the engine failed
+            self.close_gen(gen)
+            raise RouteError(503, f"decode engine {route.decode_id} failed: {first.error}", code="engine_error")
+        return RoutedStream(self, req.request_id, engine_req.request_id, route, gen, first, charge)
+
+    @staticmethod
+    def _attempt_id(request_id: str, attempt: int) -> str:
+        return request_id if attempt == 1 else f"{request_id}-retry{attempt - 1}"
+
+    async def _prefill(self, route: Route, req: EngineRequest, estimate: int) -> PrefillResult | None:
+        """Run the prompt on route.prefill_id; its result, or None after a failure (recorded)."""
         p, d = route.prefill_id, route.decode_id
         load = self.prefill_load[p]
         load.requests += 1
         load.tokens += estimate
         try:
-            out = await self.prefills[p].prefill(req)
-            params = out.get("kv_transfer_params") if isinstance(out, dict) else None
-            if not params and not (isinstance(out, dict) and out.get("first_token_ids") is not None):
-                raise EngineUnavailable(f"prefill engine {p} returned no kv_transfer_params")
-            return out
+            return await self.prefills[p].prefill(req)
         except RequestRejected as exc:
             raise RouteError(400, str(exc), type="invalid_request_error", code="invalid_prompt") from None
         except asyncio.CancelledError:
-            self._abort_prefill(route, req["request_id"])
+            self.abort_prefill(route, req.request_id)
             raise
         except Exception as exc:  # noqa: BLE001 - an engine failure is a failed attempt
             msg = f"prefill engine {p} failed: {exc}"
-            logger.warning("%s: %s", req["request_id"], msg)
+            logger.warning("%s: %s", req.request_id, msg)
             route.failures.append(msg)
             self.prefill_failures[p] += 1
             self.breaker(d, p).record_failure()
-            self._abort_prefill(route, req["request_id"])
+            self.abort_prefill(route, req.request_id)
             return None
         finally:
             load.requests -= 1
             load.tokens -= estimate
 
-    async def _start_decode(self, route: Route, decode: EngineClient, req: dict, request_id: str,
-                            max_tokens: int, estimate: int) -> RoutedStream | None:
-        """Start the decode; the stream once its first chunk is good, None on a retryable failure.
-
-        The first chunk carries the transfer verdict of a remote prefill (the KV
-        is pulled before the first token): it alone feeds the pair's breaker.
-        """
-        engine_req_id = req["request_id"]
-        gen = decode.generate(req)
+    async def _first_chunk(self, route: Route, req: EngineRequest, gen: AsyncIterator[TokenChunk]) -> TokenChunk:
+        """The decode stream's first chunk; engine errors before it become a `RouteError`."""
         try:
-            first = await gen.__anext__()
+            return await gen.__anext__()
         except StopAsyncIteration:
-            first = {"request_id": engine_req_id, "token_ids": [], "text": "", "finished": True,
-                     "finish_reason": "error", "error": "the decode engine ended the stream without output"}
+            return TokenChunk.error_chunk(req.request_id, "the decode engine ended the stream without output")
         except RequestRejected as exc:
-            self._abort_prefill(route, engine_req_id)
             raise RouteError(400, str(exc), type="invalid_request_error", code="invalid_prompt") from None
         except asyncio.CancelledError:
-            self._abort_decode(route.decode_id, engine_req_id)
-            self._abort_prefill(route, engine_req_id)
-            self._close_gen(gen)
+            self.abort_decode(route.decode_id, req.request_id)
+            self.close_gen(gen)
             raise
         except Exception as exc:  # noqa: BLE001
-            self._abort_prefill(route, engine_req_id)
-            self._close_gen(gen)
+            self.close_gen(gen)
             raise RouteError(503, f"decode engine {route.decode_id} failed: {exc}", code="engine_unavailable") from None
-        failed = first.get("finish_reason") == "error" and not first.get("token_ids")
-        if route.prefill_id is not None:
-            if failed or first.get("recomputed"):
-                self._record_transfer(route, ok=False)
-            else:
-                self._record_transfer(route, ok=True)
-        if failed:
-            route.failures.append(first.get("error") or f"decode engine {route.decode_id} failed the request")
-            self._abort_prefill(route, engine_req_id)
-            self._close_gen(gen)
-            return None
-        return RoutedStream(self, request_id, engine_req_id, route, gen, first, max_tokens, estimate)
 
-    def _continuation(self, route: Route, decode: EngineClient, req: dict, out: dict, request_id: str,
-                      engine_req_id: str, max_tokens: int, estimate: int) -> RoutedStream:
+    def _continuation(self, route: Route, req: EngineRequest, out: PrefillResult, client_id: str,
+                      charge: DecodeCharge) -> RoutedStream:
         """A stream whose first chunk is the prefill engine's token; the decode engine goes on."""
-        params = out.get("kv_transfer_params")
-        first = {"request_id": engine_req_id, "token_ids": list(out["first_token_ids"]),
-                 "text": out.get("first_text") or "", "finished": False, "finish_reason": None,
-                 "num_prompt_tokens": int(out.get("num_prompt_tokens") or 0)}
-        if max_tokens <= 1 or not params or out.get("finish_reason") == "stop":
-            first.update(finished=True, finish_reason=out.get("finish_reason") or "length")
-            if params:  # nobody will read the KV: release the prefill engine's lease now
-                self._abort_prefill(route, engine_req_id)
-            return RoutedStream(self, request_id, engine_req_id, route, _no_more(), first, max_tokens, estimate)
-        dreq = {k: v for k, v in req.items() if k not in ("messages", "prompt")}
-        dreq.update(request_id=engine_req_id, max_tokens=max_tokens - 1, kv_transfer_params=params,
-                    prompt_token_ids=list(out["prompt_token_ids"]) + list(out["first_token_ids"]))
-        gen = self._continue_decode(route, decode, dreq)
-        return RoutedStream(self, request_id, engine_req_id, route, gen, first, max_tokens, estimate)
+        first = TokenChunk(req.request_id, out.first_token_ids, out.first_text,
+                           num_prompt_tokens=out.num_prompt_tokens)
+        if req.max_tokens <= len(out.first_token_ids) or not out.needs_decode:
+            first = first.replace(finished=True, finish_reason=out.finish_reason or "length")
+            if out.kv_transfer_params:  # nobody will read the KV: release the prefill engine's lease now
+                self.abort_prefill(route, req.request_id)
+            return RoutedStream(self, client_id, req.request_id, route, no_more_chunks(), first, charge)
+        gen = self._continue_decode(route, self.decodes[route.decode_id], out.continuation(req))
+        return RoutedStream(self, client_id, req.request_id, route, gen, first, charge)
 
-    async def _continue_decode(self, route: Route, decode: EngineClient, dreq: dict) -> AsyncIterator[dict]:
+    async def _continue_decode(self, route: Route, decode: EngineClient, dreq: EngineRequest
+                               ) -> AsyncIterator[TokenChunk]:
         """Decode after a streamed first token; a failed pull continues locally (nothing is lost
         or repeated: the decode engine recomputes the prompt and goes on from token two)."""
         gen = decode.generate(dreq)
         first = await gen.__anext__()
-        failed = first.get("finish_reason") == "error" and not first.get("token_ids")
-        self._record_transfer(route, ok=not (failed or first.get("recomputed")))
-        if failed:
+        self._record_transfer(route, ok=not (first.failed_before_output or first.recomputed))
+        if first.failed_before_output:
             self.fallbacks["transfer_failed"] += 1
-            route.failures.append(first.get("error") or "KV transfer failed")
-            self._abort_prefill(route, dreq["request_id"])
-            local = {k: v for k, v in dreq.items() if k != "kv_transfer_params"}
-            async for chunk in decode.generate(local):
+            route.failures.append(first.error or "KV transfer failed")
+            self.abort_prefill(route, dreq.request_id)
+            async for chunk in decode.generate(dreq.replace(kv_transfer_params=None)):
                 yield chunk
             return
         yield first
@@ -506,11 +347,6 @@ class Router:
             self.transfer_failures[(route.decode_id, route.prefill_id)] += 1
             b.record_failure()
 
-    def _charge_decode(self, decode_id: str, tokens: int, requests: int = 0) -> None:
-        load = self.decode_load[decode_id]
-        load.tokens = max(0, load.tokens + tokens)
-        load.requests = max(0, load.requests + requests)
-
     def _spawn(self, coro: Any) -> None:
         try:
             task = asyncio.get_running_loop().create_task(coro)
@@ -525,14 +361,14 @@ class Router:
         if not task.cancelled() and task.exception() is not None:
             logger.info("background abort failed: %s", task.exception())
 
-    def _abort_decode(self, decode_id: str, engine_req_id: str) -> None:
+    def abort_decode(self, decode_id: str, engine_req_id: str) -> None:
         self._spawn(self.decodes[decode_id].abort(engine_req_id))
 
-    def _abort_prefill(self, route: Route, engine_req_id: str) -> None:
+    def abort_prefill(self, route: Route, engine_req_id: str) -> None:
         if route.prefill_id is not None:
             self._spawn(self.prefills[route.prefill_id].abort(engine_req_id))
 
-    def _close_gen(self, gen: Any) -> None:
+    def close_gen(self, gen: Any) -> None:
         aclose = getattr(gen, "aclose", None)
         if aclose is not None:
             self._spawn(aclose())

@@ -13,7 +13,9 @@ import random
 from typing import Any, AsyncIterator
 
 from actors.engine_config import EngineConfig
+from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
 from actors.synthetic.engine import EngineShape, SyntheticEngine, TransferFailed
+from actors.synthetic.pattern import generate_tokens
 from actors.synthetic.rank import SyntheticModel
 
 TOKEN_OFFSET = 1000
@@ -45,13 +47,12 @@ class SyntheticBackend:
         self.engine: SyntheticEngine | None = None
         self._decoding: set[str] = set()
 
-    async def start(self, coordinator: Any) -> dict:
+    async def start(self, coordinator: Any) -> None:
         # Registration is done by the EngineActor (it adds itself as a liveness handle).
         self.engine = SyntheticEngine(self.engine_id, self.cfg.role, self.model, self.shape, coordinator,
                                       lease_ttl_s=self.cfg.lease_ttl_s, read_timeout_s=self.cfg.read_timeout_s,
                                       register=False)
         await self.engine.start()
-        return {}
 
     def handshakes(self) -> list[bytes]:
         return list(self.engine.handshakes)
@@ -59,36 +60,49 @@ class SyntheticBackend:
     def liveness_handles(self) -> list[Any]:
         return list(self.engine.ranks)
 
-    def _tokens(self, req: dict) -> list[int]:
-        if req.get("prompt_token_ids"):
-            tokens = [int(t) for t in req["prompt_token_ids"]]
-        elif req.get("messages"):
-            tokens = encode_text(chat_to_text(req["messages"]))
+    def _tokens(self, req: EngineRequest) -> list[int]:
+        if req.prompt_token_ids:
+            tokens = list(req.prompt_token_ids)
+        elif req.messages:
+            tokens = encode_text(chat_to_text(list(req.messages)))
         else:
-            tokens = encode_text(req.get("prompt", ""))
+            tokens = encode_text(req.prompt or "")
         if not tokens:
-            from actors.engine import EngineRequestError
-
             raise EngineRequestError("the prompt is empty")
-        if len(tokens) + int(req.get("max_tokens", 16)) > self.cfg.max_model_len:
-            from actors.engine import EngineRequestError
-
+        if len(tokens) + req.max_tokens > self.cfg.max_model_len:
             raise EngineRequestError(
-                f"prompt ({len(tokens)} tokens) + max_tokens ({req.get('max_tokens', 16)}) exceeds "
+                f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds "
                 f"the context length {self.cfg.max_model_len}"
             )
         return tokens
 
-    async def prefill(self, req: dict) -> dict:
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        """The prompt's KV is written (and leased when a decode engine will read it); the first
+        token is sampled from it, exactly as the decode engine would."""
         tokens = self._tokens(req)
-        params = await self.engine.prefill(req["request_id"], tokens, seed=int(req.get("kv_seed", 0)))
-        return {"kv_transfer_params": params, "num_prompt_tokens": len(tokens)}
+        seed = req.kv_seed
+        params = await self.engine.prefill(req.request_id, tokens, seed=seed)
+        try:
+            checksums = await self.engine.read_prompt(tokens, params["remote_block_ids"], seed)
+        except BaseException:
+            await self.engine.abort(req.request_id)
+            raise
+        first = generate_tokens(checksums, 0, 1, self.model.vocab_size)
+        text = render_token(first[0])
+        stopped = any(s and s in text for s in req.sampling.stop)
+        if stopped or req.max_tokens <= 1:
+            await self.engine.abort(req.request_id)  # nobody will read it: free the blocks now
+            return PrefillResult(tuple(tokens), tuple(first), text, "stop" if stopped else "length")
+        return PrefillResult(tuple(tokens), tuple(first), text, "length", kv_transfer_params=params)
 
-    async def generate(self, req: dict) -> AsyncIterator[dict]:
-        req_id = req["request_id"]
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
+        req_id = req.request_id
         tokens = self._tokens(req)
-        max_tokens = int(req.get("max_tokens", 16))
-        params = req.get("kv_transfer_params")
+        # A continuation's prompt ends with tokens already generated: the model's state is the
+        # original prompt's KV (pulled, or computed here), and generation resumes after them.
+        resumed = min(req.num_resumed_tokens, len(tokens) - 1)
+        prompt = tokens[:len(tokens) - resumed]
+        params = req.kv_transfer_params
         if params and self.cfg.fault_rate and self._faults.random() < self.cfg.fault_rate:
             params = {**params, "inject_fault": True}  # fault-injection knob (tests)
         recomputed = False
@@ -96,32 +110,31 @@ class SyntheticBackend:
         try:
             if params:
                 try:
-                    out = await self.engine.decode(req_id, params, tokens, seed=int(req.get("kv_seed", 0)),
-                                                   max_tokens=max_tokens, timeout_s=self.cfg.read_timeout_s * 2)
+                    out = await self.engine.decode(req_id, params, prompt, seed=req.kv_seed,
+                                                   max_tokens=1, timeout_s=self.cfg.read_timeout_s * 2)
                     if out["mismatches"]:
                         raise TransferFailed(req_id, [f"{out['mismatches']} KV elements failed verification"], set())
                 except (TransferFailed, KeyError, TypeError, ValueError) as exc:
                     if self.cfg.kv_load_failure_policy == "fail":
-                        yield {"request_id": req_id, "token_ids": [], "text": "", "finished": True,
-                               "finish_reason": "error", "error": f"KV transfer failed: {exc}",
-                               "num_prompt_tokens": len(tokens)}
+                        yield TokenChunk.error_chunk(req_id, f"KV transfer failed: {exc}", len(prompt))
                         return
-                    out = await self.engine.generate_local(req_id, tokens, max_tokens=max_tokens)
+                    out = await self.engine.generate_local(req_id, prompt, seed=req.kv_seed, max_tokens=1)
                     recomputed = True
             else:
-                out = await self.engine.generate_local(req_id, tokens, max_tokens=max_tokens)
+                out = await self.engine.generate_local(req_id, prompt, seed=req.kv_seed, max_tokens=1)
+            generated = generate_tokens(out["checksums"], resumed, req.max_tokens, self.model.vocab_size)
             text_so_far = ""
-            stops = [s for s in (req.get("stop") or []) if s]
-            for i, tok in enumerate(out["token_ids"]):
+            stops = [s for s in req.sampling.stop if s]
+            for i, tok in enumerate(generated):
                 if self.token_latency_s:
                     await asyncio.sleep(self.token_latency_s)
                 piece = render_token(tok)
                 text_so_far += piece
                 hit = next((s for s in stops if s in text_so_far), None)
-                last = i == len(out["token_ids"]) - 1 or hit is not None
-                yield {"request_id": req_id, "token_ids": [tok], "text": piece, "finished": last,
-                       "finish_reason": ("stop" if hit else "length") if last else None,
-                       "recomputed": recomputed, "num_prompt_tokens": len(tokens)}
+                last = i == len(generated) - 1 or hit is not None
+                yield TokenChunk(req_id, (tok,), piece, finished=last,
+                                 finish_reason=("stop" if hit else "length") if last else None,
+                                 recomputed=recomputed and i == 0, num_prompt_tokens=len(prompt))
                 if hit:
                     return
         finally:

@@ -266,6 +266,11 @@ class SyntheticEngine:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.02)
 
+    async def read_prompt(self, token_ids: list[int], block_ids: list[int], seed: int = 0) -> list[float]:
+        """Per-position checksums of a prompt's KV as this engine holds it (every rank's share)."""
+        outs = await asyncio.gather(*(r.read_back.remote(token_ids, block_ids, seed) for r in self.ranks))
+        return _ordered_checksums(sums for _, sums in outs)
+
     async def generate_local(self, req_id: str, token_ids: list[int], seed: int = 0,
                              max_tokens: int = 8) -> dict:
         """Colocated reference: prefill and 'decode' on this engine, no transfer."""
@@ -275,11 +280,7 @@ class SyntheticEngine:
             outs = await asyncio.gather(*(r.read_back.remote(token_ids, block_ids, seed) for r in self.ranks))
         finally:
             self.pool.free(block_ids)
-        checksums: dict[int, float] = {}
-        for _, sums in outs:
-            for pos, value in sums.items():
-                checksums[pos] = checksums.get(pos, 0.0) + value
-        ordered = [checksums[p] for p in sorted(checksums)]
+        ordered = _ordered_checksums(sums for _, sums in outs)
         return {"token_ids": tokens_from_checksums(ordered, max_tokens, self.model.vocab_size),
                 "checksums": ordered}
 
@@ -307,6 +308,15 @@ class SyntheticEngine:
         for r in self.ranks:
             ray.kill(r)
         return [r for r in results if isinstance(r, dict)]
+
+
+def _ordered_checksums(per_rank: Any) -> list[float]:
+    """Sum the ranks' per-position checksums (ranks hold different heads, layers or positions)."""
+    checksums: dict[int, float] = {}
+    for sums in per_rank:
+        for pos, value in sums.items():
+            checksums[int(pos)] = checksums.get(int(pos), 0.0) + value
+    return [checksums[p] for p in sorted(checksums)]
 
 
 def new_engine_id(role: str) -> str:

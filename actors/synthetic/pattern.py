@@ -50,3 +50,13 @@ def tokens_from_checksums(checksums: list[float], max_tokens: int, vocab_size: i
         c = checksums[(len(checksums) - 1 - i) % len(checksums)]
         out.append(int(abs(c) * 1_000_003 + i * 7) % vocab_size)
     return out
+
+
+def generate_tokens(checksums: list[float], skip: int, count: int, vocab_size: int) -> list[int]:
+    """Tokens `skip` .. `skip + count` of the 'generation' from a prompt's KV checksums.
+
+    Autoregressive in the only sense the synthetic model needs: a stream resumed
+    after `skip` tokens (the prefill engine's first token, a migrated stream)
+    continues exactly where the uninterrupted one would be.
+    """
+    return tokens_from_checksums(checksums, skip + count, vocab_size)[skip:]

@@ -16,6 +16,7 @@ from serving.config import DeploymentConfig
 from serving.launcher import launch, shutdown_deployment
 from serving.ray_clients import build_router
 
+from engine_calls import collect, request
 from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port, wait_blocks_at_baseline
 
 NAME = "bad-input"
@@ -112,21 +113,20 @@ def test_forged_transfer_params_at_the_actor_api_never_produce_an_answer(service
     prompt = "what is in the cache? " * 3
 
     async def go():
-        pre = await prefill.prefill.remote({"request_id": f"forge-{name}", "prompt": prompt, "max_tokens": 4})
-        params = {**pre["kv_transfer_params"], **change}
+        req = request(f"forge-{name}", prompt, max_tokens=4)
+        pre = await prefill.prefill.remote(req)
+        forged = pre.continuation(req).replace(request_id=f"forge-{name}-d",
+                                               kv_transfer_params={**pre.kv_transfer_params, **change})
         chunks = []
         try:
-            async for ref in decode.generate.options(num_returns="streaming").remote(
-                    {"request_id": f"forge-{name}-d", "prompt": prompt, "max_tokens": 4,
-                     "kv_transfer_params": params}):
-                chunks.append(await ref)
+            chunks = await collect(decode, forged)
         except ray.exceptions.RayTaskError as exc:
             assert "EngineRequestError" in str(exc) or "kv_transfer_params" in str(exc)
             await prefill.abort.remote(f"forge-{name}")
             return
         # accepted at the boundary, then the transfer itself failed: an error, never tokens
-        assert chunks[-1]["finish_reason"] == "error" and chunks[-1]["error"], chunks[-1]
-        assert not any(c["token_ids"] for c in chunks)
+        assert chunks[-1].finish_reason == "error" and chunks[-1].error, chunks[-1]
+        assert not any(c.token_ids for c in chunks)
         await prefill.abort.remote(f"forge-{name}")
 
     asyncio.run(go())
@@ -140,14 +140,12 @@ def test_foreign_block_ids_are_caught_by_verification(service):
     (decode,) = dep.decodes.values()
 
     async def go():
-        a = await prefill.prefill.remote({"request_id": "own", "prompt": "A" * 64, "max_tokens": 4})
-        b = await prefill.prefill.remote({"request_id": "foreign", "prompt": "B" * 64, "max_tokens": 4})
-        params = {**a["kv_transfer_params"], "remote_block_ids": b["kv_transfer_params"]["remote_block_ids"]}
-        chunks = []
-        async for ref in decode.generate.options(num_returns="streaming").remote(
-                {"request_id": "own-d", "prompt": "A" * 64, "max_tokens": 4, "kv_transfer_params": params}):
-            chunks.append(await ref)
-        assert chunks[-1]["finish_reason"] == "error" and "verification" in chunks[-1]["error"]
+        own = request("own", "A" * 64, max_tokens=4)
+        a = await prefill.prefill.remote(own)
+        b = await prefill.prefill.remote(request("foreign", "B" * 64, max_tokens=4))
+        params = {**a.kv_transfer_params, "remote_block_ids": b.kv_transfer_params["remote_block_ids"]}
+        chunks = await collect(decode, a.continuation(own).replace(request_id="own-d", kv_transfer_params=params))
+        assert chunks[-1].finish_reason == "error" and "verification" in chunks[-1].error
         for rid in ("own", "foreign"):
             await prefill.abort.remote(rid)
 

@@ -8,6 +8,7 @@ import ray
 from actors.coordinator import start_coordinator
 from actors.engine import EngineActor
 from actors.engine_config import EngineConfig
+from engine_calls import pd, request
 
 NAME = "raypd-coordinator-restart-test"
 Engine = ray.remote(EngineActor)
@@ -19,14 +20,8 @@ def engine(role, eid):
     return Engine.options(num_cpus=0).remote(cfg.model_dump(), NAME, heartbeat_s=0.5)
 
 
-async def pd(p, d, rid):
-    pre = await p.prefill.remote({"request_id": rid, "prompt": "hello there " * 4})
-    chunks = []
-    async for ref in d.generate.options(num_returns="streaming").remote(
-            {"request_id": rid, "prompt": "hello there " * 4, "max_tokens": 4,
-             "kv_transfer_params": pre["kv_transfer_params"]}):
-        chunks.append(await ref)
-    return chunks
+async def pd_chunks(p, d, rid):
+    return (await pd(p, d, request(rid, "hello there " * 4, max_tokens=4)))[1]
 
 
 def test_engines_re_register_after_a_coordinator_restart(ray_cluster):
@@ -34,7 +29,7 @@ def test_engines_re_register_after_a_coordinator_restart(ray_cluster):
         coord = start_coordinator(name=NAME, check_interval_s=0.5)
         p, d = engine("prefill", "cr-P"), engine("decode", "cr-D")
         await asyncio.gather(p.start.remote(), d.start.remote())
-        assert (await pd(p, d, "before"))[-1]["finish_reason"] == "length"
+        assert (await pd_chunks(p, d, "before"))[-1].finish_reason == "length"
         ray.kill(coord)
         await asyncio.sleep(1.0)
         coord = start_coordinator(name=NAME, check_interval_s=0.5)  # a fresh, empty directory
@@ -47,8 +42,8 @@ def test_engines_re_register_after_a_coordinator_restart(ray_cluster):
             await asyncio.sleep(0.2)
         assert ids >= {"cr-P", "cr-D"}, ids
         assert await coord.pair_verdict.remote("cr-P", "cr-D") is None
-        chunks = await pd(p, d, "after")  # the same engine processes, no restart
-        assert chunks[-1]["finish_reason"] == "length" and all(not c.get("error") for c in chunks)
+        chunks = await pd_chunks(p, d, "after")  # the same engine processes, no restart
+        assert chunks[-1].finish_reason == "length" and all(c.error is None for c in chunks)
         await asyncio.gather(p.shutdown.remote(), d.shutdown.remote())
         for h in (p, d, coord):
             ray.kill(h)

@@ -12,6 +12,7 @@ from serving.config import DeploymentConfig
 from serving.launcher import launch, shutdown_deployment
 from serving.ray_clients import build_router
 
+from engine_calls import collect, request
 from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port, wait_blocks_at_baseline
 
 NAME = "fault-rate"
@@ -36,11 +37,8 @@ def test_faults_at_a_rate_never_give_a_wrong_answer(coordinator):
             (decode,) = dep.decodes.values()
 
             async def reference(prompt):
-                text = ""
-                async for ref in decode.generate.options(num_returns="streaming").remote(
-                        {"request_id": f"ref-{hash(prompt)}", "prompt": prompt, "max_tokens": 5}):
-                    text += (await ref)["text"]
-                return text
+                chunks = await collect(decode, request(f"ref-{hash(prompt)}", prompt, max_tokens=5))
+                return "".join(c.text for c in chunks)
 
             async def load():
                 want = {p: await reference(p) for p in PROMPTS}

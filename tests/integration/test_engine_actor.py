@@ -8,6 +8,7 @@ import ray
 from actors.coordinator import COORDINATOR_NAME
 from actors.engine import EngineActor, engine_actor_options
 from actors.engine_config import EngineConfig
+from engine_calls import collect, pd, request, token_ids
 
 Engine = ray.remote(EngineActor)
 
@@ -19,13 +20,6 @@ def start(role, **kw):
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}
     actor = Engine.options(**opts).remote(cfg.model_dump(), COORDINATOR_NAME)
     return actor
-
-
-async def collect(actor, req):
-    chunks = []
-    async for ref in actor.generate.options(num_returns="streaming").remote(req):
-        chunks.append(await ref)
-    return chunks
 
 
 def test_prefill_then_decode_equals_colocated(coordinator):
@@ -45,14 +39,13 @@ def test_prefill_then_decode_equals_colocated(coordinator):
         assert await coordinator.pair_verdict.remote("eng-p", "eng-d") is None
         base = await asyncio.gather(p.stats.remote(), d.stats.remote())
         prompt = "What is the capital of France? " * 3
-        pre = await p.prefill.remote({"request_id": "r1", "prompt": prompt})
-        params = pre["kv_transfer_params"]
+        pre, chunks = await pd(p, d, request("r1", prompt, max_tokens=6))
+        params = pre.kv_transfer_params
         assert params["remote_engine_id"] == "eng-p" and params["tp_size"] == 2
-        pd = await collect(d, {"request_id": "r1", "prompt": prompt, "max_tokens": 6, "kv_transfer_params": params})
-        local = await collect(d, {"request_id": "r2", "prompt": prompt, "max_tokens": 6})
-        assert [c["token_ids"] for c in pd] == [c["token_ids"] for c in local]
-        assert pd[-1]["finished"] and pd[-1]["finish_reason"] == "length" and len(pd) == 6
-        assert not any(c.get("recomputed") for c in pd)
+        local = await collect(d, request("r2", prompt, max_tokens=6))
+        assert token_ids(pre, chunks) == [t for c in local for t in c.token_ids]
+        assert chunks[-1].finished and chunks[-1].finish_reason == "length" and len(chunks) == 5
+        assert not any(c.recomputed for c in chunks)
         for _ in range(200):  # the prefill engine frees its blocks once the decode ranks notified
             after = await asyncio.gather(p.stats.remote(), d.stats.remote())
             if after[0]["free_blocks"] == base[0]["free_blocks"]:
@@ -72,9 +65,9 @@ def test_role_and_length_errors(coordinator):
         d = start("decode", engine_id="eng-d2", max_model_len=64)
         await d.start.remote()
         with pytest.raises(ray.exceptions.RayTaskError, match="is a decode engine"):
-            await d.prefill.remote({"request_id": "x", "prompt": "hi"})
+            await d.prefill.remote(request("x", "hi"))
         with pytest.raises(ray.exceptions.RayTaskError, match="exceeds the context length"):
-            await collect(d, {"request_id": "y", "prompt": "x" * 100, "max_tokens": 4})
+            await collect(d, request("y", "x" * 100, max_tokens=4))
         await d.shutdown.remote()
         ray.kill(d)
         return True

@@ -16,6 +16,7 @@ from serving.config import DeploymentConfig
 from serving.launcher import launch, shutdown_deployment
 from serving.ray_clients import build_router
 
+from engine_calls import collect, request
 from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port, wait_blocks_at_baseline
 
 NAME = "svc-test"
@@ -53,11 +54,8 @@ def decode_local_answer(service, prompt: str, max_tokens: int) -> str:
     (decode,) = service["dep"].decodes.values()
 
     async def go():
-        text = ""
-        async for ref in decode.generate.options(num_returns="streaming").remote(
-                {"request_id": f"ref-{time.monotonic_ns()}", "prompt": prompt, "max_tokens": max_tokens}):
-            text += (await ref)["text"]
-        return text
+        chunks = await collect(decode, request(f"ref-{time.monotonic_ns()}", prompt, max_tokens=max_tokens))
+        return "".join(c.text for c in chunks)
 
     return asyncio.run(go())
 

@@ -18,6 +18,7 @@ from serving.config import DeploymentConfig, load_config
 from serving.launcher import launch, shutdown_deployment
 from serving.ray_clients import build_router
 
+from engine_calls import collect, pd, request, token_ids
 from service_helpers import UvicornThread, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -94,21 +95,11 @@ def test_pd_equals_colocated_for_short_one_block_and_long_prompts(service):
     word_ids = list(range(1000, 1400))
     prompts = {"short": word_ids[:20], "one block": word_ids[:128], "many blocks": word_ids[:300]}
 
-    async def tokens(engine, req):
-        out = []
-        async for ref in engine.generate.options(num_returns="streaming").remote(req):
-            out.extend((await ref)["token_ids"])
-        return out
-
     async def go():
         for name, ids in prompts.items():
-            want = await tokens(decode, {"request_id": f"co-{name}", "prompt_token_ids": ids, "max_tokens": 8})
-            pre = await prefill.prefill.remote({"request_id": f"pd-{name}", "prompt_token_ids": ids,
-                                                "max_tokens": 8})
-            got = pre["first_token_ids"] + await tokens(decode, {
-                "request_id": f"pd-{name}", "prompt_token_ids": ids + pre["first_token_ids"], "max_tokens": 7,
-                "kv_transfer_params": pre["kv_transfer_params"]})
-            assert got == want, name
+            local = await collect(decode, request(f"co-{name}", token_ids=ids, max_tokens=8))
+            pre, chunks = await pd(prefill, decode, request(f"pd-{name}", token_ids=ids, max_tokens=8))
+            assert token_ids(pre, chunks) == [t for c in local for t in c.token_ids], name
 
     asyncio.run(go())
     after = all_free(dep)

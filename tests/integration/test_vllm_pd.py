@@ -18,6 +18,7 @@ from actors.coordinator import COORDINATOR_NAME
 from actors.engine import EngineActor, engine_actor_options
 from actors.engine_config import EngineConfig
 from actors.models import build_tiny_llama
+from engine_calls import collect, request, token_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -55,31 +56,22 @@ def engines(coordinator, tmp_path_factory):
         ray.kill(h)
 
 
-async def generate(engine, req):
-    chunks = []
-    async for ref in engine.generate.options(num_returns="streaming").remote(req):
-        chunks.append(await ref)
-    return chunks
-
-
 async def pd(engines, decode, prompt, max_tokens=12, rid=None, **params_extra):
     rid = rid or f"r{time.monotonic_ns()}"
-    pre = await engines["P"].prefill.remote({"request_id": rid, "prompt_token_ids": prompt})
-    params = {**pre["kv_transfer_params"], **params_extra}
-    chunks = await generate(engines[decode], {
-        "request_id": rid + "-d", "prompt_token_ids": pre["prompt_token_ids"] + pre["first_token_ids"],
-        "max_tokens": max_tokens - 1, "kv_transfer_params": params})
-    tokens = pre["first_token_ids"] + [t for c in chunks for t in c["token_ids"]]
+    req = request(rid, token_ids=prompt, max_tokens=max_tokens)
+    pre = await engines["P"].prefill.remote(req)
+    dreq = pre.continuation(req).replace(request_id=rid + "-d",
+                                         kv_transfer_params={**pre.kv_transfer_params, **params_extra})
+    chunks = await collect(engines[decode], dreq)
     # the transfer verdict rides on the first chunk, the finish on the last
-    summary = {**chunks[-1], "num_cached_tokens": chunks[0].get("num_cached_tokens"),
-               "recomputed": any(c.get("recomputed") for c in chunks)}
-    return tokens, summary
+    summary = chunks[-1].replace(num_cached_tokens=chunks[0].num_cached_tokens,
+                                 recomputed=any(c.recomputed for c in chunks))
+    return token_ids(pre, chunks), summary
 
 
 async def local(engine, prompt, max_tokens=12):
-    chunks = await generate(engine, {"request_id": f"l{time.monotonic_ns()}", "prompt_token_ids": prompt,
-                                     "max_tokens": max_tokens})
-    return [t for c in chunks for t in c["token_ids"]]
+    chunks = await collect(engine, request(f"l{time.monotonic_ns()}", token_ids=prompt, max_tokens=max_tokens))
+    return [t for c in chunks for t in c.token_ids]
 
 
 async def wait_free(engine, baseline, timeout=20.0):
@@ -106,8 +98,8 @@ def test_pd_equals_colocated_token_for_token(engines, length):
     async def go():
         base = await baselines(engines)
         tokens, last = await pd(engines, "D", PROMPTS[length])
-        assert last["num_cached_tokens"] == length, last  # the prompt KV came over the wire
-        assert not last["recomputed"]
+        assert last.num_cached_tokens == length, last  # the prompt KV came over the wire
+        assert not last.recomputed
         want = await local(engines["D"], PROMPTS[length])
         assert tokens == want
         for k in ("P", "D"):
@@ -122,7 +114,7 @@ def test_decode_really_uses_the_transferred_kv(engines):
         with_a_kv, last = await pd(engines, "D2", prompt)
         own = await local(engines["D2"], prompt)
         same_weights = await local(engines["D"], prompt)
-        assert last["num_cached_tokens"] == len(prompt) and not last["recomputed"]
+        assert last.num_cached_tokens == len(prompt) and not last.recomputed
         assert with_a_kv != own  # weights "b" on KV computed with weights "a"
         assert with_a_kv[0] == same_weights[0]  # the first token was sampled by P (weights "a")
 
@@ -133,7 +125,7 @@ def test_fail_policy_ends_with_an_error_and_frees_both_sides(engines):
     async def go():
         base = await baselines(engines)
         tokens, last = await pd(engines, "D", PROMPTS[32], inject_fault=True)
-        assert last["finish_reason"] == "error" and "KV transfer failed" in last["error"]
+        assert last.finish_reason == "error" and "KV transfer failed" in last.error
         for k in ("P", "D"):
             assert (await wait_free(engines[k], base[k]))["free_blocks"] == base[k], k
 
@@ -144,7 +136,7 @@ def test_recompute_policy_answers_from_a_local_prefill(engines):
     async def go():
         base = await baselines(engines)
         tokens, last = await pd(engines, "D2", PROMPTS[150], inject_fault=True)
-        assert last["recomputed"] and last["finish_reason"] in ("length", "stop")
+        assert last.recomputed and last.finish_reason in ("length", "stop")
         # after P's first token, D2 recomputed the whole prompt with its own weights
         own = await local(engines["D2"], PROMPTS[150] + tokens[:1], max_tokens=len(tokens) - 1)
         assert tokens[1:] == own
@@ -157,9 +149,8 @@ def test_recompute_policy_answers_from_a_local_prefill(engines):
 def test_unclaimed_prefill_frees_its_blocks_when_the_lease_expires(engines):
     async def go():
         base = await baselines(engines)
-        pre = await engines["P"].prefill.remote({"request_id": "orphan", "prompt_token_ids": PROMPTS[150],
-                                                 "lease_ttl_s": 2.0})
-        held = len(pre["kv_transfer_params"]["remote_block_ids"])
+        pre = await engines["P"].prefill.remote(request("orphan", token_ids=PROMPTS[150], lease_ttl_s=2.0))
+        held = len(pre.kv_transfer_params["remote_block_ids"])
         stats = await engines["P"].stats.remote()
         assert stats["free_blocks"] == base["P"] - held
         after = await wait_free(engines["P"], base["P"], timeout=15)
@@ -171,9 +162,9 @@ def test_unclaimed_prefill_frees_its_blocks_when_the_lease_expires(engines):
 def test_aborted_decode_frees_blocks_on_both_sides(engines):
     async def go():
         base = await baselines(engines)
-        pre = await engines["P"].prefill.remote({"request_id": "ab", "prompt_token_ids": PROMPTS[150]})
-        req = {"request_id": "ab-d", "prompt_token_ids": pre["prompt_token_ids"] + pre["first_token_ids"],
-               "max_tokens": 300, "kv_transfer_params": pre["kv_transfer_params"]}
+        ab = request("ab", token_ids=PROMPTS[150], max_tokens=301)
+        pre = await engines["P"].prefill.remote(ab)
+        req = pre.continuation(ab).replace(request_id="ab-d")
         gen = engines["D"].generate.options(num_returns="streaming").remote(req)
         first = await gen.__anext__()
         await first

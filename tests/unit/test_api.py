@@ -7,6 +7,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from actors.protocol import TokenChunk
 from serving.api import create_app
 from serving.config import DeploymentConfig
 from serving.router import RouteError
@@ -29,8 +30,9 @@ class FakeStream:
         if not self.chunks:
             raise StopAsyncIteration
         c = self.chunks.pop(0)
-        self.num_generated += len(c.get("token_ids", []))
-        self.finished = bool(c.get("finished"))
+        c = TokenChunk("r", **{k: tuple(v) if k == "token_ids" else v for k, v in c.items()})
+        self.num_generated += len(c.token_ids)
+        self.finished = c.finished
         return c
 
     def close(self):
@@ -51,7 +53,7 @@ class FakeRouter:
         self.healthy = True
         self.engine_stats = {}
 
-    async def open(self, req, max_tokens=None):
+    async def open(self, req):
         self.requests.append(req)
         if self.error is not None:
             raise self.error
@@ -106,16 +108,16 @@ def test_completion_non_stream(client):
     assert body["choices"][0]["text"] == " w0 w1 w2" and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
     sent = client.router.requests[0]
-    assert sent["prompt"] == "hi" and sent["stop"] == ["x"] and sent["seed"] == 4 and sent["max_tokens"] == 3
+    assert sent.prompt == "hi" and sent.sampling.stop == ("x",) and sent.sampling.seed == 4 and sent.max_tokens == 3
     assert client.router.streams[0].closed
 
 
 def test_completion_token_prompt_and_single_batch(client):
     post(client, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3]})
     post(client, "/v1/completions", {"model": MODEL, "prompt": ["only one"]})
-    assert client.router.requests[0]["prompt_token_ids"] == [1, 2, 3]
-    assert client.router.requests[0]["max_tokens"] == 16  # the OpenAI default for completions
-    assert client.router.requests[1]["prompt"] == "only one"
+    assert client.router.requests[0].prompt_token_ids == (1, 2, 3)
+    assert client.router.requests[0].max_tokens == 16  # the OpenAI default for completions
+    assert client.router.requests[1].prompt == "only one"
 
 
 def test_completion_stream(client):
@@ -137,8 +139,8 @@ def test_chat_non_stream_and_stream(client):
     assert r.status_code == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": " w0 w1 w2"}
     sent = client.router.requests[0]
-    assert sent["messages"][1] == {"role": "user", "content": "What is up?"}
-    assert sent["max_tokens"] == 256  # default_max_tokens capped at the context length
+    assert sent.messages[1] == {"role": "user", "content": "What is up?"}
+    assert sent.max_tokens == 256  # default_max_tokens capped at the context length
     r = post(client, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "stream": True,
                                               "max_completion_tokens": 5})
     events = sse_events(r.text)
@@ -146,7 +148,7 @@ def test_chat_non_stream_and_stream(client):
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == " w0 w1 w2"
     assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["choices"][0]["delta"] == {}
     assert all(e["object"] == "chat.completion.chunk" for e in events)
-    assert client.router.requests[1]["max_tokens"] == 5
+    assert client.router.requests[1].max_tokens == 5
 
 
 def test_models_health_metrics(client):

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from serving.router import (
     EngineUnavailable,
     RequestRejected,
@@ -24,20 +25,23 @@ class FakeClock:
         return self.t
 
 
+ERROR = TokenChunk("x", finished=True, finish_reason="error", error="KV transfer failed: boom")
+
+
 class FakeEngine:
     """A prefill/decode engine; behaviour is set per instance (or per call via queues)."""
 
-    def __init__(self, engine_id, tokens=3, prefill_error=None, first_chunk=None, fail_after=None,
+    def __init__(self, engine_id, tokens=None, prefill_error=None, first_chunk=None, fail_after=None,
                  recomputed=False, gate=None):
         self.engine_id = engine_id
-        self.tokens = tokens
+        self.tokens = tokens  # None: as many as max_tokens asks
         self.prefill_error = prefill_error  # exception raised by prefill()
-        self.first_chunk = first_chunk  # a dict replacing the first chunk (e.g. an error chunk)
+        self.first_chunk = first_chunk  # a TokenChunk replacing the first chunk (e.g. an error chunk)
         self.fail_after = fail_after  # raise EngineUnavailable after this many tokens
         self.recomputed = recomputed
         self.gate = gate  # asyncio.Event awaited before answering
-        self.prefills: list[dict] = []
-        self.generates: list[dict] = []
+        self.prefills: list[EngineRequest] = []
+        self.generates: list[EngineRequest] = []
         self.aborted: list[str] = []
 
     async def prefill(self, req):
@@ -46,24 +50,24 @@ class FakeEngine:
             await self.gate.wait()
         if self.prefill_error is not None:
             raise self.prefill_error
-        return {"kv_transfer_params": {"remote_engine_id": self.engine_id, "remote_block_ids": [1]},
-                "num_prompt_tokens": 5}
+        params = {"remote_engine_id": self.engine_id, "remote_block_ids": [1]} if req.max_tokens > 1 else None
+        return PrefillResult((7, 8, 9), (42,), " first", "length", params)
 
     async def generate(self, req):
         self.generates.append(req)
         if self.gate is not None:
             await self.gate.wait()
-        rid = req["request_id"]
+        rid = req.request_id
         if self.first_chunk is not None:
-            yield {"request_id": rid, "num_prompt_tokens": 5, **self.first_chunk}
+            yield self.first_chunk.replace(request_id=rid)
             return
-        for i in range(self.tokens):
+        n = req.max_tokens if self.tokens is None else self.tokens
+        for i in range(n):
             if self.fail_after is not None and i == self.fail_after:
                 raise EngineUnavailable("actor died")
-            last = i == self.tokens - 1
-            yield {"request_id": rid, "token_ids": [i], "text": f" t{i}", "finished": last,
-                   "finish_reason": "length" if last else None, "recomputed": self.recomputed,
-                   "num_prompt_tokens": 5}
+            last = i == n - 1
+            yield TokenChunk(rid, (i,), f" t{i}", finished=last, finish_reason="length" if last else None,
+                             recomputed=self.recomputed and i == 0, num_prompt_tokens=5)
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
@@ -98,7 +102,7 @@ def make(prefills=("p0", "p1"), decodes=("d0",), routes=None, clock=None, **sett
 
 
 def req(rid="r1", prompt="hello world", max_tokens=3):
-    return {"request_id": rid, "prompt": prompt, "max_tokens": max_tokens}
+    return EngineRequest(rid, SamplingSpec(max_tokens=max_tokens), prompt=prompt)
 
 
 async def collect(stream):
@@ -117,11 +121,11 @@ def test_pd_path_passes_transfer_params_and_streams_every_token():
         router, ps, ds, _ = make()
         stream = await router.open(req())
         chunks = await collect(stream)
-        assert [c["text"] for c in chunks] == [" t0", " t1", " t2"]
+        assert [c.text for c in chunks] == [" first", " t0", " t1"]
         assert stream.prefill_id == "p0" and stream.route.path == "pd"
         sent = ds["d0"].generates[0]
-        assert sent["kv_transfer_params"]["remote_engine_id"] == "p0"
-        assert ps["p0"].prefills[0]["request_id"] == "r1"
+        assert sent.kv_transfer_params["remote_engine_id"] == "p0"
+        assert ps["p0"].prefills[0].request_id == "r1"
         assert router.breaker("d0", "p0").snapshot()["consecutive_failures"] == 0
         await router.drain()
         assert ds["d0"].aborted == [] and ps["p0"].aborted == []  # finished: nothing to abort
@@ -218,31 +222,23 @@ def test_open_breaker_is_skipped_then_probed_after_cooldown():
     run(go())
 
 
-def test_transfer_failure_feeds_the_breaker_and_is_retried_on_another_prefill():
+def test_transfer_failure_feeds_the_breaker_and_the_prefill_blocks_are_released():
     async def go():
         router, ps, ds, _ = make()
-        calls = {"n": 0}
         orig = ds["d0"].generate
 
-        def flaky(r):  # the first decode (KV from p0) fails before any token
-            calls["n"] += 1
-            if calls["n"] == 1:
-                ds["d0"].first_chunk = {"token_ids": [], "text": "", "finished": True,
-                                        "finish_reason": "error", "error": "KV transfer failed: boom"}
-            else:
-                ds["d0"].first_chunk = None
+        def flaky(r):  # the pull fails before any decode token
+            ds["d0"].first_chunk = ERROR if r.kv_transfer_params else None
             return orig(r)
 
         ds["d0"].generate = flaky
         s = await router.open(req())
         chunks = await collect(s)
-        assert s.prefill_id == "p1" and s.route.attempts == 2 and chunks[-1]["finish_reason"] == "length"
+        assert [c.text for c in chunks] == [" first", " t0", " t1"]  # continued locally
         assert router.transfer_failures[("d0", "p0")] == 1
         assert router.breaker("d0", "p0").consecutive_failures == 1
-        assert router.counters["prefill_retries"] == 1
         await router.drain()
-        assert ps["p0"].aborted == ["r1"]  # the failed attempt's leased blocks are released
-        assert ds["d0"].generates[1]["request_id"] == "r1-retry1"
+        assert ps["p0"].aborted == ["r1"]  # the failed pull's leased blocks are released
 
     run(go())
 
@@ -253,7 +249,7 @@ def test_recomputed_answer_is_delivered_but_counts_as_a_transfer_failure():
         ds["d0"].recomputed = True
         s = await router.open(req())
         chunks = await collect(s)
-        assert len(chunks) == 3 and s.route.attempts == 1
+        assert len(chunks) == 3 and s.route.attempts == 1 and chunks[1].recomputed
         assert router.transfer_failures[("d0", "p0")] == 1
 
     run(go())
@@ -266,7 +262,7 @@ def test_no_compatible_prefill_falls_back_to_decode_local():
         s = await router.open(req())
         await collect(s)
         assert s.route.path == "fallback" and s.prefill_id is None
-        assert "kv_transfer_params" not in ds["d0"].generates[0]
+        assert ds["d0"].generates[0].kv_transfer_params is None
         assert router.fallbacks["no_prefill_engine"] == 1
         assert ps["p0"].prefills == [] and ps["p1"].prefills == []
 
@@ -346,11 +342,11 @@ def test_bad_request_from_prefill_is_400_and_not_a_breaker_failure():
 def test_no_retry_after_tokens_were_streamed():
     async def go():
         router, ps, ds, _ = make()
-        ds["d0"].fail_after = 2
+        ds["d0"].fail_after = 1
         s = await router.open(req())
         chunks = await collect(s)
-        assert [c["text"] for c in chunks[:2]] == [" t0", " t1"]
-        assert chunks[-1]["finish_reason"] == "error" and "mid-stream" in chunks[-1]["error"]
+        assert [c.text for c in chunks[:2]] == [" first", " t0"]
+        assert chunks[-1].finish_reason == "error" and "mid-stream" in chunks[-1].error
         assert len(ds["d0"].generates) == 1 and ps["p1"].prefills == []
         await router.drain()
         assert ps["p0"].aborted == ["r1"]  # the prefill side is told to let go
@@ -358,15 +354,14 @@ def test_no_retry_after_tokens_were_streamed():
     run(go())
 
 
-def test_decode_engine_unavailable_before_first_token_is_503_and_prefill_is_released():
+def test_decode_engine_unavailable_before_first_token_is_503():
     async def go():
-        router, ps, ds, _ = make()
+        router, ps, ds, _ = make(routes={"d0": []})
         ds["d0"].fail_after = 0
         with pytest.raises(RouteError) as err:
             await router.open(req())
         assert err.value.status == 503
         await router.drain()
-        assert ps["p0"].aborted == ["r1"]
         assert router.decode_load["d0"].requests == 0
 
     run(go())
@@ -441,10 +436,10 @@ def test_directory_is_cached_and_its_failure_keeps_the_last_view():
 
 
 def test_prompt_estimate():
-    assert estimate_prompt_tokens({"prompt_token_ids": [1, 2, 3]}) == 3
-    assert estimate_prompt_tokens({"prompt": "abcdefgh"}, 4.0) == 2
-    assert estimate_prompt_tokens({"prompt": "abcdefgh"}, 1.0) == 8
-    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": "hi"}]}, 1.0) == 10
+    assert estimate_prompt_tokens(EngineRequest("r", prompt_token_ids=(1, 2, 3))) == 3
+    assert estimate_prompt_tokens(EngineRequest("r", prompt="abcdefgh"), 4.0) == 2
+    assert estimate_prompt_tokens(EngineRequest("r", prompt="abcdefgh"), 1.0) == 8
+    assert estimate_prompt_tokens(EngineRequest("r", messages=({"role": "user", "content": "hi"},)), 1.0) == 10
 
 
 def test_snapshot_is_plain_data():
@@ -461,24 +456,15 @@ def test_snapshot_is_plain_data():
 
 
 # ------------------------------------------------------------------ first token from the prefill engine
-class FirstTokenPrefill(FakeEngine):
-    """A vLLM-style prefill engine that samples the first token itself."""
-
-    async def prefill(self, req):
-        out = await super().prefill(req)
-        return {**out, "first_token_ids": [42], "first_text": " first", "prompt_token_ids": [7, 8, 9]}
-
-
 def test_first_token_from_prefill_is_streamed_and_decode_continues_from_token_two():
     async def go():
         router, ps, ds, _ = make(prefills=("p0",))
-        router.prefills["p0"] = ps["p0"] = FirstTokenPrefill("p0")
         s = await router.open(req(max_tokens=4))
         chunks = await collect(s)
-        assert chunks[0]["token_ids"] == [42] and chunks[0]["text"] == " first"
+        assert chunks[0].token_ids == (42,) and chunks[0].text == " first"
         sent = ds["d0"].generates[0]
-        assert sent["prompt_token_ids"] == [7, 8, 9, 42] and sent["max_tokens"] == 3
-        assert "prompt" not in sent and sent["kv_transfer_params"]["remote_engine_id"] == "p0"
+        assert sent.prompt_token_ids == (7, 8, 9, 42) and sent.max_tokens == 3 and sent.num_resumed_tokens == 1
+        assert sent.prompt is None and sent.kv_transfer_params["remote_engine_id"] == "p0"
         assert s.num_generated == 1 + 3 and router.breaker("d0", "p0").consecutive_failures == 0
         assert router.decode_load["d0"].requests == 0 and router.decode_load["d0"].tokens == 0
 
@@ -488,20 +474,18 @@ def test_first_token_from_prefill_is_streamed_and_decode_continues_from_token_tw
 def test_first_token_then_failed_pull_continues_locally():
     async def go():
         router, ps, ds, _ = make(prefills=("p0",))
-        router.prefills["p0"] = ps["p0"] = FirstTokenPrefill("p0")
         orig = ds["d0"].generate
 
         def flaky(r):
-            ds["d0"].first_chunk = ({"token_ids": [], "text": "", "finished": True, "finish_reason": "error",
-                                     "error": "KV transfer failed"} if "kv_transfer_params" in r else None)
+            ds["d0"].first_chunk = ERROR if r.kv_transfer_params else None
             return orig(r)
 
         ds["d0"].generate = flaky
         s = await router.open(req(max_tokens=4))
         chunks = await collect(s)
-        assert [c["text"] for c in chunks] == [" first", " t0", " t1", " t2"]  # nothing lost or repeated
-        assert "kv_transfer_params" not in ds["d0"].generates[1]
-        assert ds["d0"].generates[1]["prompt_token_ids"] == [7, 8, 9, 42]
+        assert [c.text for c in chunks] == [" first", " t0", " t1", " t2"]  # nothing lost or repeated
+        assert ds["d0"].generates[1].kv_transfer_params is None
+        assert ds["d0"].generates[1].prompt_token_ids == (7, 8, 9, 42)
         assert router.transfer_failures[("d0", "p0")] == 1 and router.fallbacks["transfer_failed"] == 1
 
     run(go())
@@ -510,11 +494,8 @@ def test_first_token_then_failed_pull_continues_locally():
 def test_max_tokens_one_is_served_by_the_prefill_engine_alone():
     async def go():
         router, ps, ds, _ = make(prefills=("p0",))
-        router.prefills["p0"] = ps["p0"] = FirstTokenPrefill("p0")
         chunks = await collect(await router.open(req(max_tokens=1)))
-        assert [c["token_ids"] for c in chunks] == [[42]] and chunks[-1]["finish_reason"] == "length"
+        assert [c.token_ids for c in chunks] == [(42,)] and chunks[-1].finish_reason == "length"
         assert ds["d0"].generates == []
-        await router.drain()
-        assert ps["p0"].aborted == ["r1"]  # the KV nobody reads is released at once, not at lease expiry
 
     run(go())

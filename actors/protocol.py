@@ -1,0 +1,136 @@
+"""What travels between the front, the router and the engines (typed, picklable over Ray).
+
+Life cycle of one P/D request through these types:
+
+  front    the HTTP body becomes an `EngineRequest` (prompt + `SamplingSpec`);
+  prefill  `Backend.prefill(EngineRequest)` -> `PrefillResult`: the first
+           sampled token (streamed to the client at once) and the transfer
+           params that name the prompt's KV blocks on the prefill engine;
+  decode   `Backend.generate(EngineRequest)` with prompt + first token and the
+           transfer params -> a stream of `TokenChunk`s; the first chunk
+           carries the transfer verdict (`recomputed`, or an error);
+  front    each `TokenChunk` becomes an SSE event or part of the JSON answer.
+
+`kv_transfer_params` stays a dict: it is vLLM's own boundary
+(`SamplingParams.extra_args`), validated by `actors.transfer_params`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Protocol
+
+
+class EngineRequestError(ValueError):
+    """The engine refuses the request itself (bad prompt, bad params, too long): the client's fault."""
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample; `None` means "the model's default" (vLLM's generation config)."""
+
+    max_tokens: int = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    sampling: SamplingSpec = SamplingSpec()
+    prompt_token_ids: tuple[int, ...] | None = None
+    prompt: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None  # OpenAI chat messages (vLLM's boundary)
+    kv_transfer_params: dict[str, Any] | None = None
+    # A continuation: the prompt ends with this many tokens the model already generated
+    # (the prefill engine's first token, or a migrated stream's tokens).
+    num_resumed_tokens: int = 0
+    lease_ttl_s: float | None = None
+    kv_seed: int = 0  # synthetic backend: the seed of its KV pattern
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    def replace(self, **changes: Any) -> "EngineRequest":
+        return dataclasses.replace(self, **changes)
+
+    def with_max_tokens(self, max_tokens: int) -> "EngineRequest":
+        return self.replace(sampling=dataclasses.replace(self.sampling, max_tokens=max_tokens))
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefill's output: the first token and, when a decode engine must continue, the KV handoff."""
+
+    prompt_token_ids: tuple[int, ...]
+    first_token_ids: tuple[int, ...]
+    first_text: str
+    finish_reason: str | None  # "length": the decode engine continues; "stop": the answer is complete
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def needs_decode(self) -> bool:
+        return self.kv_transfer_params is not None and self.finish_reason == "length"
+
+    def continuation(self, req: EngineRequest) -> EngineRequest:
+        """The decode engine's request: prompt + first token, the KV handoff, the rest of max_tokens."""
+        return req.replace(
+            prompt_token_ids=self.prompt_token_ids + self.first_token_ids, prompt=None, messages=None,
+            kv_transfer_params=self.kv_transfer_params, num_resumed_tokens=len(self.first_token_ids),
+        ).with_max_tokens(req.max_tokens - len(self.first_token_ids))
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """One streamed delta; the last one has `finished` and `finish_reason`."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | error | abort
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int | None = None  # first chunk of a vLLM decode: prompt tokens it did not compute
+    recomputed: bool = False  # first chunk: the KV pull failed and the prompt was recomputed locally
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason == "error"
+
+    @property
+    def failed_before_output(self) -> bool:
+        """A failure with no token: nothing reached the client, another engine may take it."""
+        return self.failed and not self.token_ids
+
+    def replace(self, **changes: Any) -> "TokenChunk":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def error_chunk(cls, request_id: str, message: str, num_prompt_tokens: int = 0) -> "TokenChunk":
+        return cls(request_id, finished=True, finish_reason="error", error=message,
+                   num_prompt_tokens=num_prompt_tokens)
+
+
+class Backend(Protocol):
+    """What an EngineActor runs: vLLM's AsyncLLM or the synthetic engine."""
+
+    engine_id: str
+
+    async def start(self, coordinator: Any) -> None: ...
+    async def prefill(self, req: EngineRequest) -> PrefillResult: ...
+    def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]: ...
+    async def abort(self, req_id: str) -> None: ...
+    async def stats(self) -> dict: ...
+    async def shutdown(self) -> None: ...
+    def liveness_handles(self) -> list[Any]: ...
+    def handshakes(self) -> list[bytes]: ...
