@@ -51,8 +51,8 @@ if str(REPO) not in sys.path:  # raypd (serving.*) for the raypd layer
 if str(K8S_DIR) not in sys.path:
     sys.path.insert(0, str(K8S_DIR))
 
-from crd import _LOADER, _strict, crd_errors, crd_validators, find_crd_dir  # noqa: E402,F401
-from kube_rules import MAX_NAME, core_errors, parse_quantity, pod_template_errors  # noqa: E402,F401
+from crd import crd_errors  # noqa: E402
+from kube_rules import core_errors, parse_quantity  # noqa: E402
 from policies import KINDS as POLICY_KINDS, document_errors, release_errors  # noqa: E402
 from posture import API_KEYS_ENV, document_security_level, security_errors  # noqa: E402
 from render import IMPORT_PATH, ROLES, parse_ray_resources_param  # noqa: E402

@@ -1,4 +1,5 @@
 """KubeRay manifests (k8s/): valid for the KubeRay CRDs, for core Kubernetes, and for raypd.
+(Their security posture, NetworkPolicies and PodMonitors: tests/unit/test_k8s_security.py.)
 
 No cluster: the RayService / RayJob documents (the shipped files and k8s/render.py
 outputs for several sizes) are checked with k8s/validate.py against the CRDs'
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 sys.path.insert(0, str(K8S))
 
+import crd as crd_schemas  # noqa: E402  (k8s/crd.py)
 import render  # noqa: E402  (k8s/render.py)
 import validate  # noqa: E402  (k8s/validate.py)
 
@@ -93,10 +95,10 @@ def group(doc: dict, name: str) -> dict:
 # --------------------------------------------------------------- the CRD schemas
 @pytest.fixture(scope="module")
 def crds() -> dict[str, dict]:
-    directory = validate.find_crd_dir()  # fails (not skips) when the CRDs are missing
+    directory = crd_schemas.find_crd_dir()  # fails (not skips) when the CRDs are missing
     out = {}
     for path in directory.glob("*.yaml"):
-        crd = yaml.load(path.read_text(), Loader=validate._LOADER)
+        crd = yaml.load(path.read_text(), Loader=crd_schemas._LOADER)
         out[crd["spec"]["names"]["kind"]] = crd
     return out
 
@@ -110,7 +112,7 @@ def test_crds_serve_v1_with_an_openapi_schema(crds):
         assert schema["properties"]["spec"]["type"] == "object"
         import jsonschema
 
-        jsonschema.Draft7Validator.check_schema(validate._strict(schema))  # the schema we validate with is sound
+        jsonschema.Draft7Validator.check_schema(crd_schemas._strict(schema))  # the schema we validate with is sound
 
 
 @pytest.mark.parametrize("name, doc", DOCS, ids=ids(DOCS))

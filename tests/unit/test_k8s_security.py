@@ -16,7 +16,8 @@ import pytest
 import yaml
 from test_k8s_manifests import BASE, BENCH, CPU, DOCS, K8S, RENDERS, SERVICES, cluster_of, ids, load
 
-import posture  # noqa: E402  (k8s/posture.py, on sys.path via test_k8s_manifests)
+import policies  # noqa: E402  (k8s/policies.py, on sys.path via test_k8s_manifests)
+import posture  # noqa: E402
 import render  # noqa: E402
 import validate  # noqa: E402
 
@@ -189,21 +190,15 @@ def test_dashboard_is_admitted_only_to_the_kuberay_operator_on_the_head():
 @pytest.mark.parametrize("name, service", SERVICES[:2], ids=ids(SERVICES[:2]))
 def test_every_release_pod_is_under_an_ingress_policy(name, service):
     covered = {g for g, t in templates(service) for np in POLICIES
-               if validate_selects(np["spec"]["podSelector"], t["metadata"]["labels"])}
+               if policies.selects(np["spec"]["podSelector"], t["metadata"]["labels"])}
     assert covered == {g for g, _ in templates(service)}
-
-
-def validate_selects(selector, labels):
-    import policies
-
-    return policies.selects(selector, labels)
 
 
 def test_bench_pods_are_outside_the_release():
     job = load(BENCH)
     labels = [t["metadata"]["labels"] for t in (job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"],
                                                 job["spec"]["submitterPodTemplate"])]
-    assert not any(validate_selects(np["spec"]["podSelector"], lab) for np in POLICIES for lab in labels)
+    assert not any(policies.selects(np["spec"]["podSelector"], lab) for np in POLICIES for lab in labels)
 
 
 # ----------------------------------------------------------------- monitoring
@@ -367,3 +362,10 @@ def test_a_bench_job_without_a_hardened_submitter_is_refused():
     job = load(BENCH)
     job["spec"].pop("submitterPodTemplate")
     assert any("spec.submitterPodTemplate" in e for e in validate.validate(job))
+
+
+def test_networkpolicies_with_kubernetes_validate_when_installed():
+    kv = pytest.importorskip("kubernetes_validate")  # not a raypd dependency: policies.py's schema runs always
+    version = kv.latest_version()
+    for doc in load_all(SECURITY) + [d for d in load_all(MONITORING) if d["kind"] == "NetworkPolicy"]:
+        kv.validate(doc, version, strict=True)
