@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Render raypd's KubeRay RayService for given sizes; YAML on stdout. Helm-free: Python + PyYAML.
+"""Render a raypd release (its NetworkPolicies and KubeRay RayService) for given sizes; YAML on
+stdout. Helm-free: Python + PyYAML.
 
     python k8s/render.py --prefill-replicas 2 --decode-replicas 3 --prefill-tp 2 --decode-tp 4 > raypd.yaml
     python k8s/render.py --cpu --prefill-replicas 2 | kubectl apply -f -
+    python k8s/render.py --name llama-pd --monitoring | kubectl apply -f -   # + PodMonitors
 
 The shape comes from a template, read as is: `k8s/base/rayservice.yaml` (--gpu, the
 default) or `k8s/overlays/cpu/rayservice.yaml` (--cpu). The options change only
@@ -17,8 +19,16 @@ decode scale independently and stay consistent:
                        engines' num_cpus
   --worker-memory M    pod memory (requests and limits)
 
-Anything else (UCX settings, volumes, probes, router/transfer settings) is edited
-in the template. tests/unit/test_k8s_manifests.py validates renders against the
+  --name N             the release: RayService, Serve app and raypd deployment name, the
+                       pods' app.kubernetes.io/instance label (what the NetworkPolicies and
+                       PodMonitors select), their names, and the API-key Secret `N-api-keys`
+  --kuberay-namespace  where the KubeRay operator runs (the dashboard policy admits it)
+  --monitoring         also the PodMonitors of k8s/monitoring (and their NetworkPolicy;
+                       --prometheus-namespace says where Prometheus runs)
+
+The NetworkPolicies come from k8s/security/networkpolicy.yaml (always printed, before the
+RayService), the monitors from k8s/monitoring/podmonitor.yaml. Anything else (UCX
+settings, volumes, probes, router/transfer settings) is edited in the template. tests/unit/test_k8s_manifests.py validates renders against the
 KubeRay CRDs and raypd's own config model; `python k8s/validate.py FILE` does the
 same for any file.
 """
@@ -41,12 +51,18 @@ TEMPLATES = {
     "gpu": K8S_DIR / "base" / "rayservice.yaml",
     "cpu": K8S_DIR / "overlays" / "cpu" / "rayservice.yaml",
 }
+SECURITY = K8S_DIR / "security" / "networkpolicy.yaml"
+MONITORING = K8S_DIR / "monitoring" / "podmonitor.yaml"
+TEMPLATE_RELEASE = "raypd"  # the release name the shipped files use
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"
 ROLES = ("prefill", "decode")
 GPU = "nvidia.com/gpu"
 IMPORT_PATH = "serving.app:build_app"
 CPU_VLLM_MEMORY = "6Gi"  # vLLM (CPU) with SmolLM2: ~4 GB RSS per engine (notes/vllm-cpu-facts.md)
 CPU_VLLM_CPUS = "2"
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # namespace names
 
 
 class RenderError(ValueError):
@@ -189,10 +205,56 @@ def render(accel: str = "gpu", *, prefill_replicas: int | None = None, decode_re
         doc["metadata"]["name"] = name
         args["name"] = name
         app["name"] = name
+        _rename_release(doc, name)
     if namespace is not None:
         doc["metadata"]["namespace"] = namespace
     spec["serveConfigV2"] = yaml.dump(serve_config, Dumper=_Dumper, sort_keys=False)
     return doc
+
+
+def _rename_release(node: Any, name: str) -> None:
+    """The release's instance labels/selectors and its API-key Secret reference, in place."""
+    if isinstance(node, dict):
+        if node.get(INSTANCE_LABEL) == TEMPLATE_RELEASE:
+            node[INSTANCE_LABEL] = name
+        ref = node.get("secretKeyRef")
+        if isinstance(ref, dict) and ref.get("name") == f"{TEMPLATE_RELEASE}-api-keys":
+            ref["name"] = f"{name}-api-keys"
+        for value in node.values():
+            _rename_release(value, name)
+    elif isinstance(node, list):
+        for item in node:
+            _rename_release(item, name)
+
+
+def _set_peer_namespace(policy: dict, namespace: str) -> None:
+    for rule in policy["spec"].get("ingress") or []:
+        for peer in rule.get("from") or []:
+            labels = (peer.get("namespaceSelector") or {}).get("matchLabels") or {}
+            if NAMESPACE_LABEL in labels:
+                labels[NAMESPACE_LABEL] = namespace
+
+
+def render_release(accel: str = "gpu", *, monitoring: bool = False, kuberay_namespace: str | None = None,
+                   prometheus_namespace: str | None = None, **options: Any) -> list[dict]:
+    """NetworkPolicies, the RayService and (monitoring) the PodMonitors of one release."""
+    for flag, ns in (("--kuberay-namespace", kuberay_namespace), ("--prometheus-namespace", prometheus_namespace)):
+        if ns is not None and (not _DNS1123_LABEL.match(ns) or len(ns) > 63):
+            raise RenderError(f"{flag} must be a namespace name, got {ns!r}")
+    service = render(accel, **options)
+    name, namespace = service["metadata"]["name"], service["metadata"].get("namespace")
+    policies = list(yaml.safe_load_all(SECURITY.read_text()))
+    monitors = list(yaml.safe_load_all(MONITORING.read_text())) if monitoring else []
+    for doc in policies + monitors:
+        doc["metadata"]["name"] = name + doc["metadata"]["name"][len(TEMPLATE_RELEASE):]
+        if namespace is not None:
+            doc["metadata"]["namespace"] = namespace
+        _rename_release(doc, name)
+        if doc["kind"] == "NetworkPolicy":
+            wanted = prometheus_namespace if doc in monitors else kuberay_namespace
+            if wanted is not None:
+                _set_peer_namespace(doc, wanted)
+    return policies + [service] + monitors
 
 
 def _switch_backend(args: dict, backend: str, accel: str) -> None:
@@ -245,8 +307,9 @@ def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
-def to_yaml(doc: dict, header: str | None = None) -> str:
-    text = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100)
+def to_yaml(doc: dict | list[dict], header: str | None = None) -> str:
+    docs = doc if isinstance(doc, list) else [doc]
+    text = "---\n".join(yaml.dump(d, Dumper=_Dumper, sort_keys=False, width=100) for d in docs)
     return (f"# {header}\n" if header else "") + text
 
 
@@ -274,7 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ingress-replicas", type=int, help="Ray Serve ingress replicas (http.num_replicas)")
     p.add_argument("--image", help="container image of every pod (template: ghcr.io/your-org/raypd:latest)")
     p.add_argument("--name", help="RayService name (also the raypd deployment and Serve app name)")
-    p.add_argument("--namespace", help="metadata.namespace")
+    p.add_argument("--namespace", help="metadata.namespace of every document")
+    p.add_argument("--kuberay-namespace", help="namespace of the KubeRay operator (template: default)")
+    p.add_argument("--monitoring", action="store_true", help="also print the PodMonitors (k8s/monitoring)")
+    p.add_argument("--prometheus-namespace", help="namespace of Prometheus, with --monitoring (template: monitoring)")
     return p
 
 
@@ -283,12 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options = {k: v for k, v in vars(args).items() if k != "accel"}
     try:
-        doc = render(args.accel, **options)
+        docs = render_release(args.accel, **options)
     except RenderError as exc:
         print(f"render.py: {exc}", file=sys.stderr)
         return 2
     header = "rendered by: python k8s/render.py " + " ".join(shlex.quote(a) for a in argv)
-    sys.stdout.write(to_yaml(doc, header.rstrip()))
+    sys.stdout.write(to_yaml(docs, header.rstrip()))
     return 0
 
 

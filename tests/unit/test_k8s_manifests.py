@@ -1,4 +1,5 @@
 """KubeRay manifests (k8s/): valid for the KubeRay CRDs, for core Kubernetes, and for raypd.
+(Their security posture, NetworkPolicies and PodMonitors: tests/unit/test_k8s_security.py.)
 
 No cluster: the RayService / RayJob documents (the shipped files and k8s/render.py
 outputs for several sizes) are checked with k8s/validate.py against the CRDs'
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 sys.path.insert(0, str(K8S))
 
+import crd as crd_schemas  # noqa: E402  (k8s/crd.py)
 import render  # noqa: E402  (k8s/render.py)
 import validate  # noqa: E402  (k8s/validate.py)
 
@@ -93,10 +95,10 @@ def group(doc: dict, name: str) -> dict:
 # --------------------------------------------------------------- the CRD schemas
 @pytest.fixture(scope="module")
 def crds() -> dict[str, dict]:
-    directory = validate.find_crd_dir()  # fails (not skips) when the CRDs are missing
+    directory = crd_schemas.find_crd_dir()  # fails (not skips) when the CRDs are missing
     out = {}
     for path in directory.glob("*.yaml"):
-        crd = yaml.load(path.read_text(), Loader=validate._LOADER)
+        crd = yaml.load(path.read_text(), Loader=crd_schemas._LOADER)
         out[crd["spec"]["names"]["kind"]] = crd
     return out
 
@@ -110,7 +112,7 @@ def test_crds_serve_v1_with_an_openapi_schema(crds):
         assert schema["properties"]["spec"]["type"] == "object"
         import jsonschema
 
-        jsonschema.Draft7Validator.check_schema(validate._strict(schema))  # the schema we validate with is sound
+        jsonschema.Draft7Validator.check_schema(crd_schemas._strict(schema))  # the schema we validate with is sound
 
 
 @pytest.mark.parametrize("name, doc", DOCS, ids=ids(DOCS))
@@ -209,7 +211,7 @@ def test_base_has_the_cluster_settings_nixl_needs():
         assert g["rayStartParams"]["num-gpus"] == str(tp)
         assert c["resources"]["limits"]["rdma/hca"] == 1
         assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
-        env = {e["name"]: e["value"] for e in c["env"]}
+        env = {e["name"]: e.get("value") for e in c["env"]}
         assert {"UCX_TLS", "UCX_NET_DEVICES"} <= set(env) and "tcp" in env["UCX_TLS"].split(",")
         volumes = {v["name"]: v for v in g["template"]["spec"]["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
@@ -218,7 +220,7 @@ def test_base_has_the_cluster_settings_nixl_needs():
         assert c["image"] == "ghcr.io/your-org/raypd:latest"
 
 
-def test_cpu_overlay_has_no_gpus_rdma_or_capabilities():
+def test_cpu_overlay_has_no_gpus_rdma_or_ipc_lock():
     doc = load(CPU)
     text = json.dumps(doc)  # the manifest without its comments
     assert GPU not in text and "rdma" not in text and "IPC_LOCK" not in text and "num-gpus" not in text
@@ -298,10 +300,12 @@ def test_render_cli_writes_yaml_to_stdout(capsys):
                         "--decode-tp", "4", "--gpu"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# rendered by: python k8s/render.py --prefill-replicas 2")
-    doc = yaml.safe_load(out)
+    docs = list(yaml.safe_load_all(out))
+    assert [d["kind"] for d in docs] == ["NetworkPolicy", "NetworkPolicy", "RayService"]
+    doc = docs[-1]
     assert (group(doc, "prefill")["replicas"], group(doc, "decode")["replicas"]) == (2, 3)
     assert "serveConfigV2: |" in out  # the Serve config stays a readable block
-    assert validate.validate(doc) == []
+    assert validate.validate_all(docs) == []
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -339,9 +343,7 @@ def test_bench_job_entrypoint_parses_with_raypd_cli():
     from serving.cli import build_parser
 
     job = load(BENCH)
-    import shlex
-
-    argv = shlex.split(job["spec"]["entrypoint"])
+    argv = validate.bench_argv(job)  # unwrapped from bash -c '...'
     args = build_parser().parse_args(argv[1:])
     assert argv[0] == "raypd" and args.command == "bench" and not args.overhead
     assert args.concurrency == "1,4,16" and args.requests > 0
@@ -352,7 +354,8 @@ def test_kustomizations_list_existing_files():
         data = load(kustomization)
         assert data["kind"] == "Kustomization"
         for resource in data["resources"]:
-            assert (kustomization.parent / resource).is_file(), resource
+            target = kustomization.parent / resource
+            assert target.is_file() or (target / "kustomization.yaml").is_file(), resource
 
 
 # ------------------------------------------------- the validators can say no
@@ -366,6 +369,11 @@ def _container(doc, i=0):
 
 def _head_container(doc):
     return cluster_of(doc)["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def _set_env(container, name, value):
+    (var,) = [e for e in container["env"] if e["name"] == name]
+    var["value"] = value
 
 
 def _edit_serve(doc, old, new):
@@ -444,7 +452,8 @@ BROKEN = [
      lambda d: _container(d).update(env=[e for e in _container(d)["env"]
                                          if e["name"] != "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]),
      "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"),
-    ("no IPC_LOCK on GPU pods", lambda d: _container(d).pop("securityContext"), "IPC_LOCK"),
+    ("IPC_LOCK on a pod without RDMA", lambda d: _set_env(_container(d), "UCX_TLS", "tcp,cuda_copy"),
+     "IPC_LOCK without an RDMA transport"),
     ("engine needs more CPUs than the pod", lambda d: _worker(d)["rayStartParams"].update({"num-cpus": "4"}),
      "asks 8.0 Ray CPUs"),
     ("engine with 0 CPUs on a 0-CPU pod", lambda d: [_edit_serve(d, "num_cpus: 8", "num_cpus: 0"),
@@ -469,6 +478,8 @@ def test_a_broken_manifest_is_refused(what, breaks, message):
     ("raypd bench --url http://raypd-serve-svc:8000 --requests many", "refuses its arguments"),
     ("raypd bench --overhead", "--overhead"),
     ("raypd bench --url raypd-serve-svc", "not an http(s) URL"),
+    ("raypd bench --url http://raypd-serve-svc:8000 --api-key sk-in-the-manifest", "literal key"),
+    ("bash -c 'exec raypd bench --url http://raypd-serve-svc:8000 --requests many'", "refuses its arguments"),
 ])
 def test_a_broken_bench_job_is_refused(entrypoint, message):
     job = load(BENCH)
