@@ -1,0 +1,166 @@
+"""The one client path of every set-up: the official `openai` client streaming /v1/completions.
+
+Every request is the same for every set-up: a prompt of random token ids
+(exact length, a fresh prompt per request so no prefix cache ever hits), greedy
+(`temperature 0`), `ignore_eos` so each answer has exactly `max_tokens` tokens,
+`stream_options.include_usage`. A token chunk is a streamed chunk with non-empty
+text; its arrival time is taken when the client has parsed it.
+
+Workloads: `low_load` sends requests one at a time, cycling over the prompt
+lengths; `poisson` sends a pre-drawn open-loop stream (exponential gaps at a
+fixed rate, prompt lengths from a fixed weighted mix), never waiting for answers.
+Streams are drawn from seeds that depend only on (seed, round, length or rate),
+so every set-up gets identical requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+from openai import AsyncOpenAI
+
+
+@dataclass
+class Request:
+    idx: int
+    prompt: list[int]
+    max_tokens: int
+    at_s: float = 0.0  # arrival offset within its phase (open loop)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt)
+
+
+@dataclass
+class Record:
+    idx: int
+    length: int
+    at_s: float
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)  # token chunks, from the request's send
+    completion_tokens: int | None = None
+    end_s: float | None = None  # last byte, from the phase start
+    text: str = ""
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["token_times_s"] = [round(t, 5) for t in self.token_times_s]
+        return d
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
+
+
+def low_load_requests(seed: int, rnd: int, lengths: list[int], reps: int, max_tokens: int,
+                      vocab: int) -> list[Request]:
+    """`reps` requests per length, interleaved (so a drift of the host hits every length alike)."""
+    out = []
+    per_len = {n: random.Random(f"{seed}/low/{rnd}/{n}") for n in lengths}
+    for i in range(reps):
+        for n in lengths:
+            out.append(Request(len(out), random_prompt(per_len[n], n, vocab), max_tokens))
+    return out
+
+
+def poisson_requests(seed: int, rnd: int, rate: float, count: int, mix: dict[int, float], max_tokens: int,
+                     vocab: int) -> list[Request]:
+    rng = random.Random(f"{seed}/load/{rnd}/{rate}")
+    lengths, weights = list(mix), list(mix.values())
+    t, out = 0.0, []
+    for i in range(count):
+        n = rng.choices(lengths, weights)[0]
+        out.append(Request(i, random_prompt(rng, n, vocab), max_tokens, at_s=t))
+        t += rng.expovariate(rate)
+    return out
+
+
+def make_client(base_url: str, timeout_s: float) -> AsyncOpenAI:
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    return AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
+                       http_client=httpx.AsyncClient(timeout=timeout_s, limits=limits))
+
+
+async def send(client: AsyncOpenAI, model: str, req: Request, phase_t0: float) -> Record:
+    rec = Record(req.idx, req.length, req.at_s)
+    parts: list[str] = []
+    t0 = time.perf_counter()
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=req.prompt, max_tokens=req.max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                rec.completion_tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices or []:
+                if choice.text:
+                    rec.token_times_s.append(now - t0)
+                    parts.append(choice.text)
+        rec.ok = bool(rec.token_times_s)
+        if not rec.ok:
+            rec.error = "no token streamed"
+    except Exception as exc:  # noqa: BLE001 - a failed request is a record
+        rec.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    rec.end_s = time.perf_counter() - phase_t0
+    if rec.token_times_s:
+        rec.ttft_s = rec.token_times_s[0]
+    rec.text = "".join(parts)
+    return rec
+
+
+async def low_load(base_url: str, model: str, requests: list[Request], timeout_s: float) -> list[Record]:
+    client = make_client(base_url, timeout_s)
+    try:
+        t0 = time.perf_counter()
+        out = []
+        for req in requests:
+            req.at_s = time.perf_counter() - t0
+            out.append(await send(client, model, req, t0))
+        return out
+    finally:
+        await client.close()
+
+
+async def poisson(base_url: str, model: str, requests: list[Request], timeout_s: float,
+                  drain_s: float) -> tuple[list[Record], float]:
+    """Send each request at its arrival time; give up on what is unfinished `drain_s` after the last arrival.
+
+    Returns the records and the phase's duration (first send -> last completion,
+    or the give-up time).
+    """
+    client = make_client(base_url, timeout_s)
+    t0 = time.perf_counter()
+
+    async def at(req: Request) -> Record:
+        await asyncio.sleep(max(0.0, req.at_s - (time.perf_counter() - t0)))
+        return await send(client, model, req, t0)
+
+    tasks = [asyncio.ensure_future(at(r)) for r in requests]
+    try:
+        limit = (requests[-1].at_s if requests else 0.0) + drain_s
+        done, pending = await asyncio.wait(tasks, timeout=max(0.0, limit - (time.perf_counter() - t0)))
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - t0
+        out = []
+        for req, t in zip(requests, tasks):
+            if t in done and not t.cancelled() and t.exception() is None:
+                out.append(t.result())
+            else:
+                out.append(Record(req.idx, req.length, req.at_s, error=f"unfinished {drain_s:.0f}s after the "
+                                  "last arrival (cancelled)"))
+        ends = [r.end_s for r in out if r.ok and r.end_s is not None]
+        if not pending and ends:
+            duration = max(ends)
+        return out, duration
+    finally:
+        await client.close()

@@ -1,0 +1,107 @@
+"""From request records to the figures the benchmark reports.
+
+Definitions (every set-up alike, from the client's token-chunk arrival times):
+  TTFT        request sent -> first token chunk
+  tok1->2     first -> second token chunk (a P/D set-up's KV pull and first decode step sit here)
+  ITL         gaps between consecutive token chunks after the second token
+  mean ITL    (last - first token) / (completion tokens - 1), per request (vLLM's TPOT)
+  max gap     the longest gap between two token chunks of a request, tok1->2 included
+Goodput SLO of a request of prompt length n (reference: the low-load colocated set-up (a), same run):
+  TTFT <= 3 x (a)'s low-load TTFT p50 at n, mean ITL <= 1.5 x (a)'s low-load mean ITL p50 at n,
+  max gap <= 1 s.
+"""
+
+from __future__ import annotations
+
+import math
+
+from serving.bench import percentile
+
+NAN = float("nan")
+
+
+def pct(values: list[float], q: float) -> float:
+    return percentile(values, q) if values else NAN
+
+
+def gaps(rec: dict) -> list[float]:
+    t = rec["token_times_s"]
+    return [b - a for a, b in zip(t, t[1:])]
+
+
+def mean_itl(rec: dict) -> float | None:
+    t = rec["token_times_s"]
+    n = rec.get("completion_tokens") or len(t)
+    if len(t) < 2 or n < 2:
+        return None
+    return (t[-1] - t[0]) / (n - 1)
+
+
+def latency_stats(recs: list[dict]) -> dict:
+    ok = [r for r in recs if r["ok"]]
+    ttft = [r["ttft_s"] for r in ok]
+    first = [gaps(r)[0] for r in ok if len(r["token_times_s"]) > 1]
+    itl = [g for r in ok for g in gaps(r)[1:]]
+    means = [m for m in (mean_itl(r) for r in ok) if m is not None]
+    out = {"n": len(recs), "ok": len(ok),
+           "errors": sorted({r["error"] for r in recs if not r["ok"] and r.get("error")})[:3]}
+    for name, vals, qs in (("ttft", ttft, (50, 90, 99)), ("tok12", first, (50, 90, 99)),
+                           ("itl", itl, (50, 90, 99)), ("mean_itl", means, (50, 90))):
+        for q in qs:
+            out[f"{name}_p{q}"] = pct(vals, q)
+    out["max_gap_max"] = max((max(gaps(r)) for r in ok if len(r["token_times_s"]) > 1), default=NAN)
+    return out
+
+
+def slo_reference(low_a: dict[int, list[dict]]) -> dict[int, dict]:
+    """Per prompt length: the SLO limits derived from (a)'s low-load records."""
+    ref = {}
+    for n, recs in low_a.items():
+        s = latency_stats(recs)
+        ref[n] = {"ttft_s": 3.0 * s["ttft_p50"], "mean_itl_s": 1.5 * s["mean_itl_p50"], "max_gap_s": 1.0}
+    return ref
+
+
+def meets_slo(rec: dict, ref: dict[int, dict]) -> tuple[bool, str]:
+    if not rec["ok"]:
+        return False, "failed"
+    lim = ref.get(rec["length"])
+    if lim is None:
+        return False, "no reference"
+    g = gaps(rec)
+    if rec["ttft_s"] > lim["ttft_s"]:
+        return False, "ttft"
+    m = mean_itl(rec)
+    if m is not None and m > lim["mean_itl_s"]:
+        return False, "mean_itl"
+    if g and max(g) > lim["max_gap_s"]:
+        return False, "gap>1s"
+    return True, "ok"
+
+
+def load_stats(runs: list[dict], ref: dict[int, dict]) -> dict:
+    """Pooled over rounds: `runs` = [{"records": [...], "duration_s": x}, ...] at one rate."""
+    recs = [r for run in runs for r in run["records"]]
+    duration = sum(run["duration_s"] for run in runs)
+    verdicts = [meets_slo(r, ref) for r in recs]
+    reasons: dict[str, int] = {}
+    for good, why in verdicts:
+        if not good:
+            reasons[why] = reasons.get(why, 0) + 1
+    ok = [r for r in recs if r["ok"]]
+    out = latency_stats(recs)
+    out.update({
+        "duration_s": duration,
+        "throughput_rps": len(ok) / duration if duration else NAN,
+        "output_tok_per_s": sum((r.get("completion_tokens") or 0) for r in ok) / duration if duration else NAN,
+        "goodput_rps": sum(1 for good, _ in verdicts if good) / duration if duration else NAN,
+        "slo_met": sum(1 for good, _ in verdicts if good), "slo_missed": reasons,
+        "max_gap_p99": pct([max(gaps(r)) for r in ok if len(r["token_times_s"]) > 1], 99),
+    })
+    return out
+
+
+def ratio(a: float, b: float) -> float:
+    if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
+        return NAN
+    return a / b
