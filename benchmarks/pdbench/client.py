@@ -10,7 +10,8 @@ Workloads: `low_load` sends requests one at a time, cycling over the prompt
 lengths; `poisson` sends a pre-drawn open-loop stream (exponential gaps at a
 fixed rate, prompt lengths from a fixed weighted mix), never waiting for answers.
 Streams are drawn from seeds that depend only on (seed, round, length or rate),
-so every set-up gets identical requests.
+so every set-up gets identical requests; under load, every rate of a round sends the
+same lengths with the same (scaled) gaps, and the mix's proportions exactly.
 """
 
 from __future__ import annotations
@@ -70,15 +71,33 @@ def low_load_requests(seed: int, rnd: int, lengths: list[int], reps: int, max_to
     return out
 
 
+def mix_counts(mix: dict[int, float], count: int) -> dict[int, int]:
+    """Exact counts per prompt length for `count` requests (largest remainder), so that a
+    small stream holds the mix's proportions instead of whatever a random draw gives."""
+    total = sum(mix.values())
+    raw = {n: count * w / total for n, w in mix.items()}
+    out = {n: int(v) for n, v in raw.items()}
+    for n in sorted(raw, key=lambda n: raw[n] - out[n], reverse=True)[:count - sum(out.values())]:
+        out[n] += 1
+    return out
+
+
 def poisson_requests(seed: int, rnd: int, rate: float, count: int, mix: dict[int, float], max_tokens: int,
                      vocab: int) -> list[Request]:
-    rng = random.Random(f"{seed}/load/{rnd}/{rate}")
-    lengths, weights = list(mix), list(mix.values())
+    """One round's open-loop stream at `rate`, identical for every set-up.
+
+    Every rate of a round gets the same prompt lengths in the same order and the
+    same Poisson gaps scaled by 1/rate (unit exponential gaps / rate), so rates
+    differ only in pace; the prompts' tokens are fresh per rate (prefix caching
+    is on: a repeated prompt would be served from the cache)."""
+    shape = random.Random(f"{seed}/load/{rnd}")
+    tokens = random.Random(f"{seed}/load/{rnd}/{rate}")
+    lengths = [n for n, k in mix_counts(mix, count).items() for _ in range(k)]
+    shape.shuffle(lengths)
     t, out = 0.0, []
-    for i in range(count):
-        n = rng.choices(lengths, weights)[0]
-        out.append(Request(i, random_prompt(rng, n, vocab), max_tokens, at_s=t))
-        t += rng.expovariate(rate)
+    for i, n in enumerate(lengths):
+        out.append(Request(i, random_prompt(tokens, n, vocab), max_tokens, at_s=t / rate))
+        t += shape.expovariate(1.0)
     return out
 
 
