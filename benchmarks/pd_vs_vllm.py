@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """raypd P/D against colocated vLLM, vLLM's NixlConnector P/D and Ray Serve LLM's P/D, one run, one client.
 
-  flock /work/ray.lock .venv/bin/python benchmarks/pd_vs_vllm.py            # full run, ~30 min
+  flock /work/ray.lock .venv/bin/python benchmarks/pd_vs_vllm.py            # full run, ~50 min here
   flock /work/ray.lock .venv/bin/python benchmarks/pd_vs_vllm.py --quick    # development, ~10 min
 
 Set-ups (benchmarks/pdbench/setups.py; all SmolLM2-135M-Instruct, float32, block
