@@ -30,6 +30,7 @@ import ray
 
 from actors.engine_config import EngineConfig
 from actors.protocol import Backend, EngineRequest, EngineRequestError, PrefillResult, TokenChunk
+from actors.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
 from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.engine")
@@ -59,6 +60,10 @@ class EngineActor:
         self.started = False
         self._start_lock: asyncio.Lock | None = None
         self._start_info: dict | None = None
+        self.startup = StartupLog(self.engine_id)
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+            self.startup.reached(PLACED, f"node {node[:8]} ({ray.util.get_node_ip_address()})")
 
     async def start(self) -> dict:
         """Build the backend and register with the coordinator (if any).
@@ -79,12 +84,28 @@ class EngineActor:
 
             self._coordinator = ray.get_actor(self.coordinator_name, namespace=NAMESPACE)
         verdicts: dict = {}
-        await self.backend.start(self._coordinator)
-        if self._coordinator is not None:
-            verdicts = await self._register()
-            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+        self.startup.reached(LOADING, self.cfg.model if self.cfg.backend == "vllm" else "synthetic")
+        try:
+            await self.backend.start(self._coordinator)
+            self.startup.reached(KV_REGISTERED)
+            if self._coordinator is not None:
+                verdicts = await self._register()
+                self.startup.reached(HANDSHAKE_PUBLISHED)
+                self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+        except Exception as exc:
+            self.startup.failed(exc)
+            raise
         self.started = True
+        self.startup.reached(READY)
         return {"engine_id": self.engine_id, "role": self.cfg.role, "pairs": verdicts}
+
+    async def start_phases(self) -> list[StartPhase]:
+        """Start-up phases reached so far (polled by the launcher while start() runs)."""
+        return self.startup.phases()
+
+    def effective_config(self) -> Any:
+        """The vLLM engine's own config values (actors.engine_args.EffectiveEngineConfig); None otherwise."""
+        return getattr(self.backend, "effective_config", None)
 
     async def _register(self) -> dict:
         return await self._coordinator.register_engine.remote(

@@ -3,16 +3,68 @@
 Validated once, at the boundary (config file, Serve builder, CLI); everything
 below receives a typed, frozen object. Cross-field rules say what vLLM or the
 KV transfer would otherwise refuse much later and less clearly.
+
+`engine_kwargs` go to vLLM's engine arguments unchanged (checked against
+vLLM's own argument classes by `actors.engine_args`). The few engine arguments
+raypd needs to know itself, for P/D compatibility checks and request
+validation (model, dtype, max_model_len, TP/PP/DCP sizes, block size), have
+one home: raypd's own fields. Written as engine_kwargs they are moved into
+those fields (`lift_owned_kwargs`); a contradiction is refused.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Role = Literal["prefill", "decode", "both"]
 Backend = Literal["vllm", "synthetic"]
+# vLLM's `dtype` values ("auto": the model's own, as vLLM picks it for the platform)
+DType = Literal["auto", "float32", "float", "bfloat16", "float16", "half"]
+
+# vLLM engine argument -> the raypd field that holds it (one source of truth).
+OWNED_KWARGS: dict[str, str] = {
+    "model": "model", "dtype": "dtype", "max_model_len": "max_model_len",
+    "tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
+    "decode_context_parallel_size": "dcp_size", "block_size": "block_size",
+}
+GROUP_FIELDS = frozenset({"tp_size", "pp_size", "dcp_size", "block_size"})  # per role in a deployment
+DEPLOYMENT_FIELDS = frozenset({"model", "dtype", "max_model_len"})  # one value for both roles
+# Engine arguments raypd refuses, with what to use instead.
+REFUSED_KWARGS: dict[str, str] = {
+    "data_parallel_size": "raypd scales an engine pool with prefill.count / decode.count",
+}
+
+
+class OwnedKwargError(ValueError):
+    """An engine_kwargs entry contradicts the raypd field that owns it."""
+
+
+def lift_owned_kwargs(data: dict[str, Any], kwargs: dict[str, Any], fields: frozenset[str], where: str,
+                      explicit: dict[str, str]) -> dict[str, Any]:
+    """Move the owned engine arguments of `kwargs` that map to `fields` into `data`.
+
+    `explicit` maps a raypd field to where the user (or an earlier kwargs source)
+    set it; a different value is a contradiction. Returns what is left of `kwargs`,
+    with vLLM's spelling of the keys (`max-num-seqs` -> `max_num_seqs`).
+    """
+    rest = {}
+    for key, value in kwargs.items():
+        name = key.replace("-", "_")
+        if name in REFUSED_KWARGS:
+            raise OwnedKwargError(f"{where}.{key} is not supported: {REFUSED_KWARGS[name]}")
+        target = OWNED_KWARGS.get(name)
+        if target is None or target not in fields:
+            rest[name] = value
+            continue
+        if target in explicit and data.get(target) != value:
+            raise OwnedKwargError(
+                f"{where}.{key}={value!r} contradicts {explicit[target]}={data.get(target)!r}: "
+                f"set it once (raypd keeps it in `{target}`)")
+        data[target] = value
+        explicit.setdefault(target, f"{where}.{key}")
+    return rest
 
 
 class _Strict(BaseModel):
@@ -41,10 +93,10 @@ class EngineConfig(_Strict):
     role: Role
     backend: Backend = "vllm"
     engine_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    model: str = "smollm2"  # vllm: the embedded model or a local folder
+    model: str = "smollm2"  # vllm: the embedded model, a local folder or a hub id
     model_id: str | None = None  # what the compatibility hash calls the model (default: folder name)
     synthetic: SyntheticModelConfig = SyntheticModelConfig()
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DType = "auto"
     tp_size: int = Field(1, ge=1, le=64)
     pp_size: int = Field(1, ge=1, le=64)
     dcp_size: int = Field(1, ge=1, le=64)
@@ -59,14 +111,24 @@ class EngineConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = True
+    engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments, passed through (actors.engine_args)
     # False: plain vLLM with no KV connector at all (role "both" only). Used as the
     # colocated baseline of benchmarks/pd_vs_vllm.py; such an engine cannot take part
     # in P/D (it publishes no handshake payload).
     kv_connector: bool = True
     # Test knob: this fraction of KV pulls fails on purpose (fault-injection suites only).
     fault_rate: float = Field(0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_owned(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("engine_kwargs"):
+            return data
+        data = dict(data)
+        explicit = {f: f for f in set(OWNED_KWARGS.values()) if f in data}
+        data["engine_kwargs"] = lift_owned_kwargs(data, dict(data["engine_kwargs"]),
+                                                  GROUP_FIELDS | DEPLOYMENT_FIELDS, "engine_kwargs", explicit)
+        return data
 
     @model_validator(mode="after")
     def _cross_field(self) -> "EngineConfig":

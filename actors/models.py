@@ -11,9 +11,9 @@ raypd never downloads from a model hub. vLLM loads Hugging Face folders, so:
 - `build_tiny_llama()` writes a tiny random `LlamaForCausalLM` (float32) with
   SmolLM2's tokenizer for fast tests; the seed changes the weights, never the
   config, so a test can tell which engine's weights produced a token.
-- `resolve_model()` turns a config's `model:` string into a folder: the
-  embedded model by name, or an existing local folder; anything else (hub ids)
-  is refused with a typed error.
+- `resolve_model()` turns a config's `model:` string into what vLLM loads: the
+  embedded model by name, an existing local folder, or a hub id (its cached
+  snapshot, or the id for vLLM to download; actors/hub_models.py).
 
 torch / transformers are imported lazily: resolving an existing folder is cheap.
 """
@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "ModelConfigError", "ModelConversionError", "ModelError", "ModelNotFoundError", "UnsupportedModelError",
+    "HubModelUnavailableError", "ModelConfigError", "ModelConversionError", "ModelError", "ModelNotFoundError",
+    "UnsupportedModelError",
     "SMOLLM2_ALIASES", "SMOLLM2_NAME", "build_tiny_llama", "default_cache_dir", "resolve_model",
     "smollm2_gguf_path", "smollm2_path",
 ]
@@ -83,6 +84,10 @@ class ModelConversionError(ModelError, RuntimeError):
 
 class ModelConfigError(ModelError, ValueError):
     """Invalid arguments for a generated model."""
+
+
+class HubModelUnavailableError(ModelError, RuntimeError):
+    """A hub id that cannot be served from here (not cached while offline, hub unreachable, unknown)."""
 
 
 # --------------------------------------------------------------------------- paths
@@ -384,13 +389,15 @@ def _check_tiny_args(num_layers: int, num_heads: int, num_kv_heads: int, head_di
 
 
 def resolve_model(spec: str | os.PathLike[str], *, cache_dir: Path | None = None,
-                  progress: Progress = print) -> Path:
-    """Map a `model:` spec to a local folder vLLM can load.
+                  progress: Progress = print) -> Path | str:
+    """Map a `model:` spec to what vLLM loads.
 
     "smollm2" / "SmolLM2-135M-Instruct" / "embedded" (any case) -> `smollm2_path()`;
-    an existing folder with a config.json -> its absolute path. Anything else is
-    refused: raypd never downloads from a model hub.
+    an existing folder with a config.json -> its absolute path; a hub id -> its cached
+    snapshot folder, or the id itself when the hub is reachable (vLLM downloads it).
     """
+    from actors.hub_models import HubModelError, looks_like_hub_id, resolve_hub_model
+
     if not isinstance(spec, (str, os.PathLike)) or not str(spec).strip():
         raise UnsupportedModelError(f"model must be a non-empty string, got {spec!r}")
     text = str(spec).strip()
@@ -402,10 +409,14 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: Path | None = None
             raise UnsupportedModelError(f"{path} is a folder but not a Hugging Face model folder "
                                         f"(no config.json)")
         return path.resolve()
-    allowed = "use 'smollm2' (the embedded model) or an existing local model folder"
+    allowed = "use 'smollm2' (the embedded model), a local model folder or a hub id (org/name)"
     if path.exists():
         raise UnsupportedModelError(f"model {text!r} is a file, not a model folder; {allowed}")
     if path.is_absolute() or text.startswith((".", "~")):
         raise ModelNotFoundError(f"model folder {text!r} does not exist; {allowed}")
-    raise UnsupportedModelError(f"model {text!r} is neither the embedded model nor an existing local "
-                                f"folder; {allowed} (raypd does not download from model hubs)")
+    if not looks_like_hub_id(text):
+        raise UnsupportedModelError(f"model {text!r} is neither an existing local folder nor a hub id; {allowed}")
+    try:
+        return resolve_hub_model(text)
+    except HubModelError as exc:
+        raise HubModelUnavailableError(str(exc)) from None

@@ -38,8 +38,6 @@ from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.vllm")
 
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
-
 
 def _usage_logger_factory(sink: dict):
     """A vLLM stat logger that keeps the last scheduler stats (KV usage, queue depths)."""
@@ -78,47 +76,32 @@ class VllmBackend:
 
     # ---------------------------------------------------------------- start
     def _engine_args(self, model_path: str) -> Any:
-        from vllm.config import KVTransferConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        from actors.engine_args import build_engine_args, pd_kv_transfer, pd_overrides
 
         cfg = self.cfg
-        kv = KVTransferConfig(
-            kv_connector="RayNixlConnector",
-            kv_connector_module_path="actors.connector",
-            kv_role=KV_ROLES[cfg.role],
-            engine_id=self.engine_id,
-            kv_load_failure_policy=cfg.kv_load_failure_policy,
-            kv_connector_extra_config={
-                "engine_id": self.engine_id,
-                "handshake_dir": self.handshake_dir,
-                "model_id": cfg.served_model_id,
-                "lease_ttl_s": cfg.lease_ttl_s,
-                "read_timeout_s": cfg.read_timeout_s,
-                "fault_rate": cfg.fault_rate,
-            },
-        )
-        extra: dict[str, Any] = {}
-        if cfg.block_size is not None:
-            extra["block_size"] = cfg.block_size
-        if cfg.tp_size * cfg.pp_size > 1:
-            extra["distributed_executor_backend"] = "mp"  # vLLM's Ray executor is refused on CPU
-        return AsyncEngineArgs(
-            model=model_path, tokenizer=model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tp_size,
-            pipeline_parallel_size=cfg.pp_size, disable_log_stats=False,
-            kv_transfer_config=kv if cfg.kv_connector else None,  # None: plain vLLM (baseline)
-            seed=0, enable_prefix_caching=cfg.enable_prefix_caching, **extra,
-        )
+        kv = pd_kv_transfer(cfg, self.engine_id, {
+            "engine_id": self.engine_id,
+            "handshake_dir": self.handshake_dir,
+            "model_id": cfg.served_model_id,
+            "lease_ttl_s": cfg.lease_ttl_s,
+            "read_timeout_s": cfg.read_timeout_s,
+            "fault_rate": cfg.fault_rate,
+        }) if cfg.kv_connector else None  # None: plain vLLM (baseline)
+        for note in pd_overrides(cfg):
+            logger.warning("%s: %s", self.engine_id, note)
+        return build_engine_args(cfg, model_path, kv)
 
     async def start(self, coordinator: Any) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from actors.engine_args import EffectiveEngineConfig
         from actors.models import resolve_model
 
         self.coordinator = coordinator
         model_path = str(await asyncio.to_thread(resolve_model, self.cfg.model))
-        self.llm = AsyncLLM.from_engine_args(self._engine_args(model_path),
-                                             stat_loggers=[_usage_logger_factory(self._usage)])
+        engine_args = self._engine_args(model_path)  # refuses a bad engine_kwargs key before any process starts
+        self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[_usage_logger_factory(self._usage)])
+        self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
         self.tokenizer = self.llm.tokenizer if getattr(self.llm, "tokenizer", None) else await self.llm.get_tokenizer()
         if self.cfg.kv_connector:
             self._handshakes = await self._collect_handshakes()

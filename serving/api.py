@@ -10,7 +10,7 @@ Every refusal is an OpenAI-style body `{"error": {"message", "type", "param",
   400  malformed JSON, invalid UTF-8, a body that is not an object, values out
        of range (max_tokens, temperature, top_p, stop...), n > 1 and other
        unsupported parameters, a prompt the engine refuses (empty, too long)
-  401  missing or wrong API key (when `http.api_keys` is set)
+  401  missing or wrong API key (when RAYPD_API_KEYS / http.api_keys_file give keys)
   404  unknown model, unknown route
   413  body larger than `http.max_body_bytes`
   422  body does not match the schema (wrong types, missing fields)
@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.protocol import EngineRequest, SamplingSpec, TokenChunk
+from serving.api_keys import load_api_keys
 from serving.config import DeploymentConfig
 from serving.metrics import CONTENT_TYPE, ServiceMetrics
 from serving.router import RouteError
@@ -261,7 +262,7 @@ def create_app(cfg: DeploymentConfig, router: Any, metrics: ServiceMetrics | Non
     app.state.inflight = 0
     model_name = cfg.served_model_name
     created = int(time.time())
-    keys = [k.encode() for k in cfg.http.api_keys]
+    keys = load_api_keys(cfg.http).keys  # from RAYPD_API_KEYS / http.api_keys_file, never the config
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

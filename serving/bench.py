@@ -422,7 +422,7 @@ def run_overhead(args: argparse.Namespace) -> int:
         dep = launch(cfg)
         serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
         serve.run(build_app(data), name=cfg.name, route_prefix="/", blocking=False)
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")  # the auth mode ray.init chose is in os.environ
         child = subprocess.Popen([sys.executable, "-m", "serving.bench", "--uvicorn-front", json.dumps(data),
                                   str(uv_port), ray.get_runtime_context().gcs_address], env=env)
         fronts = {"serve": f"http://127.0.0.1:{serve_port}", "uvicorn": f"http://127.0.0.1:{uv_port}"}

@@ -3,6 +3,14 @@
 `DeploymentConfig.from_dict` is what the Serve builder, the CLI and the
 KubeRay manifests all go through, so a bad file is refused the same way
 everywhere, with a message that names the field.
+
+vLLM engine arguments: `engine_kwargs` (both roles) and `<role>.engine_kwargs`
+(that role; wins over the shared ones) go to vLLM unchanged. The ones raypd
+owns (model, dtype, max_model_len, tensor/pipeline parallel size, block size)
+are moved into raypd's fields here, so each has one value (see
+actors/engine_config.py). `check_engine_args` checks the rest against vLLM's
+own argument classes where vLLM is importable (the CLI calls it; the engines
+check again when they start).
 """
 
 from __future__ import annotations
@@ -13,7 +21,18 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from actors.engine_config import Backend, EngineConfig, SyntheticModelConfig
+from actors.engine_config import (
+    DEPLOYMENT_FIELDS,
+    GROUP_FIELDS,
+    OWNED_KWARGS,
+    Backend,
+    DType,
+    EngineConfig,
+    SyntheticModelConfig,
+    lift_owned_kwargs,
+)
+
+ROLES = ("prefill", "decode")
 
 
 class ConfigError(ValueError):
@@ -38,6 +57,7 @@ class EngineGroupConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
     cpu_bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
+    engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of this role (over the shared ones)
 
 
 class RouterConfig(_Strict):
@@ -64,13 +84,26 @@ class BreakerConfig(_Strict):
 class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_keys: list[str] = []
+    # API keys never sit in the config (it travels as Serve arguments and shows in logs):
+    # each ingress replica reads RAYPD_API_KEYS and this file when it starts (serving.api_keys).
+    api_keys_file: str | None = None  # one key per line, '#' comments
+    require_api_keys: bool = False  # refuse to start a replica that finds no key
     max_body_bytes: int = Field(1 << 20, ge=1024)
     served_model_name: str | None = None
     max_inflight_requests: int = Field(512, ge=1)  # per ingress replica; beyond it: 429
     default_max_tokens: int = Field(512, ge=1)  # chat requests that set no max_tokens
     num_replicas: int = Field(1, ge=1, le=64)  # Ray Serve ingress replicas
     replica_num_cpus: float = Field(0.0, ge=0)  # CPUs reserved per ingress replica
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_inline_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_keys" in data:
+            raise ValueError("inline API keys (http.api_keys) are not accepted: the config travels as Ray "
+                             "Serve arguments and shows in logs. Put the keys in the RAYPD_API_KEYS "
+                             "environment variable (comma-separated) or in a file named by http.api_keys_file "
+                             "(one key per line)")
+        return data
 
 
 class RayConfig(_Strict):
@@ -83,8 +116,9 @@ class DeploymentConfig(_Strict):
     backend: Backend = "vllm"
     model: str = "smollm2"
     synthetic: SyntheticModelConfig = SyntheticModelConfig()
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DType = "auto"
     max_model_len: int = Field(2048, ge=16)
+    engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of both roles
     prefill: EngineGroupConfig = EngineGroupConfig()
     decode: EngineGroupConfig = EngineGroupConfig()
     router: RouterConfig = RouterConfig()
@@ -92,6 +126,37 @@ class DeploymentConfig(_Strict):
     breaker: BreakerConfig = BreakerConfig()
     http: HttpConfig = HttpConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_owned(cls, data: Any) -> Any:
+        """Move owned engine arguments into raypd's fields (role kwargs before shared ones)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        explicit = {f: f for f in DEPLOYMENT_FIELDS if f in data}
+        shared = lift_owned_kwargs(data, dict(data.get("engine_kwargs") or {}), DEPLOYMENT_FIELDS,
+                                   "engine_kwargs", explicit)
+        shared_group = {k: v for k, v in shared.items() if OWNED_KWARGS.get(k) in GROUP_FIELDS}
+        for role in ROLES:
+            group = data.get(role)
+            if group is not None and not isinstance(group, dict):
+                continue  # pydantic reports the type error
+            group = dict(group or {})
+            own = {f: f"{role}.{f}" for f in GROUP_FIELDS if f in group}
+            kwargs = lift_owned_kwargs(data, dict(group.get("engine_kwargs") or {}), DEPLOYMENT_FIELDS,
+                                       f"{role}.engine_kwargs", explicit)
+            set_by_role = {OWNED_KWARGS[k] for k in kwargs if OWNED_KWARGS.get(k) in GROUP_FIELDS}
+            kwargs = lift_owned_kwargs(group, kwargs, GROUP_FIELDS, f"{role}.engine_kwargs", own)
+            lift_owned_kwargs(group, {k: v for k, v in shared_group.items() if OWNED_KWARGS[k] not in set_by_role},
+                              GROUP_FIELDS, "engine_kwargs", own)
+            if "engine_kwargs" in group or kwargs:
+                group["engine_kwargs"] = kwargs
+            if group or role in data:
+                data[role] = group
+        if "engine_kwargs" in data or shared:
+            data["engine_kwargs"] = {k: v for k, v in shared.items() if k not in shared_group}
+        return data
 
     @model_validator(mode="after")
     def _cross_field(self) -> "DeploymentConfig":
@@ -122,6 +187,7 @@ class DeploymentConfig(_Strict):
         return EngineConfig(
             role=role, backend=self.backend, engine_id=engine_id, model=self.model,
             synthetic=self.synthetic, dtype=self.dtype, tp_size=group.tp_size, pp_size=group.pp_size,
+            engine_kwargs={**self.engine_kwargs, **group.engine_kwargs},
             dcp_size=group.dcp_size, block_size=group.block_size, max_model_len=self.max_model_len,
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
             kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
@@ -132,9 +198,14 @@ class DeploymentConfig(_Strict):
 
     @property
     def served_model_name(self) -> str:
+        """As vLLM names it: the model string, except a path (absolute, ./ or ~) gives its folder name."""
         if self.http.served_model_name:
             return self.http.served_model_name
-        return self.synthetic.model_id if self.backend == "synthetic" else Path(self.model).name or self.model
+        if self.backend == "synthetic":
+            return self.synthetic.model_id
+        if self.model.startswith(("/", ".", "~")):
+            return Path(self.model).name or self.model
+        return self.model
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "DeploymentConfig":
@@ -147,7 +218,34 @@ class DeploymentConfig(_Strict):
             raise ConfigError(f"invalid raypd deployment: {problems}") from None
 
 
-def load_config(path: str | Path) -> DeploymentConfig:
+def check_engine_args(cfg: DeploymentConfig) -> list[str]:
+    """Check every role's engine_kwargs against vLLM's own argument classes.
+
+    Raises ConfigError naming the key; returns notes on what raypd will override.
+    Without vLLM installed (or for the synthetic backend) there is nothing to check here.
+    """
+    if cfg.backend != "vllm" or not (cfg.engine_kwargs or cfg.prefill.engine_kwargs or cfg.decode.engine_kwargs):
+        return []
+    from actors.engine_args import EngineArgsError, check_engine_kwargs, pd_overrides, vllm_available
+
+    if not vllm_available():
+        return []
+    notes: list[str] = []
+    for role in ROLES:
+        ecfg = cfg.engine_config(role)
+        if getattr(cfg, role).count == 0 or not ecfg.engine_kwargs:
+            continue
+        try:
+            check_engine_kwargs(ecfg.engine_kwargs)
+        except EngineArgsError as exc:
+            where = f"{role}.engine_kwargs" if exc.key in getattr(cfg, role).engine_kwargs else "engine_kwargs"
+            raise ConfigError(f"invalid raypd deployment: {where}.{exc}") from None
+        notes += [f"{role}: {note}" for note in pd_overrides(ecfg)]
+    return notes
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping a deployment file holds, as written (not validated yet)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -157,4 +255,8 @@ def load_config(path: str | Path) -> DeploymentConfig:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    return DeploymentConfig.from_dict(data)
+    return data or {}
+
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    return DeploymentConfig.from_dict(read_config_file(path))

@@ -5,6 +5,12 @@ Engines are named, detached actors in the "raypd" namespace
 with `get_if_exists`, so every ingress replica, `raypd up` and `raypd status`
 find the same engines; `EngineActor.start()` is idempotent, so each of them may
 call it. Their engine ids are `<deployment>-prefill-<i>` / `<deployment>-decode-<i>`.
+
+Ray's token authentication is left as Ray configures it: a local cluster
+started here gets Ray's default (token mode, the token created in
+~/.ray/auth_token or reused from it, RAY_AUTH_TOKEN(_PATH)); joining a cluster
+follows Ray's client rules (`auto` picks up a local token; an explicit address
+needs RAY_AUTH_MODE=token, as for any Ray client).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,13 +26,19 @@ import ray
 
 from actors.coordinator import COORDINATOR_NAME, NAMESPACE, start_coordinator
 from actors.engine import EngineActor, engine_actor_options
+from actors.startup import STARTUP_GROUP, StartPhase
 from serving.config import DeploymentConfig
 
 logger = logging.getLogger("raypd.launcher")
 
 DEFAULT_TEMP_DIR = "/tmp/raypd-ray"
 ROLES = ("prefill", "decode")
-_Engine = ray.remote(EngineActor)
+PHASE_POLL_S = 1.0
+_Engine = ray.remote(concurrency_groups={STARTUP_GROUP: 1})(EngineActor)
+
+
+class RayAuthError(RuntimeError):
+    """The cluster refused this client's Ray token (or the missing one)."""
 
 
 def actor_name(deployment: str, role: str, index: int) -> str:
@@ -55,17 +68,36 @@ def init_ray(cfg: DeploymentConfig | None = None, address: str | None = None,
              temp_dir: str = DEFAULT_TEMP_DIR, log_to_driver: bool = False) -> bool:
     """Join `address` (or `cfg.ray.address`) or start a local cluster; True when we started it."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         return False
     address = address or (cfg.ray.address if cfg is not None else None)
     if address:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=log_to_driver)
+        from ray.exceptions import AuthenticationError
+
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=log_to_driver)
+        except AuthenticationError as exc:
+            raise RayAuthError(
+                f"the Ray cluster at {address} refused this client: {exc} (an explicit --address does not "
+                f"turn token mode on by itself: set RAY_AUTH_MODE=token, as for any Ray client)") from None
         return False
     num_cpus = (cfg.ray.num_cpus if cfg is not None else None) or 4
     ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, namespace=NAMESPACE,
              log_to_driver=log_to_driver)
     return True
+
+
+def ray_auth_mode() -> str:
+    """"token" or "disabled": the mode this (connected) process runs Ray with."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    return "token" if is_token_auth_enabled() else "disabled"
+
+
+def ray_logs_dir() -> str:
+    """This node's Ray session log folder (engine and replica logs: worker-*.out / .err)."""
+    node = ray._private.worker.global_worker.node
+    return node.get_logs_dir_path()
 
 
 def placement_group_name(deployment: str, role: str, index: int) -> str:
@@ -110,8 +142,12 @@ def default_start_timeout(cfg: DeploymentConfig) -> float:
     return 120.0 if cfg.backend == "synthetic" else 1200.0
 
 
-def launch(cfg: DeploymentConfig, timeout_s: float | None = None) -> Deployment:
-    """Get or create the coordinator and every engine of `cfg`, and start them. Blocking."""
+def launch(cfg: DeploymentConfig, timeout_s: float | None = None,
+           on_phase: Callable[[StartPhase], None] | None = None) -> Deployment:
+    """Get or create the coordinator and every engine of `cfg`, and start them. Blocking.
+
+    `on_phase` is called once per engine per start-up phase while the engines start.
+    """
     coordinator = start_coordinator(detached=True, on_head_node=True)
     ray.get(coordinator.ping.remote(), timeout=60)
     dep = Deployment(cfg.name, coordinator)
@@ -132,12 +168,42 @@ def launch(cfg: DeploymentConfig, timeout_s: float | None = None) -> Deployment:
     t0 = time.monotonic()
     refs = {eid: h.start.remote() for eid, h in dep.engines.items()}
     try:
-        infos = ray.get(list(refs.values()), timeout=timeout_s)
+        if on_phase is not None:
+            _report_phases(dep, list(refs.values()), t0 + timeout_s, on_phase)
+        infos = ray.get(list(refs.values()), timeout=max(1.0, t0 + timeout_s - time.monotonic()))
     except ray.exceptions.GetTimeoutError:
         raise TimeoutError(f"engines of {cfg.name!r} did not start within {timeout_s:.0f}s") from None
     dep.start_info = dict(zip(refs, infos))
     logger.info("deployment %s: %d engines up in %.1fs", cfg.name, len(refs), time.monotonic() - t0)
     return dep
+
+
+def _report_phases(dep: Deployment, starts: list, deadline: float, on_phase: Callable[[StartPhase], None]) -> None:
+    """Poll the engines' start-up phases until every start() returned (or the deadline)."""
+    seen: set[tuple[str, str, float]] = set()
+    polls: dict[str, Any] = {}
+    pending, final = list(starts), False
+    while True:
+        for eid, handle in dep.engines.items():
+            if eid not in polls:  # at most one poll in flight per engine (a busy node answers late)
+                polls[eid] = handle.start_phases.options(concurrency_group=STARTUP_GROUP).remote()
+        ready, _ = ray.wait(list(polls.values()), num_returns=len(polls), timeout=5.0 if final else PHASE_POLL_S / 2)
+        for eid, ref in list(polls.items()):
+            if ref not in ready:
+                continue
+            del polls[eid]
+            try:
+                phases = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue  # the start ref reports the engine's failure
+            for phase in phases:
+                if (phase.engine_id, phase.phase, phase.at) not in seen:
+                    seen.add((phase.engine_id, phase.phase, phase.at))
+                    on_phase(phase)
+        if final or time.monotonic() > deadline:
+            return
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=PHASE_POLL_S / 2)
+        final = not pending  # one last poll shows the last phases
 
 
 def _remove_placement_groups(name: str) -> None:

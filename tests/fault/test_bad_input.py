@@ -26,9 +26,11 @@ AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def service(coordinator):
+def service(coordinator, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "api_keys"
+    keys.write_text(f"{KEY}\n")
     cfg = DeploymentConfig.from_dict({**SYNTHETIC, "name": NAME,
-                                      "http": {"api_keys": [KEY], "max_body_bytes": 64 * 1024}})
+                                      "http": {"api_keys_file": str(keys), "max_body_bytes": 64 * 1024}})
     dep = launch(cfg)
     baseline = engine_stats(dep)
     port = free_port()

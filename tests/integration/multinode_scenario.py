@@ -39,7 +39,8 @@ def deployment(backend: str) -> DeploymentConfig:
                        "resources": {"decode": 1}},
         })
     return DeploymentConfig.from_dict({
-        **common, "backend": "vllm", "model": "smollm2", "max_model_len": 512,
+        **common, "backend": "vllm", "model": "smollm2", "max_model_len": 512, "dtype": "float32",
+        "engine_kwargs": {"enforce_eager": True},
         "prefill": {"count": 1, "num_cpus": 0, "resources": {"prefill": 1}, "cpu_bind": ["0"]},
         "decode": {"count": 1, "num_cpus": 0, "resources": {"decode": 1}, "cpu_bind": ["1"]},
     })

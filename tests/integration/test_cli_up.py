@@ -1,12 +1,14 @@
-"""`raypd up` in a subprocess (its own Ray cluster and temp dir), a request, `raypd status`, SIGINT, nothing left."""
+"""`raypd up` in a subprocess with Ray's defaults (token authentication on, its own cluster, temp dir and HOME),
+start-up progress, API keys from the environment, requests, `raypd status` (recorded and explicit address),
+`raypd down`, nothing left."""
 
 from __future__ import annotations
 
+import json
 import os
-import signal
+import re
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -14,109 +16,81 @@ import httpx
 import pytest
 import yaml
 
+from process_helpers import cmdline, descendants, kill_all, survivors, wait_for_line
 from service_helpers import SYNTHETIC, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RAYPD = [sys.executable, "-m", "serving.cli"]
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        tree.setdefault(ppid, []).append(int(entry))
-    return tree
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]  # state, ..., starttime
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Every live process below `pid`, with its start time (to tell a reused pid apart)."""
-    tree, out, todo = _children(), {}, [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            t = _start_time(child)
-            if t is not None:
-                out[child] = t
-                todo.append(child)
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
-    except OSError:
-        return "?"
-
-
 @pytest.mark.slow
-def test_up_serves_then_sigint_leaves_no_ray_process(tmp_path):
+def test_up_with_ray_token_auth_serves_then_down_leaves_nothing(tmp_path):
     port = free_port()
     temp_dir = f"/tmp/raypd-cli-{uuid.uuid4().hex[:8]}"
     config = tmp_path / "cli.yaml"
     config.write_text(yaml.safe_dump({**SYNTHETIC, "name": "cli-test",
                                       "http": {"host": "127.0.0.1", "port": port}, "ray": {"num_cpus": 2}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    home = tmp_path / "home"  # Ray creates its token in $HOME/.ray/auth_token, as `ray.init` does by default
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", HOME=str(home),
+               XDG_RUNTIME_DIR=str(tmp_path / "run"), RAYPD_API_KEYS="sk-cli-1,sk-cli-2")
     log = tmp_path / "up.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([*RAYPD, "up", "--config", str(config), "--temp-dir", temp_dir], cwd=ROOT, env=env,
                                 stdout=out, stderr=subprocess.STDOUT)
     tree: dict[int, str] = {}
     try:
-        deadline = time.monotonic() + 180
-        while "Ctrl-C to stop" not in log.read_text():
-            assert proc.poll() is None, f"raypd up exited early:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"raypd up did not come up:\n{log.read_text()}"
-            time.sleep(0.5)
-        text = log.read_text()
+        text = wait_for_line(log, proc, "Ctrl-C to stop", 180)
         assert f"http://127.0.0.1:{port}/v1 (ready)" in text, text
         assert "prefill cli-test-prefill-0" in text and "decode  cli-test-decode-0" in text, text
+        token = (home / ".ray" / "auth_token").read_text().strip()
+        assert "Ray token authentication on" in text and token not in text, text
+        assert "sk-cli" not in text and "API keys required (2 from RAYPD_API_KEYS)" in text, text
+        for eid in ("cli-test-prefill-0", "cli-test-decode-0"):  # one line per engine per phase
+            for phase in ("placed on node", "loading weights", "KV cache registered", "handshake published", "ready"):
+                assert len(re.findall(rf"raypd: +{eid} +{phase} +\d+\.\ds", text)) == 1, (eid, phase, text)
+        assert re.search(rf"logs in {temp_dir}/session_[^/ ]+/logs ", text), text
 
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                       json={"model": "synthetic-tiny", "prompt": "hello", "max_tokens": 3})
+        body = {"model": "synthetic-tiny", "prompt": "hello", "max_tokens": 3}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        assert httpx.post(url, json=body, timeout=30).status_code == 401
+        r = httpx.post(url, json=body, timeout=30, headers={"Authorization": "Bearer sk-cli-2"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+        state_files = list((tmp_path / "run" / "raypd").glob("up-*.json"))
+        assert len(state_files) == 1
+        gcs = json.loads(state_files[0].read_text())["gcs_address"]
+        # a client with the wrong token is refused by the cluster
+        intruder = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={gcs!r})"], cwd=ROOT,
+                                  env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 32},
+                                  capture_output=True, text=True, timeout=120)
+        assert intruder.returncode != 0 and "AuthenticationError" in intruder.stderr, intruder.stderr[-2000:]
 
         status = subprocess.run([*RAYPD, "status", "--temp-dir", temp_dir], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=120)
         assert status.returncode == 0, status.stdout + status.stderr
         assert "front: healthy" in status.stdout and "cli-test-decode-0" in status.stdout, status.stdout
         assert "cli-test-prefill-0->cli-test-decode-0" in status.stdout and "closed" in status.stdout
+        joined = subprocess.run([*RAYPD, "status", "--json", "--address", gcs, "--config", str(config)], cwd=ROOT,
+                                env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=120)
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        assert set(json.loads(joined.stdout)["engines"]) == {"cli-test-prefill-0", "cli-test-decode-0"}
 
         tree = descendants(proc.pid)
-        names = " ".join(_cmdline(p) for p in tree)
+        names = " ".join(cmdline(p) for p in tree)
         assert "raylet" in names and "gcs_server" in names, names
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0, log.read_text()
+        down = subprocess.run([*RAYPD, "down", "--temp-dir", temp_dir], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert down.returncode == 0 and "raypd down: stopped" in down.stdout, down.stdout + down.stderr
+        assert proc.wait(timeout=30) == 0, log.read_text()
         assert "raypd: stopped" in log.read_text()
-        assert not (Path(temp_dir) / "raypd-up.json").exists()
-        deadline = time.monotonic() + 20
-        while True:  # Ray reaps its workers asynchronously: give it a moment
-            left = {p: t for p, t in tree.items() if _start_time(p) == t}
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
-        assert not left, "left behind: " + "; ".join(f"{p} {_cmdline(p)}" for p in left)
+        assert not state_files[0].exists()
+        left = survivors(tree)
+        assert not left, "left behind: " + "; ".join(f"{p} {cmdline(p)}" for p in left)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-        for pid, t in (tree or {}).items():  # never strand processes, even when the test failed
-            if _start_time(pid) == t:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill_all(tree)
         subprocess.run(["rm", "-rf", temp_dir], check=False)

@@ -25,8 +25,10 @@ MODEL = "synthetic-tiny"
 
 
 @pytest.fixture(scope="module")
-def service(coordinator):
-    cfg = DeploymentConfig.from_dict({**SYNTHETIC, "name": NAME, "http": {"api_keys": [KEY]}})
+def service(coordinator, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "api_keys"
+    keys.write_text(f"# the test's key\n{KEY}\n")
+    cfg = DeploymentConfig.from_dict({**SYNTHETIC, "name": NAME, "http": {"api_keys_file": str(keys)}})
     dep = launch(cfg)
     baseline = engine_stats(dep)
     router = build_router(cfg, dep)

@@ -249,8 +249,9 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(client):
     assert r.status_code == 200
 
 
-def test_api_keys():
-    c, router = make_client(api_keys=["sk-good"])
+def test_api_keys(monkeypatch):
+    monkeypatch.setenv("RAYPD_API_KEYS", "sk-good")  # read when the app is built, never from the config
+    c, router = make_client()
     body = {"model": MODEL, "prompt": "hi"}
     assert_error(post(c, "/v1/completions", body), 401, code="invalid_api_key", contains="Missing")
     assert_error(post(c, "/v1/completions", body, headers={"Authorization": "Bearer sk-bad"}), 401,

@@ -1,7 +1,20 @@
 import json
+from pathlib import Path
 
+import pytest
+import yaml
+
+from serving import quickstart
 from serving.bench import LevelResult, Sample, percentile, plot, summarize
-from serving.cli import COMMANDS, build_parser, main
+from serving.cli import COMMANDS, DEFAULT_CONFIG, _load, build_parser, main
+from serving.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def private_run_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
 
 
 def test_help_lists_every_command(capsys):
@@ -47,3 +60,84 @@ def test_bench_statistics_and_plot(tmp_path):
     out = tmp_path / "p.png"
     plot([r, LevelResult(**{**r.__dict__, "concurrency": 8})], str(out), "t")
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------ one-line start
+def tiny_folder(tmp_path) -> Path:
+    folder = tmp_path / "My-Model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_up_without_flags_is_the_embedded_default():
+    assert Path(DEFAULT_CONFIG) == ROOT / "configs" / "local.yaml"
+    assert _load(build_parser().parse_args(["up"])) == load_config(ROOT / "configs" / "local.yaml")
+
+
+def test_config_prints_yaml_that_up_config_reads_back(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(quickstart.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    folder = tiny_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model", "My-Model", "--prefill", "2", "--decode", "1", "--decode-tp", "2",
+            "--engine-arg", "max_num_seqs=8", "--engine-arg", "enable-prefix-caching=false",
+            "--decode-engine-arg", "max_model_len=1024"]
+    assert main(["config", *argv]) == 0
+    text = capsys.readouterr().out
+    path = tmp_path / "d.yaml"
+    path.write_text(text)
+    cfg = load_config(path)
+    assert cfg == _load(build_parser().parse_args(["up", *argv]))  # what `up` would run, and `up --config` reads
+    assert cfg.model == str(folder) and cfg.served_model_name == "My-Model"
+    assert (cfg.prefill.count, cfg.decode.count, cfg.prefill.tp_size, cfg.decode.tp_size) == (2, 1, 1, 2)
+    assert cfg.engine_kwargs == {"max_num_seqs": 8, "enable_prefix_caching": False}
+    assert cfg.max_model_len == 1024  # an engine argument raypd owns lands in its field
+    if quickstart.cpu_only_vllm():  # one range of cores per rank on a CPU build
+        assert (cfg.prefill.cpu_bind, cfg.decode.cpu_bind) == (["0", "1"], ["2|3"])
+    assert yaml.safe_load(text)["model"] == str(folder)
+
+
+def test_flags_override_a_config_file():
+    args = build_parser().parse_args(["up", "--config", str(ROOT / "configs" / "local.yaml"),
+                                      "--engine-arg", "max_num_seqs=4", "--port", "8123"])
+    cfg = _load(args)
+    base = load_config(ROOT / "configs" / "local.yaml")
+    assert cfg.engine_kwargs == {**base.engine_kwargs, "max_num_seqs": 4} and cfg.http.port == 8123
+    assert cfg.prefill.cpu_bind == base.prefill.cpu_bind
+
+
+@pytest.mark.parametrize("ranks, cores, binds", [
+    ([1, 1], [0, 1], ["0", "1"]),
+    ([2, 2], [0, 1], ["0|1", "0|1"]),
+    ([1, 1], list(range(16)), ["0-7", "8-15"]),
+    ([2, 1], [0, 1, 2, 3, 4, 5], ["0-1|2-3", "4-5"]),
+])
+def test_cpu_binds(ranks, cores, binds):
+    assert quickstart.cpu_binds(ranks, cores) == binds
+
+
+def test_engine_arg_needs_key_and_value(capsys):
+    assert main(["config", "--engine-arg", "max_num_seqs"]) == 2
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_an_unknown_engine_argument_is_refused_naming_it(capsys):
+    assert main(["config", "--engine-arg", "max_num_seqz=4"]) == 2
+    assert "engine_kwargs.max_num_seqz: not a vLLM engine argument" in capsys.readouterr().err
+
+
+def test_up_with_a_hub_id_and_no_hub_access_fails_before_ray_naming_the_ways_out(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    assert main(["up", "--model", "nobody/no-such-model", "--temp-dir", str(tmp_path / "ray")]) == 1
+    err = capsys.readouterr().err
+    assert "HF_HUB_OFFLINE" in err and "local model folder" in err
+    assert not (tmp_path / "ray").exists()  # failed before any Ray process started
+
+
+def test_inline_api_keys_are_refused_with_the_alternatives(tmp_path, capsys):
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump({"http": {"api_keys": ["sk-1"]}}))
+    assert main(["up", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "RAYPD_API_KEYS" in err and "http.api_keys_file" in err and "sk-1" not in err

@@ -55,3 +55,57 @@ def test_load_config_errors(tmp_path):
     listy.write_text("- 1\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(listy)
+
+
+# ------------------------------------------------------------------ engine_kwargs
+def test_engine_kwargs_reach_each_role_and_the_role_wins():
+    cfg = DeploymentConfig.from_dict({
+        "engine_kwargs": {"max_num_seqs": 64, "enable_prefix_caching": False},
+        "decode": {"engine_kwargs": {"max-num-seqs": 8, "gpu_memory_utilization": 0.8}},
+    })
+    assert cfg.engine_config("prefill").engine_kwargs == {"max_num_seqs": 64, "enable_prefix_caching": False}
+    assert cfg.engine_config("decode").engine_kwargs == {"max_num_seqs": 8, "enable_prefix_caching": False,
+                                                         "gpu_memory_utilization": 0.8}
+
+
+def test_owned_engine_kwargs_move_into_raypds_fields():
+    cfg = DeploymentConfig.from_dict({
+        "engine_kwargs": {"max_model_len": 4096, "dtype": "bfloat16", "block_size": 32},
+        "prefill": {"engine_kwargs": {"tensor_parallel_size": 2}},
+        "decode": {"engine_kwargs": {"block_size": 64, "tensor_parallel_size": 2}},
+    })
+    assert (cfg.max_model_len, cfg.dtype) == (4096, "bfloat16")
+    assert (cfg.prefill.tp_size, cfg.prefill.block_size, cfg.decode.tp_size, cfg.decode.block_size) == (2, 32, 2, 64)
+    assert cfg.engine_kwargs == {} and cfg.prefill.engine_kwargs == {} and cfg.decode.engine_kwargs == {}
+    assert DeploymentConfig.from_dict(cfg.model_dump(mode="json")) == cfg  # one value, one place
+
+
+def test_defaults_follow_vllm():
+    cfg = DeploymentConfig.from_dict({})
+    assert cfg.dtype == "auto" and cfg.engine_config("decode").engine_kwargs == {}
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"prefill": {"tp_size": 2, "engine_kwargs": {"tensor_parallel_size": 4}}},
+         r"prefill.engine_kwargs.tensor_parallel_size=4 contradicts prefill.tp_size=2"),
+        ({"max_model_len": 1024, "engine_kwargs": {"max_model_len": 2048}},
+         r"engine_kwargs.max_model_len=2048 contradicts max_model_len=1024"),
+        ({"prefill": {"engine_kwargs": {"dtype": "float16"}}, "decode": {"engine_kwargs": {"dtype": "bfloat16"}}},
+         r"decode.engine_kwargs.dtype='bfloat16' contradicts prefill.engine_kwargs.dtype='float16'"),
+        ({"decode": {"block_size": 32}, "engine_kwargs": {"block_size": 64}},
+         r"engine_kwargs.block_size=64 contradicts decode.block_size=32"),
+        ({"engine_kwargs": {"data_parallel_size": 2}}, "prefill.count / decode.count"),
+        ({"http": {"api_keys": ["sk-1"]}}, "RAYPD_API_KEYS.*http.api_keys_file"),
+    ],
+)
+def test_contradictions_and_refused_settings_say_where(data, message):
+    with pytest.raises(ConfigError, match=message):
+        DeploymentConfig.from_dict(data)
+
+
+def test_served_model_name_follows_vllm_for_hub_ids_and_folders():
+    assert DeploymentConfig.from_dict({"model": "org/Some-Model"}).served_model_name == "org/Some-Model"
+    assert DeploymentConfig.from_dict({"model": "/models/Llama-3/"}).served_model_name == "Llama-3"
+    assert DeploymentConfig.from_dict({}).served_model_name == "smollm2"

@@ -15,6 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from actors import models  # noqa: E402
 from actors.models import (  # noqa: E402
+    HubModelUnavailableError,
     ModelConfigError,
     ModelError,
     ModelNotFoundError,
@@ -77,14 +78,52 @@ def test_folder_without_config_is_refused(tmp_path):
         resolve_model(str(tmp_path / "empty"))
 
 
-@pytest.mark.parametrize("spec", ["meta-llama/Llama-3.1-8B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
-                                  "gpt2"])
-def test_hub_ids_are_refused_without_download(spec):
-    with pytest.raises(UnsupportedModelError) as err:
+@pytest.fixture
+def empty_hf_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    return tmp_path / "hf-cache"
+
+
+@pytest.mark.parametrize("spec", ["meta-llama/Llama-3.1-8B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2"])
+def test_hub_id_offline_and_not_cached_names_hf_hub_offline_and_the_local_folder(monkeypatch, empty_hf_cache, spec):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubModelUnavailableError) as err:
         resolve_model(spec)
     message = str(err.value)
-    assert "local" in message and "smollm2" in message and "hub" in message
-    assert isinstance(err.value, ValueError) and isinstance(err.value, ModelError)
+    assert "HF_HUB_OFFLINE" in message and "local model folder" in message and spec in message
+    assert isinstance(err.value, ModelError)
+
+
+def test_hub_id_with_no_hub_access_fails_fast_naming_hf_hub_offline(monkeypatch, empty_hf_cache):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on: the hub is unreachable, nothing is downloaded
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(HubModelUnavailableError) as err:
+        resolve_model("some-org/some-model")
+    message = str(err.value)
+    assert "cannot be reached" in message and "HF_HUB_OFFLINE=1" in message and "local model folder" in message
+
+
+def test_hub_id_in_the_local_cache_resolves_to_its_snapshot_offline(monkeypatch, empty_hf_cache):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = empty_hf_cache / "models--some-org--some-model"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert Path(resolve_model("some-org/some-model")) == snapshot
+
+
+@pytest.mark.parametrize("spec", ["a/b/c", "org/../x", "what is this"])
+def test_neither_folder_nor_hub_id_is_refused(spec):
+    with pytest.raises(UnsupportedModelError, match="neither an existing local folder nor a hub id"):
+        resolve_model(spec)
 
 
 def test_missing_local_path_is_not_found(tmp_path):
