@@ -268,15 +268,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 def _connect(args: argparse.Namespace, state: runstate.UpState | None) -> bool:
     import ray
 
-    from serving.launcher import init_ray
+    from serving.launcher import init_ray, use_ray_token_auth
 
     address = args.address or (state.gcs_address if state else None)
     if not address:
         return False
-    if state is not None and not args.address:
-        # our own record: connect the way that cluster was started (an explicit address never
-        # turns Ray's token mode on by itself)
-        os.environ.setdefault("RAY_AUTH_MODE", state.ray_auth_mode)
+    if state is not None and not args.address and state.ray_auth_mode == "token":
+        use_ray_token_auth()  # our own record says so (an explicit address never turns token mode on by itself)
     init_ray(None, address=address)
     return ray.is_initialized()
 

@@ -87,6 +87,19 @@ def init_ray(cfg: DeploymentConfig | None = None, address: str | None = None,
     return True
 
 
+def use_ray_token_auth() -> None:
+    """Connect with Ray token authentication unless RAY_AUTH_MODE says otherwise.
+
+    Ray reads RAY_AUTH_MODE into its config when it loads, so the config is
+    refreshed the way Ray itself does it for a new local cluster.
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+    _enable_token_auth()
+
+
 def ray_auth_mode() -> str:
     """"token" or "disabled": the mode this (connected) process runs Ray with."""
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
