@@ -39,8 +39,11 @@ class EngineArgsError(ValueError):
     """An engine_kwargs entry vLLM would refuse; `key` names it."""
 
     def __init__(self, key: str, message: str):
-        self.key = key
+        self.key, self.reason = key, message
         super().__init__(f"{key}: {message}")
+
+    def __reduce__(self) -> tuple:  # crosses Ray (an engine's start error) intact
+        return type(self), (self.key, self.reason)
 
 
 def vllm_available() -> bool:

@@ -15,14 +15,12 @@ import os
 import re
 from pathlib import Path
 
+from actors.models import HubModelUnavailableError as Unavailable
+
 HUB_PROBE_TIMEOUT_S = 10.0
 # A hub repo id: "name" or "org/name" (letters, digits, '-', '_', '.'), as huggingface_hub validates it.
 HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 _TRUE = {"1", "on", "yes", "true"}
-
-
-class HubModelError(RuntimeError):
-    """A hub id that cannot be served from here (not cached offline, hub unreachable, unknown)."""
 
 
 def looks_like_hub_id(text: str) -> bool:
@@ -54,9 +52,9 @@ def resolve_hub_model(repo_id: str) -> Path | str:
     local = ("or set `model:` / --model to a local model folder (a folder with config.json, "
              "e.g. one made with `hf download " + repo_id + " --local-dir DIR` where the hub is reachable)")
     if hub_offline():
-        raise HubModelError(f"model {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set, "
-                            f"so it cannot be downloaded: fill the cache where the hub is reachable "
-                            f"(`hf download {repo_id}`, same HF_HOME), {local}")
+        raise Unavailable(f"model {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set, "
+                          f"so it cannot be downloaded: fill the cache where the hub is reachable "
+                          f"(`hf download {repo_id}`, same HF_HOME), {local}")
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -64,13 +62,12 @@ def resolve_hub_model(repo_id: str) -> Path | str:
     try:
         HfApi(endpoint=endpoint).model_info(repo_id, timeout=HUB_PROBE_TIMEOUT_S)
     except GatedRepoError:
-        raise HubModelError(f"model {repo_id!r} is gated on the hub: accept its terms and set HF_TOKEN, "
-                            f"{local}") from None
+        raise Unavailable(f"model {repo_id!r} is gated on the hub: accept its terms, set HF_TOKEN, {local}") from None
     except RepositoryNotFoundError:
-        raise HubModelError(f"model {repo_id!r} was not found on the hub at {endpoint} (a private model needs "
-                            f"HF_TOKEN); {local}") from None
+        raise Unavailable(f"model {repo_id!r} was not found on the hub at {endpoint} (a private model needs "
+                          f"HF_TOKEN); {local}") from None
     except Exception as exc:  # noqa: BLE001 - any network failure means: no hub access from here
-        raise HubModelError(
+        raise Unavailable(
             f"model {repo_id!r} is not in the local Hugging Face cache and the hub at {endpoint} cannot be reached "
             f"({type(exc).__name__}). Without hub access: set HF_HUB_OFFLINE=1 with the model in the local "
             f"Hugging Face cache, {local}") from None

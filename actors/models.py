@@ -396,7 +396,7 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: Path | None = None
     an existing folder with a config.json -> its absolute path; a hub id -> its cached
     snapshot folder, or the id itself when the hub is reachable (vLLM downloads it).
     """
-    from actors.hub_models import HubModelError, looks_like_hub_id, resolve_hub_model
+    from actors.hub_models import looks_like_hub_id, resolve_hub_model
 
     if not isinstance(spec, (str, os.PathLike)) or not str(spec).strip():
         raise UnsupportedModelError(f"model must be a non-empty string, got {spec!r}")
@@ -416,7 +416,4 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: Path | None = None
         raise ModelNotFoundError(f"model folder {text!r} does not exist; {allowed}")
     if not looks_like_hub_id(text):
         raise UnsupportedModelError(f"model {text!r} is neither an existing local folder nor a hub id; {allowed}")
-    try:
-        return resolve_hub_model(text)
-    except HubModelError as exc:
-        raise HubModelUnavailableError(str(exc)) from None
+    return resolve_hub_model(text)

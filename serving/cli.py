@@ -284,8 +284,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from serving.cli_status import collect_status, print_status
 
+    from serving.launcher import RayAuthError
+
     state = runstate.read_state(args.temp_dir)
-    if not _connect(args, state):
+    try:
+        connected = _connect(args, state)
+    except RayAuthError as exc:
+        print(f"raypd status: {exc}", file=sys.stderr)
+        return 1
+    if not connected:
         print("raypd status: no running raypd found (start one with `raypd up`, or pass --address)",
               file=sys.stderr)
         return 1
@@ -327,7 +334,14 @@ def cmd_down(args: argparse.Namespace) -> int:
         if state.started_cluster:  # that cluster ended with its `raypd up`: nothing left to clean
             runstate.remove_state(args.temp_dir)
             return 0
-    if not _connect(args, state):
+    from serving.launcher import RayAuthError
+
+    try:
+        connected = _connect(args, state)
+    except RayAuthError as exc:
+        print(f"raypd down: {exc}", file=sys.stderr)
+        return 1
+    if not connected:
         print("raypd down: nothing to stop (no state file; pass --address to clean a cluster)", file=sys.stderr)
         return 1
     try:

@@ -76,10 +76,16 @@ def init_ray(cfg: DeploymentConfig | None = None, address: str | None = None,
 
         try:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=log_to_driver)
-        except AuthenticationError as exc:
+        except (AuthenticationError, ConnectionError) as exc:
+            cause: BaseException | None = exc
+            while cause is not None and not isinstance(cause, AuthenticationError):
+                cause = cause.__cause__  # ray.init wraps the GCS client's refusal in a ConnectionError
+            if cause is None:
+                raise
             raise RayAuthError(
-                f"the Ray cluster at {address} refused this client: {exc} (an explicit --address does not "
-                f"turn token mode on by itself: set RAY_AUTH_MODE=token, as for any Ray client)") from None
+                f"the Ray cluster at {address} refused this client: {cause.message} (an explicit address does "
+                f"not turn token mode on by itself: set RAY_AUTH_MODE=token and provide the cluster's token in "
+                f"~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)") from None
         return False
     num_cpus = (cfg.ray.num_cpus if cfg is not None else None) or 4
     ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, namespace=NAMESPACE,

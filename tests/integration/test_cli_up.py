@@ -72,6 +72,9 @@ def test_up_with_ray_token_auth_serves_then_down_leaves_nothing(tmp_path):
         assert status.returncode == 0, status.stdout + status.stderr
         assert "front: healthy" in status.stdout and "cli-test-decode-0" in status.stdout, status.stdout
         assert "cli-test-prefill-0->cli-test-decode-0" in status.stdout and "closed" in status.stdout
+        refused = subprocess.run([*RAYPD, "status", "--address", gcs, "--config", str(config)], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=120)  # explicit address, token mode unset
+        assert refused.returncode == 1 and "set RAY_AUTH_MODE=token" in refused.stderr, refused.stderr[-2000:]
         joined = subprocess.run([*RAYPD, "status", "--json", "--address", gcs, "--config", str(config)], cwd=ROOT,
                                 env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=120)
         assert joined.returncode == 0, joined.stdout + joined.stderr

@@ -32,6 +32,13 @@ def test_a_key_vllm_refuses_is_named(kwargs, key, reason):
     assert err.value.key == key and str(err.value).startswith(f"{key}: ")
 
 
+def test_the_error_survives_pickling():  # it travels from the engine actor to the launcher
+    import pickle
+
+    err = pickle.loads(pickle.dumps(EngineArgsError("max_num_seqz", "not a vLLM engine argument")))
+    assert (err.key, str(err)) == ("max_num_seqz", "max_num_seqz: not a vLLM engine argument")
+
+
 def test_valid_kwargs_pass():
     check_engine_kwargs({"max_num_seqs": 8, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5,
                          "compilation_config": {"mode": 0}, "trust_remote_code": True})
