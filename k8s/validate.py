@@ -174,11 +174,11 @@ def raypd_errors(doc: Any) -> list[str]:
 
 
 def _api_key_config_errors(serve_config: dict, app: dict, cfg: Any) -> list[str]:
-    """serveConfigV2 is readable by anyone who can read the RayService: no keys in it."""
+    """serveConfigV2 is readable by anyone who can read the RayService: no keys in it.
+
+    (Inline `http.api_keys` is refused by raypd's config model itself.)
+    """
     errs = []
-    if cfg.http.api_keys:
-        errs.append(f"serveConfigV2 args: http.api_keys puts API keys in the RayService; give them to the pods "
-                    f"as {API_KEYS_ENV} from a Secret")
     envs = [(app.get("runtime_env") or {}).get("env_vars") or {}]
     envs += [((d.get("ray_actor_options") or {}).get("runtime_env") or {}).get("env_vars") or {}
              for d in app.get("deployments") or []]

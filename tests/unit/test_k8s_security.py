@@ -310,7 +310,7 @@ BROKEN = [
      "literal value"),
     ("API keys missing on a worker", lambda d: _worker(d, 1)["containers"][0].update(env=[
         e for e in _worker(d, 1)["containers"][0]["env"] if e["name"] != "RAYPD_API_KEYS"]), "set RAYPD_API_KEYS"),
-    ("API keys inline", _add_api_keys, "http.api_keys puts API keys"),
+    ("API keys inline", _add_api_keys, "inline API keys (http.api_keys) are not accepted"),
     ("head Service LoadBalancer", lambda d: cluster_of(_service(d))["headGroupSpec"].update(serviceType="LoadBalancer"),
      "exposes the GCS"),
     ("dashboard ingress", lambda d: cluster_of(_service(d))["headGroupSpec"].update(enableIngress=True),
