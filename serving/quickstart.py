@@ -141,4 +141,6 @@ def _for_this_cpu(cfg: DeploymentConfig) -> DeploymentConfig:
 def config_yaml(cfg: DeploymentConfig) -> str:
     """The YAML of `cfg` (what differs from the defaults); `raypd up --config` on it gives `cfg` back."""
     head = "# raypd deployment (`raypd up --config THIS_FILE`); fields left out take raypd's defaults\n"
-    return head + yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    data = {"name": cfg.name, "backend": cfg.backend, "model": cfg.model,  # always said, first
+            **cfg.model_dump(mode="json", exclude_defaults=True)}
+    return head + yaml.safe_dump(data, sort_keys=False)
