@@ -72,25 +72,34 @@ def init_ray(cfg: DeploymentConfig | None = None, address: str | None = None,
         return False
     address = address or (cfg.ray.address if cfg is not None else None)
     if address:
-        from ray.exceptions import AuthenticationError
-
         try:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=log_to_driver)
-        except (AuthenticationError, ConnectionError) as exc:
-            cause: BaseException | None = exc
-            while cause is not None and not isinstance(cause, AuthenticationError):
-                cause = cause.__cause__  # ray.init wraps the GCS client's refusal in a ConnectionError
-            if cause is None:
+        except (ConnectionError, RuntimeError) as exc:
+            if not _refused_token(exc):
                 raise
             raise RayAuthError(
-                f"the Ray cluster at {address} refused this client: {cause.message} (an explicit address does "
-                f"not turn token mode on by itself: set RAY_AUTH_MODE=token and provide the cluster's token in "
-                f"~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)") from None
+                f"the Ray cluster at {address} refused this client's Ray token (missing or wrong; RAY_AUTH_MODE "
+                f"here: {os.environ.get('RAY_AUTH_MODE', 'unset')}). An explicit address does not turn token mode "
+                f"on by itself: set RAY_AUTH_MODE=token and provide the cluster's token in ~/.ray/auth_token, "
+                f"RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN") from None
         return False
     num_cpus = (cfg.ray.num_cpus if cfg is not None else None) or 4
     ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, namespace=NAMESPACE,
              log_to_driver=log_to_driver)
     return True
+
+
+def _refused_token(exc: BaseException) -> bool:
+    """Did the GCS refuse our token? (ray.init reports it as a ConnectionError whose cause's text,
+    not its type, carries the AuthenticationError.)"""
+    from ray.exceptions import AuthenticationError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, AuthenticationError) or "InvalidAuthToken" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def use_ray_token_auth() -> None:

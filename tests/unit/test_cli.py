@@ -141,3 +141,20 @@ def test_inline_api_keys_are_refused_with_the_alternatives(tmp_path, capsys):
     assert main(["up", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "RAYPD_API_KEYS" in err and "http.api_keys_file" in err and "sk-1" not in err
+
+
+def test_a_refused_ray_token_is_recognised_through_ray_inits_wrapping():
+    from serving.launcher import _refused_token
+
+    def wrapped(inner: Exception) -> ConnectionError:  # how ray.init 2.60 reports it
+        try:
+            try:
+                raise inner
+            except RuntimeError as exc:
+                raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379") from exc
+        except ConnectionError as outer:
+            return outer
+
+    assert _refused_token(wrapped(RuntimeError("Failed to connect to GCS. Last connection error: ... "
+                                               "AuthenticationError: RPC error: InvalidAuthToken: ...")))
+    assert not _refused_token(wrapped(RuntimeError("Failed to connect to GCS: connection refused")))
