@@ -181,7 +181,7 @@ def test_concurrent_streams_all_complete(service):
 
 
 def test_status_collection_without_serve(service):
-    from serving.cli import collect_status
+    from serving.cli_status import collect_status
 
     status = collect_status(NAME)
     assert set(status["engines"]) == {f"{NAME}-prefill-0", f"{NAME}-decode-0"}

@@ -44,21 +44,28 @@ def test_valid_kwargs_pass():
                          "compilation_config": {"mode": 0}, "trust_remote_code": True})
 
 
-def test_engine_args_carry_engine_kwargs_and_pd_only_sets_the_connector():
+@pytest.fixture
+def folder(tmp_path):
+    """An existing model folder (with HF_HUB_OFFLINE set, vLLM looks a missing path up in the hub cache)."""
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+def test_engine_args_carry_engine_kwargs_and_pd_only_sets_the_connector(folder):
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-        cfg = EngineConfig(role=role, model="/m", block_size=32, max_model_len=512,
+        cfg = EngineConfig(role=role, model=folder, block_size=32, max_model_len=512,
                            engine_kwargs={"max_num_seqs": 5, "enable_prefix_caching": False,
                                           "kv_transfer_config": {"kv_buffer_device": "cpu"}})
-        args = build_engine_args(cfg, "/m", pd_kv_transfer(cfg, "e1", {"x": 1}))
-        assert (args.model, args.tokenizer, args.max_num_seqs, args.enable_prefix_caching) == ("/m", "/m", 5, False)
+        args = build_engine_args(cfg, folder, pd_kv_transfer(cfg, "e1", {"x": 1}))
+        assert (args.model, args.tokenizer, args.max_num_seqs, args.enable_prefix_caching) == (folder, folder, 5, False)
         assert (args.block_size, args.max_model_len, args.dtype) == (32, 512, "auto")
         kv = args.kv_transfer_config
         assert (kv.kv_connector, kv.kv_role, kv.engine_id, kv.kv_buffer_device) == (CONNECTOR, kv_role, "e1", "cpu")
         assert args.disable_log_stats is False
 
 
-def test_vllm_defaults_are_kept():
-    args = build_engine_args(EngineConfig(role="decode", model="/m"), "/m", None)
+def test_vllm_defaults_are_kept(folder):
+    args = build_engine_args(EngineConfig(role="decode", model=folder), folder, None)
     assert args.enforce_eager is False and args.enable_prefix_caching is None  # None: vLLM turns it on
     assert args.kv_transfer_config is None and args.distributed_executor_backend is None
 
