@@ -243,9 +243,13 @@ class RaypdUp(Group):
 
     def start_idle_reference(self) -> list[int]:
         """Bare Ray actors in raypd's own cluster: the floor an idle actor process costs."""
-        state = json.loads((Path(RAYPD_TEMP) / "raypd-up.json").read_text())
+        from serving.runstate import read_state
+
+        state = read_state(RAYPD_TEMP)  # `raypd up`'s record (a per-user folder)
+        if state is None:
+            raise SetupError(f"no `raypd up` record for {RAYPD_TEMP}")
         self.idle_driver = self.spawn("idle-actors", [sys.executable, str(HERE / "idle_actors.py"),
-                                                      state["gcs_address"]], stdin=True)
+                                                      state.gcs_address], stdin=True)
         log = self.log_paths[-1]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
