@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator
 import ray
 
 from actors.engine_config import EngineConfig
-from actors.protocol import Backend, EngineRequest, EngineRequestError, PrefillResult, TokenChunk
+from actors.protocol import Backend, EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
 from actors.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
 from actors.transfer_params import TransferParams, TransferParamsError
 
@@ -188,6 +188,12 @@ class EngineActor:
 
     async def check_health(self) -> bool:
         return self.started
+
+    def model_info(self) -> ModelInfo:
+        """What the HTTP front needs about the served model (tokenizer, limits, sampling defaults)."""
+        if not self.started:
+            raise RuntimeError(f"engine {self.engine_id} has not started")
+        return self.backend.model_info()
 
     def ping(self) -> str:
         return "pong"

@@ -2,7 +2,9 @@
 
 Life cycle of one P/D request through these types:
 
-  front    the HTTP body becomes an `EngineRequest` (prompt + `SamplingSpec`);
+  front    the HTTP body is parsed, rendered (chat template) and tokenized with the
+           served model's tokenizer into an `EngineRequest`: prompt token ids +
+           `SamplingSpec` (engines never tokenize a prompt);
   prefill  `Backend.prefill(EngineRequest)` -> `PrefillResult`: the first
            sampled token (streamed to the client at once) and the transfer
            params that name the prompt's KV blocks on the prefill engine;
@@ -28,7 +30,13 @@ class EngineRequestError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """How to sample; `None` means "the model's default" (vLLM's generation config)."""
+    """How to sample. The front derives it the way vLLM's OpenAI server does
+    (request values, then the model's generation config, then OpenAI's defaults).
+
+    `vllm_params` is that `vllm.SamplingParams`, pickled: only the vLLM backend
+    decodes it, so the router and the synthetic engine never import vLLM; the
+    plain fields repeat what they read.
+    """
 
     max_tokens: int = 16
     temperature: float | None = None
@@ -36,15 +44,14 @@ class SamplingSpec:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    vllm_params: bytes | None = None
 
 
 @dataclass(frozen=True)
 class EngineRequest:
     request_id: str
     sampling: SamplingSpec = SamplingSpec()
-    prompt_token_ids: tuple[int, ...] | None = None
-    prompt: str | None = None
-    messages: tuple[dict[str, Any], ...] | None = None  # OpenAI chat messages (vLLM's boundary)
+    prompt_token_ids: tuple[int, ...] = ()
     kv_transfer_params: dict[str, Any] | None = None
     # A continuation: the prompt ends with this many tokens the model already generated
     # (the prefill engine's first token, or a migrated stream's tokens).
@@ -55,6 +62,10 @@ class EngineRequest:
     @property
     def max_tokens(self) -> int:
         return self.sampling.max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     def replace(self, **changes: Any) -> "EngineRequest":
         return dataclasses.replace(self, **changes)
@@ -84,7 +95,7 @@ class PrefillResult:
     def continuation(self, req: EngineRequest) -> EngineRequest:
         """The decode engine's request: prompt + first token, the KV handoff, the rest of max_tokens."""
         return req.replace(
-            prompt_token_ids=self.prompt_token_ids + self.first_token_ids, prompt=None, messages=None,
+            prompt_token_ids=self.prompt_token_ids + self.first_token_ids,
             kv_transfer_params=self.kv_transfer_params, num_resumed_tokens=len(self.first_token_ids),
         ).with_max_tokens(req.max_tokens - len(self.first_token_ids))
 
@@ -121,12 +132,30 @@ class TokenChunk:
                    num_prompt_tokens=num_prompt_tokens)
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front needs to know about the served model, learned once from an engine."""
+
+    backend: str  # "vllm" | "synthetic"
+    max_model_len: int
+    vocab_size: int
+    model_path: str | None = None  # vllm: the local folder the engines loaded (tokenizer, chat template)
+    tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
+    trust_remote_code: bool = False
+    # vLLM's `ModelConfig.get_diff_sampling_param()`: the generation config's sampling
+    # defaults (vLLM's own boundary, kept as the dict vLLM's request models take).
+    default_sampling_params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    override_max_tokens: int | None = None
+
+
 class Backend(Protocol):
     """What an EngineActor runs: vLLM's AsyncLLM or the synthetic engine."""
 
     engine_id: str
 
     async def start(self, coordinator: Any) -> None: ...
+    def model_info(self) -> ModelInfo: ...
     async def prefill(self, req: EngineRequest) -> PrefillResult: ...
     def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]: ...
     async def abort(self, req_id: str) -> None: ...

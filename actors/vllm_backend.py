@@ -6,11 +6,21 @@ Life cycle of a P/D request here:
                   do_remote_decode; returns the first sampled token (the
                   router streams it to the client at once: TTFT is the
                   prefill engine's) and the transfer params;
-  decode engine   generate(req) the prompt is the original prompt plus that
-                  first token; the params (completed here with the producer
-                  ranks' handshake payloads, fetched from the coordinator)
-                  make the connector pull the prompt's KV; vLLM computes
-                  only the new token and streams on.
+  decode engine   generate(req) the request is the prompt plus that first
+                  token (`num_resumed_tokens` 1); the params (completed here
+                  with the producer ranks' handshake payloads, fetched from the
+                  coordinator) make the connector pull the prompt's KV. The
+                  engine replays the first token (the front seeds every
+                  sampled request, so the replay draws the same token), so
+                  penalties, stop strings, min_tokens and the seeded sampler
+                  see the whole answer exactly as a single vLLM engine would;
+                  the replayed token is not streamed again. Should the replay
+                  draw another token (numerics), the engine continues from the
+                  streamed token instead (prefix cache: nothing is recomputed).
+
+Prompts arrive as token ids (the front renders and tokenizes); the sampling
+parameters arrive as the `vllm.SamplingParams` the front derived the way vLLM's
+OpenAI server does (`SamplingSpec.vllm_params`, pickled).
 
 The engine core and workers are child processes of this actor (vLLM on CPU
 always runs AsyncLLM's core in a subprocess); their ranks publish handshake
@@ -23,6 +33,7 @@ import asyncio
 import base64
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -33,7 +44,7 @@ from typing import Any, AsyncIterator
 from actors.engine_config import EngineConfig
 from actors.kv.handshake import decode_handshake
 from actors.kv.topology import TransferTopology
-from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, SamplingSpec, TokenChunk
+from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, SamplingSpec, TokenChunk
 from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.vllm")
@@ -65,13 +76,13 @@ class VllmBackend:
         self.cfg, self.engine_id = cfg, engine_id
         self.start_timeout_s = start_timeout_s
         self.llm: Any = None
-        self.tokenizer: Any = None
         self.coordinator: Any = None
         self._handshakes: list[bytes] = []
         self._peer_payloads: dict[str, dict[int, list[str]]] = {}  # engine -> pp -> payloads
         self._own: Any = None  # decoded handshake of our rank 0
         self.handshake_dir = tempfile.mkdtemp(prefix=f"raypd-{engine_id}-")
-        self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0}
+        self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0, "replay_mismatches": 0}
+        self._aliases: dict[str, str] = {}  # request id -> the id of its continuation after a replay mismatch
         self._usage: dict[str, Any] = {"num_blocks": 0, "kv_cache_usage": 0.0, "running": 0, "waiting": 0}
 
     # ---------------------------------------------------------------- start
@@ -102,7 +113,6 @@ class VllmBackend:
         engine_args = self._engine_args(model_path)  # refuses a bad engine_kwargs key before any process starts
         self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[_usage_logger_factory(self._usage)])
         self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
-        self.tokenizer = self.llm.tokenizer if getattr(self.llm, "tokenizer", None) else await self.llm.get_tokenizer()
         if self.cfg.kv_connector:
             self._handshakes = await self._collect_handshakes()
             self._own = decode_handshake(self._handshakes[0])
@@ -126,19 +136,20 @@ class VllmBackend:
         return []
 
     # ------------------------------------------------------------- requests
+    def model_info(self) -> ModelInfo:
+        mc = self.llm.model_config
+        defaults = mc.get_diff_sampling_param()
+        override = (defaults.get("max_tokens") if mc.generation_config not in ("auto", "vllm")
+                    else mc.override_generation_config.get("max_new_tokens"))  # as vLLM's serving code
+        return ModelInfo(backend="vllm", max_model_len=mc.max_model_len, vocab_size=mc.get_vocab_size(),
+                         model_path=mc.model, tokenizer=mc.tokenizer, tokenizer_mode=mc.tokenizer_mode,
+                         trust_remote_code=mc.trust_remote_code, default_sampling_params=defaults,
+                         override_max_tokens=override)
+
     def _prompt(self, req: EngineRequest) -> list[int]:
-        if req.prompt_token_ids:
-            ids = list(req.prompt_token_ids)
-        elif req.messages:
-            try:
-                text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True,
-                                                          tokenize=False)
-            except Exception as exc:  # noqa: BLE001 - template errors are the client's
-                raise EngineRequestError(f"cannot apply the chat template: {exc}") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif req.prompt:
-            ids = self.tokenizer.encode(req.prompt)
-        else:
+        """The token ids (the front tokenized and checked them; this guards direct callers)."""
+        ids = list(req.prompt_token_ids)
+        if not ids:
             raise EngineRequestError("the prompt is empty")
         if len(ids) + req.max_tokens > self.cfg.max_model_len:
             raise EngineRequestError(
@@ -148,19 +159,34 @@ class VllmBackend:
         return ids
 
     def _sampling(self, spec: SamplingSpec, max_tokens: int, kv_params: dict | None) -> Any:
+        """vLLM's SamplingParams as the front derived them, streamed as deltas, with our transfer params."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=0.0 if spec.temperature is None else spec.temperature,
-            top_p=1.0 if spec.top_p is None else spec.top_p,
-            seed=spec.seed,
-            stop=list(spec.stop) or None,
-            ignore_eos=spec.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
-        )
+        if spec.vllm_params is not None:
+            sp = pickle.loads(spec.vllm_params)
+        else:  # a direct caller (tests, benchmarks) that only set the plain fields
+            sp = SamplingParams(temperature=0.0 if spec.temperature is None else spec.temperature,
+                                top_p=1.0 if spec.top_p is None else spec.top_p, seed=spec.seed,
+                                stop=list(spec.stop) or None, ignore_eos=spec.ignore_eos)
+        sp.max_tokens = max_tokens
+        sp.min_tokens = min(sp.min_tokens, max_tokens)
+        sp.output_kind = RequestOutputKind.DELTA
+        extra = {k: v for k, v in (sp.extra_args or {}).items() if k != "kv_transfer_params"}
+        if kv_params:
+            extra["kv_transfer_params"] = kv_params
+        sp.extra_args = extra or None
+        return sp
+
+    async def _outputs(self, ids: list[int], sp: Any, request_id: str) -> AsyncIterator[Any]:
+        """AsyncLLM.generate; vLLM refusing the request (bad sampling parameters) is the client's fault."""
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=request_id):
+                yield out
+        except (VLLMClientError, ValueError) as exc:
+            raise EngineRequestError(str(exc)) from None
 
     async def prefill(self, req: EngineRequest) -> PrefillResult:
         """Prefill for remote decode: first token + transfer params."""
@@ -171,7 +197,7 @@ class VllmBackend:
         sp = self._sampling(req.sampling, 1, {"do_remote_decode": True, "lease_ttl_s": ttl} if remote else None)
         first_ids: list[int] = []
         text, finish, params = "", None, None
-        async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=req.request_id):
+        async for out in self._outputs(ids, sp, req.request_id):
             o = out.outputs[0]
             first_ids.extend(o.token_ids)
             text += o.text
@@ -205,32 +231,49 @@ class VllmBackend:
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
         ids = self._prompt(req)
         params = req.kv_transfer_params
+        # Replay the prefill engine's first token (see the module docstring): the engine runs the
+        # original prompt and the first delta must be that token, which is not streamed again.
+        replay = tuple(ids[-1:]) if req.num_resumed_tokens == 1 and len(ids) > 1 else ()
+        engine_ids = ids[:len(ids) - len(replay)]
         expected_external = 0
         if params:
             try:
                 params = await self._with_handshakes(params)
             except TransferParamsError as exc:
                 raise EngineRequestError(str(exc)) from None
-            expected_external = min(int(params["num_tokens"]), len(ids) - 1)
+            expected_external = min(int(params["num_tokens"]), len(engine_ids) - 1)
             self.counters["kv_pulls"] += 1
-        sp = self._sampling(req.sampling, req.max_tokens, params)
+        sp = self._sampling(req.sampling, req.max_tokens + len(replay), params)
         req_id = req.request_id
-        first = True
-        async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=req_id):
+        num_prompt = len(ids) - req.num_resumed_tokens
+        verdict: dict[str, Any] | None = None
+        async for out in self._outputs(engine_ids, sp, req_id):
             o = out.outputs[0]
             chunk = TokenChunk(req_id, tuple(o.token_ids), o.text, finished=out.finished,
-                               num_prompt_tokens=len(ids) - req.num_resumed_tokens)
-            if first:
+                               num_prompt_tokens=num_prompt)
+            if verdict is None:
                 # vLLM reports cached tokens on the first delta: fewer than we pulled means
                 # the pull failed and the prompt was recomputed (kv_load_failure_policy=recompute).
-                first = False
                 cached = out.num_cached_tokens or 0
                 recomputed = bool(params and cached < expected_external and o.token_ids)
-                chunk = chunk.replace(num_cached_tokens=cached, recomputed=recomputed)
+                verdict = {"num_cached_tokens": cached, "recomputed": recomputed}
                 if recomputed:
                     self.counters["recomputed"] += 1
                 if params:
                     self._report(req_id, recomputed or (out.finished and str(o.finish_reason) == "error"))
+                if replay and not (out.finished and str(o.finish_reason) == "error"):
+                    if chunk.token_ids == replay and not out.finished:
+                        continue  # the token the client already has: the next delta carries the verdict
+                    # the replay drew another token: go on from the streamed one (its KV is cached now)
+                    self.counters["replay_mismatches"] += 1
+                    logger.info("%s: replay drew %s instead of %s; continuing from the streamed token",
+                                req_id, chunk.token_ids, replay)
+                    await self.llm.abort(req_id)
+                    async for cont in self._continue_after(req, ids, num_prompt, verdict):
+                        yield cont
+                    return
+            if verdict:
+                chunk, verdict = chunk.replace(**verdict), {}
             if out.finished:
                 reason = str(o.finish_reason) if o.finish_reason is not None else "stop"
                 chunk = chunk.replace(finish_reason=reason)
@@ -238,6 +281,25 @@ class VllmBackend:
                     self.counters["kv_failures"] += 1
                     chunk = chunk.replace(error="KV transfer failed (kv_load_failure_policy=fail)")
             yield chunk
+
+    async def _continue_after(self, req: EngineRequest, ids: list[int], num_prompt: int,
+                              verdict: dict[str, Any]) -> AsyncIterator[TokenChunk]:
+        """Generate after prompt + the streamed token(s), as a plain continuation (no pull)."""
+        cont_id = f"{req.request_id}-cont"
+        self._aliases[req.request_id] = cont_id
+        sp = self._sampling(req.sampling, req.max_tokens, None)
+        try:
+            async for out in self._outputs(ids, sp, cont_id):
+                o = out.outputs[0]
+                chunk = TokenChunk(req.request_id, tuple(o.token_ids), o.text, finished=out.finished,
+                                   num_prompt_tokens=num_prompt)
+                if verdict:
+                    chunk, verdict = chunk.replace(**verdict), {}
+                if out.finished:
+                    chunk = chunk.replace(finish_reason=str(o.finish_reason or "stop"))
+                yield chunk
+        finally:
+            self._aliases.pop(req.request_id, None)
 
     def _report(self, req_id: str, failed: bool) -> None:
         """One outcome per pulled request to the coordinator's ledger (vLLM merged its ranks)."""
@@ -251,7 +313,7 @@ class VllmBackend:
 
     async def abort(self, req_id: str) -> None:
         if self.llm is not None:
-            await self.llm.abort(req_id)
+            await self.llm.abort(list({req_id, self._aliases.get(req_id, req_id)}))
 
     async def drop_engine(self, engine_id: str) -> None:
         # The next request to that engine fetches fresh payloads; workers replace

@@ -1,6 +1,6 @@
 """The Ray Serve application: `build_app(config) -> serve.Application`.
 
-One ingress deployment (FastAPI, `serving.api`) whose replicas get-or-create
+One ingress deployment (FastAPI, `serving.front`) whose replicas get-or-create
 the coordinator and the engine actors (`serving.launcher`) and route over
 them (`serving.router`). The same builder serves three launchers:
 
@@ -88,18 +88,20 @@ class RaypdIngress:
     """One replica of the HTTP front; the engines are shared by every replica."""
 
     async def __init__(self, config: dict):
+        from serving.front import served_model
         from serving.launcher import launch
         from serving.ray_clients import build_router
 
         self.cfg = DeploymentConfig.from_dict(config)
         self.deployment = await asyncio.to_thread(launch, self.cfg)
         self.router = build_router(self.cfg, self.deployment)
+        self.model = await served_model(await next(iter(self.deployment.decodes.values())).model_info.remote())
         logger.info("ingress replica attached to %d engines of %s", len(self.deployment.engines), self.cfg.name)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from serving.api import create_app
+        from serving.front import create_app
 
-        return create_app(self.cfg, self.router)
+        return create_app(self.cfg, self.router, self.model)
 
     async def status(self) -> dict:
         """For `raypd status` (through a deployment handle): routing state and engine stats."""

@@ -366,15 +366,16 @@ def _uvicorn_front_main(config_json: str, port: int, address: str) -> None:
     """Child process of `--overhead`: the front app under plain uvicorn, attached to the same engines."""
     import uvicorn
 
-    from serving.api import create_app
+    from serving.front import create_app, served_model_of
     from serving.config import DeploymentConfig
     from serving.launcher import init_ray, launch
     from serving.ray_clients import build_router
 
     cfg = DeploymentConfig.from_dict(json.loads(config_json))
     init_ray(cfg, address=address)
-    router = build_router(cfg, launch(cfg))  # get-or-create: the engines are already up
-    uvicorn.run(create_app(cfg, router), host="127.0.0.1", port=port, log_level="warning")
+    dep = launch(cfg)  # get-or-create: the engines are already up
+    uvicorn.run(create_app(cfg, build_router(cfg, dep), served_model_of(dep)), host="127.0.0.1", port=port,
+                log_level="warning")
 
 
 def _wait_health(url: str, timeout_s: float, proc: Any = None) -> None:

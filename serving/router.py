@@ -88,7 +88,6 @@ class RouterSettings:
     breaker_cooldown_s: float = 10.0
     breaker_probe_window_s: float = 5.0
     directory_ttl_s: float = 1.0
-    chars_per_token: float = 4.0  # prompt length estimate without a tokenizer
 
     @classmethod
     def from_config(cls, cfg: Any) -> "RouterSettings":
@@ -100,20 +99,7 @@ class RouterSettings:
             breaker_failure_threshold=cfg.breaker.failure_threshold,
             breaker_cooldown_s=cfg.breaker.cooldown_s,
             breaker_probe_window_s=cfg.breaker.probe_window_s,
-            # the synthetic backend tokenizes UTF-8 bytes: one token per byte
-            chars_per_token=1.0 if cfg.backend == "synthetic" else 4.0,
         )
-
-
-def estimate_prompt_tokens(req: EngineRequest, chars_per_token: float = 4.0) -> int:
-    """Prompt length in tokens: exact for token ids, estimated from text otherwise."""
-    if req.prompt_token_ids:
-        return len(req.prompt_token_ids)
-    if req.messages:
-        text_len = sum(len(str(m.get("content") or "").encode()) + 8 for m in req.messages)
-    else:
-        text_len = len((req.prompt or "").encode())
-    return max(1, math.ceil(text_len / chars_per_token))
 
 
 # -------------------------------------------------------------------- router
@@ -203,7 +189,7 @@ class Router:
         Raises `RouteError` when the request cannot be served; nothing is left
         running on any engine in that case.
         """
-        estimate = estimate_prompt_tokens(req, self.settings.chars_per_token)
+        estimate = req.num_prompt_tokens  # the front tokenized the prompt: a real count
         self.counters["requests"] += 1
         routes = await self.routes()
         decode_id = self.pick_decode(routes)

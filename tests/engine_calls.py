@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
+from actors.synthetic.tokenizer import encode_text
 
 
 def request(request_id: str, prompt: str | None = None, max_tokens: int = 16, token_ids=None,
             **changes) -> EngineRequest:
-    return EngineRequest(request_id, SamplingSpec(max_tokens=max_tokens), prompt=prompt,
-                         prompt_token_ids=tuple(token_ids) if token_ids is not None else None, **changes)
+    """A text prompt is tokenized as the front does for the synthetic model (UTF-8 bytes)."""
+    ids = tuple(token_ids) if token_ids is not None else tuple(encode_text(prompt or ""))
+    return EngineRequest(request_id, SamplingSpec(max_tokens=max_tokens), prompt_token_ids=ids, **changes)
 
 
 async def collect(actor, req: EngineRequest) -> list[TokenChunk]:

@@ -1,7 +1,7 @@
-"""The synthetic engine behind an EngineActor: byte tokenizer, streamed 'generation'.
+"""The synthetic engine behind an EngineActor: streamed 'generation' over real KV.
 
-Text is tokenized as UTF-8 bytes (ids 0..255, shifted by 1000 so they never
-collide with generated ids) and generated ids are rendered as short words, so
+Prompts arrive as token ids (the front tokenizes with
+`actors.synthetic.tokenizer`); generated ids are rendered as short words, so
 the HTTP front sees a real text stream. A decode whose KV fails verification
 is an error, never an answer.
 """
@@ -13,24 +13,11 @@ import random
 from typing import Any, AsyncIterator
 
 from actors.engine_config import EngineConfig
-from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
+from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
 from actors.synthetic.engine import EngineShape, SyntheticEngine, TransferFailed
 from actors.synthetic.pattern import generate_tokens
 from actors.synthetic.rank import SyntheticModel
-
-TOKEN_OFFSET = 1000
-
-
-def encode_text(text: str) -> list[int]:
-    return [TOKEN_OFFSET + b for b in text.encode("utf-8")]
-
-
-def render_token(token_id: int) -> str:
-    return f" w{token_id % 997}"
-
-
-def chat_to_text(messages: list[dict]) -> str:
-    return "".join(f"<|{m.get('role', 'user')}|>{m.get('content', '')}\n" for m in messages) + "<|assistant|>"
+from actors.synthetic.tokenizer import render_token
 
 
 class SyntheticBackend:
@@ -60,13 +47,12 @@ class SyntheticBackend:
     def liveness_handles(self) -> list[Any]:
         return list(self.engine.ranks)
 
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(backend="synthetic", max_model_len=self.cfg.max_model_len,
+                         vocab_size=self.model.vocab_size)
+
     def _tokens(self, req: EngineRequest) -> list[int]:
-        if req.prompt_token_ids:
-            tokens = list(req.prompt_token_ids)
-        elif req.messages:
-            tokens = encode_text(chat_to_text(list(req.messages)))
-        else:
-            tokens = encode_text(req.prompt or "")
+        tokens = list(req.prompt_token_ids)
         if not tokens:
             raise EngineRequestError("the prompt is empty")
         if len(tokens) + req.max_tokens > self.cfg.max_model_len:

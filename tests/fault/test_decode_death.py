@@ -8,7 +8,7 @@ import time
 import httpx
 import ray
 
-from serving.api import create_app
+from serving.front import create_app
 from serving.config import DeploymentConfig
 from serving.launcher import launch, shutdown_deployment
 from serving.ray_clients import build_router

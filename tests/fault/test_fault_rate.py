@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import ray
 
-from serving.api import create_app
+from serving.front import create_app
 from serving.config import DeploymentConfig
 from serving.launcher import launch, shutdown_deployment
 from serving.ray_clients import build_router

@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from service_helpers import UvicornThread, free_port  # noqa: E402
 
-from serving.api import create_app  # noqa: E402
+from serving.front import create_app, served_model_of  # noqa: E402
 from serving.config import DeploymentConfig  # noqa: E402
 from serving.launcher import launch, shutdown_deployment  # noqa: E402
 from serving.ray_clients import build_router  # noqa: E402
@@ -67,7 +67,7 @@ def main(backend: str) -> int:
             prefill_ranks=len(p_place["rank_nodes"]),
         )
         port = free_port()
-        with UvicornThread(create_app(cfg, build_router(cfg, dep)), port):
+        with UvicornThread(create_app(cfg, build_router(cfg, dep), served_model_of(dep)), port):
             model = cfg.served_model_name
             body = ({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                      "max_tokens": 16, "temperature": 0})

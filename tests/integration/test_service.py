@@ -11,7 +11,7 @@ import openai
 import pytest
 import ray
 
-from serving.api import create_app
+from serving.front import create_app
 from serving.config import DeploymentConfig
 from serving.launcher import launch, shutdown_deployment
 from serving.ray_clients import build_router

@@ -13,7 +13,7 @@ import openai
 import pytest
 import ray
 
-from serving.api import create_app
+from serving.front import create_app, served_model_of
 from serving.config import DeploymentConfig, load_config
 from serving.launcher import launch, shutdown_deployment
 from serving.ray_clients import build_router
@@ -50,7 +50,7 @@ def service(coordinator):
     dep = launch(cfg)
     router = build_router(cfg, dep)
     port = free_port()
-    with UvicornThread(create_app(cfg, router), port):
+    with UvicornThread(create_app(cfg, router, served_model_of(dep)), port):
         yield {"url": f"http://127.0.0.1:{port}", "dep": dep, "router": router, "cfg": cfg}
     shutdown_deployment(NAME, keep_coordinator=True)
 

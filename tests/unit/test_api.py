@@ -1,4 +1,4 @@
-"""The HTTP front with a fake router: OpenAI shapes, SSE, validation and error bodies (no Ray)."""
+"""The HTTP front with a fake router: vLLM's request semantics, OpenAI shapes, SSE, errors (no Ray)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from actors.protocol import TokenChunk
-from serving.api import create_app
+from actors.protocol import ModelInfo, TokenChunk
+from actors.synthetic.tokenizer import chat_to_text, encode_text
 from serving.config import DeploymentConfig
+from serving.front import create_app
+from serving.front.served_model import SyntheticServedModel
 from serving.router import RouteError
 
 MODEL = "synthetic-tiny"
@@ -76,10 +78,11 @@ class FakeRouter:
                 "counters": {"prefill_retries": 1}}
 
 
-def make_client(**http):
+def make_client(defaults=None, **http):
     cfg = DeploymentConfig.from_dict({"backend": "synthetic", "max_model_len": 256, "http": http})
     router = FakeRouter()
-    return TestClient(create_app(cfg, router)), router
+    model = SyntheticServedModel(ModelInfo("synthetic", 256, 32000, default_sampling_params=defaults or {}))
+    return TestClient(create_app(cfg, router, model)), router
 
 
 @pytest.fixture
@@ -108,7 +111,8 @@ def test_completion_non_stream(client):
     assert body["choices"][0]["text"] == " w0 w1 w2" and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
     sent = client.router.requests[0]
-    assert sent.prompt == "hi" and sent.sampling.stop == ("x",) and sent.sampling.seed == 4 and sent.max_tokens == 3
+    assert sent.prompt_token_ids == tuple(encode_text("hi"))  # the front tokenized: engines get ids only
+    assert sent.sampling.stop == ("x",) and sent.sampling.seed == 4 and sent.max_tokens == 3
     assert client.router.streams[0].closed
 
 
@@ -116,8 +120,27 @@ def test_completion_token_prompt_and_single_batch(client):
     post(client, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3]})
     post(client, "/v1/completions", {"model": MODEL, "prompt": ["only one"]})
     assert client.router.requests[0].prompt_token_ids == (1, 2, 3)
-    assert client.router.requests[0].max_tokens == 16  # the OpenAI default for completions
-    assert client.router.requests[1].prompt == "only one"
+    assert client.router.requests[0].max_tokens == 16  # vLLM's default for completions
+    assert client.router.requests[1].prompt_token_ids == tuple(encode_text("only one"))
+
+
+def test_sampling_follows_the_generation_config_unless_the_request_sets_it():
+    c, router = make_client(defaults={"temperature": 0.25, "top_p": 0.5, "max_tokens": 9})
+    post(c, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": None})
+    post(c, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 0.0, "top_p": 1.0, "max_tokens": 4})
+    default, explicit = router.requests
+    assert (default.sampling.temperature, default.sampling.top_p, default.max_tokens) == (0.25, 0.5, 16)
+    assert (explicit.sampling.temperature, explicit.sampling.top_p, explicit.max_tokens) == (0.0, 1.0, 4)
+    post(c, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert router.requests[-1].max_tokens == 9  # chat without max_tokens: the generation config's max
+
+
+def test_sampled_requests_get_a_seed_and_greedy_ones_keep_none(client):
+    post(client, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+    post(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 0})
+    sampled, greedy = client.router.requests
+    assert sampled.sampling.temperature == 1.0 and sampled.sampling.seed is not None
+    assert greedy.sampling.seed is None
 
 
 def test_completion_stream(client):
@@ -131,6 +154,15 @@ def test_completion_stream(client):
     assert all(e["object"] == "text_completion" for e in events)
 
 
+def test_return_token_ids(client):
+    body = {"model": MODEL, "prompt": "hi", "return_token_ids": True}
+    choice = post(client, "/v1/completions", body).json()["choices"][0]
+    assert choice["token_ids"] == [0, 1, 2] and choice["prompt_token_ids"] == encode_text("hi")
+    events = sse_events(post(client, "/v1/completions", {**body, "stream": True}).text)
+    assert events[0]["choices"][0]["prompt_token_ids"] == encode_text("hi")
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == [0, 1, 2]
+
+
 def test_chat_non_stream_and_stream(client):
     msgs = [{"role": "system", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "up?"}]}]
@@ -139,8 +171,9 @@ def test_chat_non_stream_and_stream(client):
     assert r.status_code == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": " w0 w1 w2"}
     sent = client.router.requests[0]
-    assert sent.messages[1] == {"role": "user", "content": "What is up?"}
-    assert sent.max_tokens == 256  # default_max_tokens capped at the context length
+    prompt = encode_text(chat_to_text([("system", "be brief"), ("user", "What is up?")]))
+    assert sent.prompt_token_ids == tuple(prompt)
+    assert sent.max_tokens == 256 - len(prompt)  # vLLM: no max_tokens in chat fills the context
     r = post(client, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "stream": True,
                                               "max_completion_tokens": 5})
     events = sse_events(r.text)
@@ -151,9 +184,23 @@ def test_chat_non_stream_and_stream(client):
     assert client.router.requests[1].max_tokens == 5
 
 
-def test_models_health_metrics(client):
+def test_tokenize_round_trips_and_detokenize(client):
+    r = post(client, "/tokenize", {"model": MODEL, "prompt": "héllo", "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["tokens"] == encode_text("héllo") and body["count"] == 6
+    assert body["max_model_len"] == 256
+    assert post(client, "/detokenize", {"model": MODEL, "tokens": body["tokens"]}).json() == {"prompt": "héllo"}
+    chat = post(client, "/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == encode_text(chat_to_text([("user", "hi")]))
+    assert_error(post(client, "/detokenize", {"model": MODEL, "tokens": [10**6]}), 400, param="tokens")
+    assert_error(post(client, "/tokenize", {"model": "gpt-4", "prompt": "x"}), 404, code="model_not_found")
+
+
+def test_models_version_health_metrics(client):
     r = client.get("/v1/models")
     assert r.json()["data"][0]["id"] == MODEL and r.json()["object"] == "list"
+    from vllm import __version__
+    assert client.get("/version").json() == {"version": __version__, "raypd_version": "0.1.0"}
     assert client.get("/health").status_code == 200
     client.router.healthy = False
     r = client.get("/health")
@@ -194,25 +241,30 @@ BAD = [
     (b'[1, 2]', 400, None, "invalid_json"),
     (b'{"model": "synthetic-tiny", "prompt": "\xff\xfe"}', 400, None, "invalid_encoding"),
     (b'{"model": "synthetic-tiny", "prompt": "hi", "temperature": NaN}', 400, None, "invalid_json"),
-    ({"prompt": "hi"}, 422, "model", "invalid_type"),
-    ({"model": MODEL}, 422, "prompt", "invalid_type"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 422, "max_tokens", "invalid_type"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 2.5}, 422, "max_tokens", "invalid_type"),
-    ({"model": MODEL, "prompt": 12}, 422, "prompt", "invalid_type"),
-    ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 422, "stream", "invalid_type"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
+    ({"model": MODEL}, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", "invalid_type"),
+    ({"model": MODEL, "prompt": 12}, 400, "prompt", "invalid_type"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens", "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "temperature": 3}, 400, "temperature", "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p", "invalid_value"),
-    ({"model": MODEL, "prompt": "hi", "stop": ["s"] * 17}, 400, "stop", "invalid_value"),
-    ({"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed", "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "top_k": -5}, 400, None, "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "min_p": 2}, 400, None, "invalid_value"),
+    ({"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed", "invalid_type"),
+    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "invalid_value"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "unsupported_parameter"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
-    ({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}}, 400,
+     "kv_transfer_params", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt", "invalid_value"),
-    ({"model": MODEL, "prompt": [-1]}, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": [-1]}, 400, "prompt.0", "invalid_type"),
+    ({"model": MODEL, "prompt": [32000]}, 400, "prompt", "invalid_value"),  # out of the vocabulary
+    ({"model": MODEL, "prompt": "x" * 300}, 400, "input_tokens", "invalid_value"),  # longer than the context
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
 ]
 
@@ -224,29 +276,28 @@ def test_completion_errors(client, body, status, param, code):
 
 
 CHAT_BAD = [
-    ({"model": MODEL, "messages": "hi"}, 422, "messages", None),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 422, "messages.0.role", None),
-    ({"model": MODEL, "messages": []}, 400, "messages", None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": ""}]}, 400, "messages", None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "messages.0.content", "unsupported_parameter"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     400, "tools", "unsupported_parameter"),
+    ({"model": MODEL, "messages": "hi"}, 400, "messages", "invalid_type"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages", "invalid_value"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100000},
      400, "max_completion_tokens", "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs",
+     "unsupported_parameter"),
 ]
 
 
 @pytest.mark.parametrize("body, status, param, code", CHAT_BAD)
 def test_chat_errors(client, body, status, param, code):
     assert_error(post(client, "/v1/chat/completions", body), status, param, code)
+    assert client.router.requests == []
 
 
-def test_neutral_values_of_unsupported_parameters_are_accepted(client):
-    r = post(client, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                              "n": 1, "logprobs": False, "presence_penalty": 0,
-                                              "frequency_penalty": 0.0, "some_vendor_field": 1})
-    assert r.status_code == 200
+def test_vllm_parameters_and_neutral_values_are_accepted(client):
+    r = post(client, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 1, "logprobs": False,
+        "presence_penalty": 0.5, "frequency_penalty": 0.1, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
+        "stop_token_ids": [7], "min_tokens": 1, "chat_template_kwargs": {"x": 1}, "some_vendor_field": 1})
+    assert r.status_code == 200, r.text
 
 
 def test_api_keys(monkeypatch):
@@ -258,6 +309,7 @@ def test_api_keys(monkeypatch):
                  code="invalid_api_key", contains="Incorrect")
     assert_error(post(c, "/v1/completions", body, headers={"Authorization": "Basic sk-good"}), 401)
     assert_error(c.get("/v1/models"), 401)
+    assert_error(post(c, "/tokenize", {"prompt": "x"}), 401)
     assert post(c, "/v1/completions", body, headers={"Authorization": "Bearer sk-good"}).status_code == 200
     assert c.get("/v1/models", headers={"Authorization": "Bearer sk-good"}).status_code == 200
     assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200  # probes: no key
@@ -280,12 +332,13 @@ def test_oversized_body_is_413():
 
 def test_too_many_in_flight_is_429():
     c, router = make_client(max_inflight_requests=1)
-    c.app.state.inflight = 1  # one request is being served
+    accounting = c.app.state.front.accounting
+    accounting.inflight = 1  # one request is being served
     err = assert_error(post(c, "/v1/completions", {"model": MODEL, "prompt": "hi"}), 429, code="rate_limit_exceeded")
     assert err["type"] == "rate_limit_error"
-    c.app.state.inflight = 0
+    accounting.inflight = 0
     assert post(c, "/v1/completions", {"model": MODEL, "prompt": "hi"}).status_code == 200
-    assert c.app.state.inflight == 0
+    assert accounting.inflight == 0
 
 
 @pytest.mark.parametrize("status, code", [(503, "no_prefill_engine"), (400, "invalid_prompt")])
@@ -296,7 +349,7 @@ def test_router_errors_become_error_bodies(client, status, code):
         r = post(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": stream})
         err = assert_error(r, status, code=code)
         assert err["type"] == ("server_error" if status == 503 else "invalid_request_error")
-    assert client.app.state.inflight == 0
+    assert client.app.state.front.accounting.inflight == 0
 
 
 def test_engine_error_mid_stream_is_an_sse_error_event_and_a_503_without_stream(client):
@@ -309,7 +362,7 @@ def test_engine_error_mid_stream_is_an_sse_error_event_and_a_503_without_stream(
     client.router.chunks = [{"token_ids": [], "text": "", "finished": True, "finish_reason": "error", "error": "boom"}]
     assert_error(post(client, "/v1/completions", {"model": MODEL, "prompt": "hi"}), 503, code="engine_error")
     assert all(s.closed for s in client.router.streams)
-    assert client.app.state.inflight == 0
+    assert client.app.state.front.accounting.inflight == 0
 
 
 def test_unknown_route_and_method_have_error_bodies(client):

@@ -13,7 +13,6 @@ from serving.router import (
     RouteError,
     Router,
     RouterSettings,
-    estimate_prompt_tokens,
 )
 
 
@@ -102,7 +101,8 @@ def make(prefills=("p0", "p1"), decodes=("d0",), routes=None, clock=None, **sett
 
 
 def req(rid="r1", prompt="hello world", max_tokens=3):
-    return EngineRequest(rid, SamplingSpec(max_tokens=max_tokens), prompt=prompt)
+    """The prompt as the front tokenizes it for the synthetic model: one token per UTF-8 byte."""
+    return EngineRequest(rid, SamplingSpec(max_tokens=max_tokens), prompt_token_ids=tuple(prompt.encode()))
 
 
 async def collect(stream):
@@ -283,7 +283,7 @@ def test_no_compatible_prefill_with_reject_policy_is_503():
 
 def test_short_prompt_skips_remote_prefill():
     async def go():
-        router, ps, ds, _ = make(short_prompt_tokens=50, chars_per_token=1.0)
+        router, ps, ds, _ = make(short_prompt_tokens=50)
         s = await router.open(req(prompt="short"))
         await collect(s)
         assert s.route.path == "short" and ps["p0"].prefills == []
@@ -435,13 +435,6 @@ def test_directory_is_cached_and_its_failure_keeps_the_last_view():
     run(go())
 
 
-def test_prompt_estimate():
-    assert estimate_prompt_tokens(EngineRequest("r", prompt_token_ids=(1, 2, 3))) == 3
-    assert estimate_prompt_tokens(EngineRequest("r", prompt="abcdefgh"), 4.0) == 2
-    assert estimate_prompt_tokens(EngineRequest("r", prompt="abcdefgh"), 1.0) == 8
-    assert estimate_prompt_tokens(EngineRequest("r", messages=({"role": "user", "content": "hi"},)), 1.0) == 10
-
-
 def test_snapshot_is_plain_data():
     async def go():
         router, _, _, _ = make()
@@ -464,7 +457,7 @@ def test_first_token_from_prefill_is_streamed_and_decode_continues_from_token_tw
         assert chunks[0].token_ids == (42,) and chunks[0].text == " first"
         sent = ds["d0"].generates[0]
         assert sent.prompt_token_ids == (7, 8, 9, 42) and sent.max_tokens == 3 and sent.num_resumed_tokens == 1
-        assert sent.prompt is None and sent.kv_transfer_params["remote_engine_id"] == "p0"
+        assert sent.kv_transfer_params["remote_engine_id"] == "p0"
         assert s.num_generated == 1 + 3 and router.breaker("d0", "p0").consecutive_failures == 0
         assert router.decode_load["d0"].requests == 0 and router.decode_load["d0"].tokens == 0
 

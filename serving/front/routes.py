@@ -1,0 +1,247 @@
+"""The front's routes on one `APIRouter`; auth and the body limit are dependencies.
+
+A generation request: auth -> body (limit, UTF-8, JSON object) -> vLLM's
+request model -> model name -> admission (429) -> render + tokenize + sampling
+(`prepare`) -> `Router.open` (routing errors surface before any byte is sent)
+-> SSE stream or JSON answer. Its `RequestTicket` settles once on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import TypeAdapter, ValidationError
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+from serving.config import DeploymentConfig
+from serving.front.accounting import Accounting, RequestTicket
+from serving.front.errors import CLIENT_ERRORS, ApiError, error_response, invalid_request, invalid_value
+from serving.front.prepare import Kind, parse, prepare
+from serving.front.responses import SSEResponse, Shapes, collect, json_response, sse_events
+from serving.front.served_model import ServedModel
+from serving.metrics import CONTENT_TYPE, ServiceMetrics
+from serving.router import RouteError
+
+logger = logging.getLogger("raypd.api")
+
+GENERATION_PATHS: dict[str, Kind] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_tokenize_request = TypeAdapter(TokenizeRequest)
+
+
+@dataclass
+class FrontState:
+    """Everything the routes share (one per app)."""
+
+    cfg: DeploymentConfig
+    router: Any
+    model: ServedModel
+    metrics: ServiceMetrics
+    accounting: Accounting
+    api_keys: tuple[bytes, ...]
+    created: int
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.served_model_name
+
+
+def front(request: Request) -> FrontState:
+    return request.app.state.front
+
+
+Front = Annotated[FrontState, Depends(front)]
+
+
+def check_auth(request: Request, state: Front) -> None:
+    if not state.api_keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    presented = token.strip().encode()
+    if not any(hmac.compare_digest(presented, k) for k in state.api_keys):
+        raise ApiError(401, "Incorrect API key provided", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _no_constants(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def json_body(request: Request, state: Front) -> dict:
+    """The body as a JSON object, refused past `http.max_body_bytes` before it is all read."""
+    limit = state.cfg.http.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                       code="request_too_large")
+    size, parts = 0, []
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        parts.append(part)
+    raw = b"".join(parts)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constants)
+    except CLIENT_ERRORS as exc:
+        raise ApiError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+Body = Annotated[dict, Depends(json_body)]
+router = APIRouter(dependencies=[Depends(check_auth)])  # routes that need a key
+open_router = APIRouter()  # health and metrics: scraped and probed without keys
+
+
+def check_model(state: FrontState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise ApiError(404, f"The model `{name}` does not exist. Available: `{state.model_name}`.",
+                       param="model", code="model_not_found")
+
+
+@open_router.get("/health")
+async def health(state: Front) -> JSONResponse:
+    try:
+        h = await state.router.health()
+    except Exception as exc:  # noqa: BLE001
+        h = {"healthy": False, "reason": f"health check failed: {type(exc).__name__}: {exc}"}
+    return JSONResponse({"status": "ok" if h["healthy"] else "unavailable", **h},
+                        status_code=200 if h["healthy"] else 503)
+
+
+@open_router.get("/metrics")
+async def metrics(state: Front) -> Response:
+    try:
+        await asyncio.wait_for(state.router.refresh_engine_stats(), 3.0)
+    except Exception as exc:  # noqa: BLE001 - metrics must render even if an engine is away
+        logger.info("engine stats unavailable for /metrics: %s", exc)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@open_router.get("/version")
+async def version() -> JSONResponse:
+    from vllm import __version__ as vllm_version
+
+    from serving import __version__ as raypd_version
+
+    return JSONResponse({"version": vllm_version, "raypd_version": raypd_version})
+
+
+@router.get("/v1/models")
+async def models(state: Front) -> JSONResponse:
+    cfg = state.cfg
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "raypd",
+        "root": cfg.model if cfg.backend == "vllm" else cfg.synthetic.model_id,
+        "max_model_len": state.model.max_model_len,
+    }]})
+
+
+@router.post("/tokenize")
+async def tokenize(state: Front, body: Body) -> Response:
+    try:
+        req = _tokenize_request.validate_python(body)
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+    except CLIENT_ERRORS as exc:
+        raise invalid_value(exc) from None
+    check_model(state, req.model)
+    try:
+        ids, strs = await state.model.tokenize(req)
+    except CLIENT_ERRORS as exc:
+        raise invalid_value(exc) from None
+    return json_response({"count": len(ids), "max_model_len": state.model.max_model_len, "tokens": ids,
+                          "token_strs": strs})
+
+
+@router.post("/detokenize")
+async def detokenize(state: Front, body: Body) -> Response:
+    try:
+        req = DetokenizeRequest.model_validate(body)
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+    except CLIENT_ERRORS as exc:
+        raise invalid_value(exc) from None
+    check_model(state, req.model)
+    try:
+        return json_response({"prompt": await state.model.detokenize(req)})
+    except CLIENT_ERRORS as exc:
+        raise invalid_value(exc) from None
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, state: Front, body: Body) -> Response:
+    return await generate(request, state, body, "completions")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, state: Front, body: Body) -> Response:
+    return await generate(request, state, body, "chat")
+
+
+async def generate(request: Request, state: FrontState, body: dict, kind: Kind) -> Response:
+    ticket = state.accounting.start(kind)
+    handed_over = False
+    status = "500"
+    try:
+        parsed = parse(kind, body)
+        check_model(state, parsed.model)
+        ticket.admit()
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        prep = await prepare(kind, parsed, state.model, rid)
+        ticket.stream = await open_stream(state, prep.engine_request)
+        shapes = Shapes(prep, state.model_name)
+        if prep.stream:
+            handed_over = True
+            return SSEResponse(sse_events(shapes, ticket), on_close=ticket.settle, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        answer = await collect(shapes, ticket, request)
+        if answer is None:
+            status = "499"
+            return Response(status_code=499)
+        status = "200"
+        return json_response(answer)
+    except ApiError as err:
+        status = str(err.status)
+        return error_response(err)
+    except asyncio.CancelledError:
+        status = "499"
+        raise
+    finally:
+        if not handed_over:
+            ticket.settle(status)
+
+
+async def open_stream(state: FrontState, engine_request: Any) -> Any:
+    try:
+        return await state.router.open(engine_request)
+    except RouteError as exc:
+        raise ApiError(exc.status, exc.message, type=exc.type if exc.status < 500 else "server_error",
+                       param=exc.param, code=exc.code,
+                       headers={"Retry-After": "1"} if exc.status == 503 else None) from None
+
+
+def count_refusal(request: Request, status: int) -> None:
+    """A generation request refused by a dependency (auth, body) still counts in raypd_requests."""
+    kind = GENERATION_PATHS.get(request.url.path)
+    state = getattr(request.app.state, "front", None)
+    if kind is not None and state is not None:
+        state.metrics.requests.labels(kind, str(status)).inc()
+
+
+__all__ = ["FrontState", "RequestTicket", "count_refusal", "open_router", "router"]
