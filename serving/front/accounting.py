@@ -20,18 +20,33 @@ from serving.front.errors import ApiError
 from serving.metrics import ServiceMetrics
 
 
+class KindMetrics:
+    """The labelled children of one endpoint, resolved once (a `labels()` lookup per token adds up)."""
+
+    def __init__(self, metrics: ServiceMetrics, kind: str):
+        self.ttft, self.itl, self.e2e = (h.labels(kind) for h in (metrics.ttft, metrics.itl, metrics.e2e))
+
+
 class Accounting:
     def __init__(self, metrics: ServiceMetrics, max_inflight: int):
         self.metrics, self.max_inflight = metrics, max_inflight
         self.inflight = 0
+        self._kinds: dict[str, KindMetrics] = {}
 
     def start(self, kind: str) -> "RequestTicket":
         return RequestTicket(self, kind)
+
+    def of(self, kind: str) -> KindMetrics:
+        km = self._kinds.get(kind)
+        if km is None:
+            km = self._kinds[kind] = KindMetrics(self.metrics, kind)
+        return km
 
 
 class RequestTicket:
     def __init__(self, accounting: Accounting, kind: str):
         self.accounting, self.kind = accounting, kind
+        self.kind_metrics = accounting.of(kind)
         self.t0 = time.perf_counter()
         self.admitted = False
         self.settled = False
@@ -51,11 +66,10 @@ class RequestTicket:
     def observe(self, chunk: TokenChunk) -> None:
         if chunk.token_ids or chunk.text:
             now = time.perf_counter()
-            m = self.accounting.metrics
             if self.last_token_at is None:
-                m.ttft.labels(self.kind).observe(now - self.t0)
+                self.kind_metrics.ttft.observe(now - self.t0)
             else:
-                m.itl.labels(self.kind).observe(now - self.last_token_at)
+                self.kind_metrics.itl.observe(now - self.last_token_at)
             self.last_token_at = now
         if chunk.finished:
             self.finish_reason = chunk.finish_reason or "stop"
@@ -89,4 +103,4 @@ class RequestTicket:
             acc.inflight -= 1
         m.requests.labels(self.kind, status).inc()
         if status == "200":
-            m.e2e.labels(self.kind).observe(time.perf_counter() - self.t0)
+            self.kind_metrics.e2e.observe(time.perf_counter() - self.t0)
