@@ -111,11 +111,23 @@ class VllmBackend:
         self.coordinator = coordinator
         model_path = str(await asyncio.to_thread(resolve_model, self.cfg.model))
         engine_args = self._engine_args(model_path)  # refuses a bad engine_kwargs key before any process starts
-        self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[_usage_logger_factory(self._usage)])
+        self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=self._stat_loggers())
         self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
         if self.cfg.kv_connector:
             self._handshakes = await self._collect_handshakes()
             self._own = decode_handshake(self._handshakes[0])
+
+    def _stat_loggers(self) -> list[Any]:
+        """Our scheduler-stats sink, and vLLM's Prometheus metrics through Ray's metrics agent
+        (tagged with this engine's id and role) when running in a Ray process."""
+        import ray
+
+        loggers: list[Any] = [_usage_logger_factory(self._usage)]
+        if ray.is_initialized():
+            from actors.vllm_metrics import engine_stat_logger
+
+            loggers.append(engine_stat_logger(self.engine_id, self.cfg.role))
+        return loggers
 
     async def _collect_handshakes(self) -> list[bytes]:
         from actors.connector.worker import handshake_file

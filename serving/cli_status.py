@@ -105,6 +105,9 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
         out["serve"] = handle.status.remote().result(timeout_s=timeout_s)
     except Exception as exc:  # noqa: BLE001 - no Serve app: engines only
         out["serve_error"] = f"{type(exc).__name__}: {exc}"
+    from serving.cluster_metrics import scrape_urls
+
+    out["metrics_urls"] = scrape_urls()
     return out
 
 
@@ -139,3 +142,5 @@ def print_status(status: dict, url: str | None) -> None:
     if router.get("counters"):
         print("router: " + " ".join(f"{k}={v}" for k, v in sorted(router["counters"].items()))
               + "".join(f" fallback[{k}]={v}" for k, v in sorted((router.get("fallbacks") or {}).items())))
+    print("metrics (Prometheus, one URL per node; ray_raypd_* and ray_vllm_*): "
+          + (" ".join(status.get("metrics_urls") or []) or "no node exports metrics"))

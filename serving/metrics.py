@@ -1,21 +1,28 @@
-"""Prometheus metrics of the front, all named `raypd_*`.
+"""raypd's metrics, all named `raypd_*`: the replica's own registry and the cluster-wide copy.
 
-Recorded by the front as requests flow: request counts by endpoint and status,
-time to first token, inter-token latency, end-to-end latency, tokens.
+Recorded by the front as requests flow (`ServiceMetrics`): request counts by
+endpoint and status, time to first token and inter-token latency per P/D path
+(pd | short | fallback), the P/D handoff (prefill's token -> decode engine's
+first token: KV pull + one decode step), end-to-end latency, tokens.
 Read from the router at scrape time (a custom collector, so nothing is copied
 on the hot path): prefill / decode queue depths, breaker state per (prefill,
 decode) pair, KV transfer failures by peer, prefill failures, retries,
 fallbacks taken, and the engines' own stats (free blocks, leases held,
 running requests, transfer bytes and handshakes when the backend reports them).
 
-One registry per app (not the process-global one), so several apps - tests,
-several Serve replicas in one process - never collide. With several ingress
-replicas each one exposes its own view; scrape them all or aggregate.
+Two exports of the same events:
+  - the front's `GET /metrics`: this replica's registry (one per app, so tests
+    and several replicas in one process never collide);
+  - Ray's metrics (`serving.cluster_metrics`, when the process is connected to
+    Ray): every replica records into Ray's per-node metrics agent, so a scrape
+    of each node's metrics port (`raypd status` prints them) adds up across
+    ingress replicas. Ray prefixes the names: `ray_raypd_requests_total`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -115,22 +122,85 @@ class RouterCollector(Collector):
             yield fam
 
 
+@dataclass(frozen=True)
+class MetricSpec:
+    """One front metric: the same name and labels in the replica's registry and in Ray's."""
+
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None  # None: a counter
+
+
+REQUESTS = MetricSpec("raypd_requests", "HTTP requests by endpoint and status", ("endpoint", "status"))
+TTFT = MetricSpec("raypd_time_to_first_token_seconds", "time to first token, per P/D path",
+                  ("endpoint", "path"), LATENCY_BUCKETS)
+ITL = MetricSpec("raypd_inter_token_latency_seconds", "time between streamed chunks, per P/D path",
+                 ("endpoint", "path"), ITL_BUCKETS)
+HANDOFF = MetricSpec("raypd_pd_handoff_seconds", "prefill engine's first token -> decode engine's first token "
+                     "(KV pull + one decode step)", ("endpoint",), LATENCY_BUCKETS)
+E2E = MetricSpec("raypd_e2e_request_latency_seconds", "request latency, arrival to last token", ("endpoint",),
+                 LATENCY_BUCKETS)
+PROMPT_TOKENS = MetricSpec("raypd_prompt_tokens", "prompt tokens processed")
+GENERATION_TOKENS = MetricSpec("raypd_generation_tokens", "tokens generated")
+FRONT_METRICS = (REQUESTS, TTFT, ITL, HANDOFF, E2E, PROMPT_TOKENS, GENERATION_TOKENS)
+
+
 class ServiceMetrics:
-    def __init__(self, router_getter: Callable[[], Any] | None = None, registry: CollectorRegistry | None = None):
+    """The front's events, recorded into the replica's registry and (optionally) Ray's metrics."""
+
+    def __init__(self, router_getter: Callable[[], Any] | None = None, registry: CollectorRegistry | None = None,
+                 cluster: Any = None):
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter("raypd_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("raypd_time_to_first_token_seconds", "time to first token",
-                              ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("raypd_inter_token_latency_seconds", "time between streamed chunks",
-                             ["endpoint"], buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("raypd_e2e_request_latency_seconds", "request latency, arrival to last token",
-                             ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("raypd_prompt_tokens", "prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("raypd_generation_tokens", "tokens generated", registry=r)
+        self.cluster = cluster  # serving.cluster_metrics.ClusterFrontMetrics, or None
+        self._local: dict[str, Any] = {}
+        for spec in FRONT_METRICS:
+            if spec.buckets is None:
+                self._local[spec.name] = Counter(spec.name, spec.help, list(spec.labels), registry=self.registry)
+            else:
+                self._local[spec.name] = Histogram(spec.name, spec.help, list(spec.labels), buckets=spec.buckets,
+                                                   registry=self.registry)
+        self._children: dict[tuple, Any] = {}
         if router_getter is not None:
-            r.register(RouterCollector(router_getter))
+            self.registry.register(RouterCollector(router_getter))
+
+    def _child(self, spec: MetricSpec, values: tuple[str, ...]) -> Any:
+        key = (spec.name, values)
+        child = self._children.get(key)
+        if child is None:
+            metric = self._local[spec.name]
+            child = self._children[key] = metric.labels(*values) if values else metric
+        return child
+
+    def _count(self, spec: MetricSpec, values: tuple[str, ...], n: float = 1.0) -> None:
+        if n:
+            self._child(spec, values).inc(n)
+            if self.cluster is not None:
+                self.cluster.inc(spec, values, n)
+
+    def _observe(self, spec: MetricSpec, values: tuple[str, ...], seconds: float) -> None:
+        self._child(spec, values).observe(seconds)
+        if self.cluster is not None:
+            self.cluster.observe(spec, values, seconds)
+
+    def request(self, endpoint: str, status: str) -> None:
+        self._count(REQUESTS, (endpoint, status))
+
+    def ttft(self, endpoint: str, path: str, seconds: float) -> None:
+        self._observe(TTFT, (endpoint, path), seconds)
+
+    def itl(self, endpoint: str, path: str, seconds: float) -> None:
+        self._observe(ITL, (endpoint, path), seconds)
+
+    def handoff(self, endpoint: str, seconds: float) -> None:
+        self._observe(HANDOFF, (endpoint,), seconds)
+
+    def e2e(self, endpoint: str, seconds: float) -> None:
+        self._observe(E2E, (endpoint,), seconds)
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        self._count(PROMPT_TOKENS, (), prompt)
+        self._count(GENERATION_TOKENS, (), generated)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,37 +20,25 @@ from serving.front.errors import ApiError
 from serving.metrics import ServiceMetrics
 
 
-class KindMetrics:
-    """The labelled children of one endpoint, resolved once (a `labels()` lookup per token adds up)."""
-
-    def __init__(self, metrics: ServiceMetrics, kind: str):
-        self.ttft, self.itl, self.e2e = (h.labels(kind) for h in (metrics.ttft, metrics.itl, metrics.e2e))
-
-
 class Accounting:
     def __init__(self, metrics: ServiceMetrics, max_inflight: int):
         self.metrics, self.max_inflight = metrics, max_inflight
         self.inflight = 0
-        self._kinds: dict[str, KindMetrics] = {}
 
     def start(self, kind: str) -> "RequestTicket":
         return RequestTicket(self, kind)
-
-    def of(self, kind: str) -> KindMetrics:
-        km = self._kinds.get(kind)
-        if km is None:
-            km = self._kinds[kind] = KindMetrics(self.metrics, kind)
-        return km
 
 
 class RequestTicket:
     def __init__(self, accounting: Accounting, kind: str):
         self.accounting, self.kind = accounting, kind
-        self.kind_metrics = accounting.of(kind)
+        self.metrics = accounting.metrics
         self.t0 = time.perf_counter()
         self.admitted = False
         self.settled = False
         self.last_token_at: float | None = None
+        self.num_token_chunks = 0
+        self.path = "unknown"  # the P/D path the router took: pd | short | fallback
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.stream: Any = None  # the RoutedStream, once routed: closed on settle
@@ -66,10 +54,16 @@ class RequestTicket:
     def observe(self, chunk: TokenChunk) -> None:
         if chunk.token_ids or chunk.text:
             now = time.perf_counter()
+            m = self.metrics
             if self.last_token_at is None:
-                self.kind_metrics.ttft.observe(now - self.t0)
+                route = getattr(self.stream, "route", None)
+                self.path = route.path if route is not None else self.path
+                m.ttft(self.kind, self.path, now - self.t0)
             else:
-                self.kind_metrics.itl.observe(now - self.last_token_at)
+                m.itl(self.kind, self.path, now - self.last_token_at)
+                if self.num_token_chunks == 1 and self.path == "pd":
+                    m.handoff(self.kind, now - self.last_token_at)  # prefill's token -> decode's first
+            self.num_token_chunks += 1
             self.last_token_at = now
         if chunk.finished:
             self.finish_reason = chunk.finish_reason or "stop"
@@ -93,14 +87,12 @@ class RequestTicket:
         self.settled = True
         if status is None:
             status = "200" if self.completed else ("stream_error" if self.error else "499")
-        acc, m = self.accounting, self.accounting.metrics
+        m = self.metrics
         if self.stream is not None:
             self.stream.close()
-            m.generation_tokens.inc(self.stream.num_generated)
-            if status == "200":
-                m.prompt_tokens.inc(self.stream.num_prompt_tokens)
+            m.tokens(self.stream.num_prompt_tokens if status == "200" else 0, self.stream.num_generated)
         if self.admitted:
-            acc.inflight -= 1
-        m.requests.labels(self.kind, status).inc()
+            self.accounting.inflight -= 1
+        m.request(self.kind, status)
         if status == "200":
-            self.kind_metrics.e2e.observe(time.perf_counter() - self.t0)
+            m.e2e(self.kind, time.perf_counter() - self.t0)

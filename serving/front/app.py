@@ -24,6 +24,8 @@ Every refusal is `{"error": {"message", "type", "param", "code"}}`:
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -51,16 +53,41 @@ def synthetic_model(cfg: DeploymentConfig) -> ServedModel:
                                           vocab_size=cfg.synthetic.vocab_size))
 
 
+def _in_ray() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
 def create_app(cfg: DeploymentConfig, router_: Any, model: ServedModel | None = None,
-               metrics: ServiceMetrics | None = None) -> FastAPI:
+               metrics: ServiceMetrics | None = None, cluster_metrics: bool | None = None) -> FastAPI:
     """The front for one deployment; `router_` is a `serving.router.Router` (or a fake with its API);
-    `model` comes from an engine's `model_info()` (`served_model`), synthetic deployments may omit it."""
+    `model` comes from an engine's `model_info()` (`served_model`), synthetic deployments may omit it.
+    `cluster_metrics` (default: when this process is connected to Ray) also records the metrics
+    through Ray's metrics agent (`serving.cluster_metrics`)."""
     if model is None:
         if cfg.backend != "synthetic":
             raise ValueError("a vLLM deployment's front needs the served model (serving.front.served_model)")
         model = synthetic_model(cfg)
-    app = FastAPI(title="raypd", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = metrics or ServiceMetrics(lambda: app.state.front.router)
+    exporter = None
+    cluster = None
+    if cluster_metrics if cluster_metrics is not None else _in_ray():
+        from serving.cluster_metrics import ClusterFrontMetrics, RouterExporter
+
+        cluster = ClusterFrontMetrics()
+        exporter = RouterExporter(lambda: app.state.front.router)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if exporter is not None:
+            exporter.start()
+        yield
+        if exporter is not None:
+            exporter.stop()
+
+    app = FastAPI(title="raypd", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    metrics = metrics or ServiceMetrics(lambda: app.state.front.router, cluster=cluster)
     app.state.front = FrontState(cfg=cfg, router=router_, model=model, metrics=metrics,
                                  accounting=Accounting(metrics, cfg.http.max_inflight_requests),
                                  api_keys=api_keys(cfg), created=int(time.time()))

@@ -243,7 +243,7 @@ def count_refusal(request: Request, status: int) -> None:
     kind = GENERATION_PATHS.get(request.url.path)
     state = getattr(request.app.state, "front", None)
     if kind is not None and state is not None:
-        state.metrics.requests.labels(kind, str(status)).inc()
+        state.metrics.request(kind, str(status))
 
 
 __all__ = ["FrontState", "RequestTicket", "count_refusal", "open_router", "router"]
