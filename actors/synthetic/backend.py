@@ -134,8 +134,11 @@ class SyntheticBackend:
 
     async def stats(self) -> dict:
         s = self.engine.stats()
+        ranks = await self.engine.rank_stats()  # what the ranks' NIXL transfers moved
         return {"free_blocks": s["free_blocks"], "num_blocks": s["num_blocks"],
-                "held_leases": s["held_requests"], "decoding": len(self._decoding)}
+                "held_leases": s["held_requests"], "decoding": len(self._decoding),
+                "transfer_bytes": sum(r.get("bytes_posted", 0) for r in ranks),
+                "handshakes": sum(r.get("handshakes", 0) for r in ranks)}
 
     async def shutdown(self) -> None:
         if self.engine is not None:

@@ -1,0 +1,37 @@
+"""The router's families recorded into Ray's metrics: counters as increments, gauges as values (fake Ray metrics)."""
+
+from __future__ import annotations
+
+import ray.util.metrics
+
+from serving.cluster_metrics import RouterExporter
+from test_dashboard import EveryFamilyRouter
+
+
+class FakeMetric:
+    made: dict[str, "FakeMetric"] = {}
+
+    def __init__(self, name, description="", tag_keys=()):
+        self.name, self.tag_keys, self.calls = name, tuple(tag_keys), []
+        FakeMetric.made[name] = self
+
+    def inc(self, value, tags=None):
+        self.calls.append(("inc", value, tags))
+
+    def set(self, value, tags=None):
+        self.calls.append(("set", value, tags))
+
+
+def test_counters_are_exported_as_increments_and_gauges_as_values(monkeypatch):
+    monkeypatch.setattr(ray.util.metrics, "Counter", FakeMetric)
+    monkeypatch.setattr(ray.util.metrics, "Gauge", FakeMetric)
+    router = EveryFamilyRouter()
+    exporter = RouterExporter(lambda: router)
+    exporter.export_once()
+    snap = router.snapshot()
+    router.snapshot = lambda: {**snap, "fallbacks": {"no_prefill_engine": 4}}
+    exporter.export_once()
+    fallbacks = FakeMetric.made["raypd_fallbacks"].calls
+    breaker = FakeMetric.made["raypd_breaker_state"].calls
+    assert fallbacks == [("inc", 1.0, {"reason": "no_prefill_engine"}), ("inc", 3.0, {"reason": "no_prefill_engine"})]
+    assert breaker == [("set", 0.0, {"decode": "d0", "prefill": "p0"})] * 2
