@@ -170,8 +170,9 @@ class VllmBackend:
             )
         return ids
 
-    def _sampling(self, spec: SamplingSpec, max_tokens: int, kv_params: dict | None) -> Any:
-        """vLLM's SamplingParams as the front derived them, streamed as deltas, with our transfer params."""
+    def _sampling(self, spec: SamplingSpec, max_tokens: int, kv_params: dict | None, already: int = 0) -> Any:
+        """vLLM's SamplingParams as the front derived them, streamed as deltas, with our transfer params;
+        `already`: tokens of the answer that are part of the prompt here (a plain continuation)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -182,7 +183,7 @@ class VllmBackend:
                                 top_p=1.0 if spec.top_p is None else spec.top_p, seed=spec.seed,
                                 stop=list(spec.stop) or None, ignore_eos=spec.ignore_eos)
         sp.max_tokens = max_tokens
-        sp.min_tokens = min(sp.min_tokens, max_tokens)
+        sp.min_tokens = min(max(0, sp.min_tokens - already), max_tokens)
         sp.output_kind = RequestOutputKind.DELTA
         extra = {k: v for k, v in (sp.extra_args or {}).items() if k != "kv_transfer_params"}
         if kv_params:
@@ -255,7 +256,8 @@ class VllmBackend:
                 raise EngineRequestError(str(exc)) from None
             expected_external = min(int(params["num_tokens"]), len(engine_ids) - 1)
             self.counters["kv_pulls"] += 1
-        sp = self._sampling(req.sampling, req.max_tokens + len(replay), params)
+        sp = self._sampling(req.sampling, req.max_tokens + len(replay), params,
+                            already=req.num_resumed_tokens - len(replay))
         req_id = req.request_id
         num_prompt = len(ids) - req.num_resumed_tokens
         verdict: dict[str, Any] | None = None
@@ -299,7 +301,7 @@ class VllmBackend:
         """Generate after prompt + the streamed token(s), as a plain continuation (no pull)."""
         cont_id = f"{req.request_id}-cont"
         self._aliases[req.request_id] = cont_id
-        sp = self._sampling(req.sampling, req.max_tokens, None)
+        sp = self._sampling(req.sampling, req.max_tokens, None, already=req.num_resumed_tokens)
         try:
             async for out in self._outputs(ids, sp, cont_id):
                 o = out.outputs[0]
