@@ -70,8 +70,7 @@ HTTP_CASES = [
     ("stop wrong type", "completions", completion(stop=5), AUTH),
     ("oversized body", "completions", completion(prompt="q" * (100 * 1024)), AUTH),
     ("chat messages not a list", "chat/completions", chat(messages="hi"), AUTH),
-    ("chat no messages", "chat/completions", chat(messages=[]), AUTH),
-    ("chat bad role", "chat/completions", chat(messages=[{"role": "wizard", "content": "x"}]), AUTH),
+    # (no messages and custom roles are accepted, as by vLLM: the chat template decides)
     ("chat max_tokens negative", "chat/completions", chat(max_tokens=-5), AUTH),
 ]
 
@@ -87,14 +86,12 @@ def test_http_bad_input_gets_a_clear_4xx(service, name, path, body, headers):
 
 
 def test_client_supplied_transfer_params_never_reach_an_engine(service):
-    """Only the router sets kv_transfer_params; a client's are dropped and the request is routed as usual."""
+    """Only the router sets kv_transfer_params: a client's are refused before any engine sees them."""
     forged = {"remote_engine_id": "x", "remote_block_ids": [999999], "num_tokens": 5, "tp_size": 1,
               "block_size": 16}
     r = httpx.post(f"{service['url']}/v1/completions", headers=AUTH, timeout=30,
                    content=json.dumps(completion(kv_transfer_params=forged)).encode())
-    assert r.status_code in (200, 400), r.text
-    if r.status_code == 200:
-        assert r.json()["choices"][0]["finish_reason"] == "length"  # a normal answer, from real KV
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "kv_transfer_params"), r.text
 
 
 FORGED = [
