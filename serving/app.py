@@ -31,6 +31,9 @@ from serving.config import DeploymentConfig, load_config
 logger = logging.getLogger("raypd.app")
 
 INGRESS_NAME = "RaypdIngress"
+# The front is async end to end (tokenization runs in vLLM's thread pool): its requests run
+# on the replica's own event loop instead of a second loop in a thread (a handoff per message).
+REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -126,6 +129,6 @@ def build_app(config: dict[str, Any] | None = None) -> serve.Application:
         num_replicas=http.num_replicas,
         # our own admission control answers 429; Serve must not queue before it
         max_ongoing_requests=http.max_inflight_requests + 16,
-        ray_actor_options={"num_cpus": http.replica_num_cpus},
+        ray_actor_options={"num_cpus": http.replica_num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}},
     )
     return ingress.bind(cfg.model_dump(mode="json"))
