@@ -5,8 +5,9 @@ default configs/synthetic.yaml), then runs the same P/D requests (prefill on a
 prefill engine, stream from the decode engine) as direct actor calls from this
 process, through the Serve-hosted front (HTTP -> Serve proxy -> ingress
 replica: FastAPI + router -> actors) and through the same app under plain
-uvicorn in a child process (no Serve proxy hop). Prints p50/p90 latency, TTFT
-and requests/s side by side with the difference and the ratio to the direct
+uvicorn in a child process (no Serve proxy hop). The sequential requests go to
+the columns in turn, round after round, so load from elsewhere on the machine
+falls on every column alike. Prints p50/p90 latency, TTFT and requests/s side by side with the difference and the ratio to the direct
 call, and what each front adds before the first token (TTFT p50 through the
 front minus the direct call's). `--results` (default
 benchmarks/results/front_overhead.json, + .txt) records them with the command
@@ -91,17 +92,23 @@ async def measure_overhead(args: argparse.Namespace, dep: Any, fronts: dict[str,
         workers = {"direct": direct, **{name: via(url) for name, url in fronts.items()}}
         for worker in workers.values():
             await closed_loop(worker, 2, 20)  # warm-up: handshakes, connections, code paths
+        # Latency: one request per column in turn, round after round, so the shared machine's
+        # load drifts over every column alike; the order within a round rotates.
+        seq: dict[str, list[Sample]] = {name: [] for name in workers}
+        names = list(workers)
+        for i in range(args.requests):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                seq[name].append(await workers[name](i))
         out: dict[str, Any] = {}
         for name, worker in workers.items():
-            seq, wall1 = await closed_loop(worker, 1, args.requests)
             par, wall_hi = await closed_loop(worker, c_hi, args.requests * 2)
-            errors = [s.error for s in seq + par if not s.ok]
+            errors = [s.error for s in seq[name] + par if not s.ok]
             if errors:
                 raise RuntimeError(f"{name}: {len(errors)} requests failed, first: {errors[0]}")
-            e2e = [s.e2e for s in seq]
+            e2e = [s.e2e for s in seq[name]]
             out[name] = {"p50_ms": percentile(e2e, 50) * 1000, "p90_ms": percentile(e2e, 90) * 1000,
-                         "ttft_p50_ms": percentile([s.ttft for s in seq], 50) * 1000,
-                         "rps_c1": len(seq) / wall1, f"rps_c{c_hi}": len(par) / wall_hi}
+                         "ttft_p50_ms": percentile([s.ttft for s in seq[name]], 50) * 1000,
+                         "rps_c1": 1.0 / (sum(e2e) / len(e2e)), f"rps_c{c_hi}": len(par) / wall_hi}
     return out
 
 
@@ -113,7 +120,8 @@ def overhead_table(res: dict, args: argparse.Namespace) -> str:
     fronts = [f for f in ("serve", "uvicorn") if f in res]
     c_hi = args.overhead_concurrency
     lines = [f"front overhead: synthetic backend, prompt {args.prompt_len} words, {args.output_len} output tokens, "
-             f"{args.requests} sequential + {args.requests * 2} concurrent requests per column",
+             f"{args.requests} sequential requests per column (one per column in turn) + {args.requests * 2} "
+             f"concurrent ones",
              "  serve: HTTP -> Serve proxy -> ingress replica (FastAPI + router) -> actors; "
              "uvicorn: the same app in one uvicorn process, no Serve proxy"]
     header = f"  {'':<22}{'direct actor':>13}"
