@@ -7,9 +7,10 @@ process, through the Serve-hosted front (HTTP -> Serve proxy -> ingress
 replica: FastAPI + router -> actors) and through the same app under plain
 uvicorn in a child process (no Serve proxy hop). The sequential requests go to
 the columns in turn, round after round, so load from elsewhere on the machine
-falls on every column alike. Prints p50/p90 latency, TTFT and requests/s side by side with the difference and the ratio to the direct
-call, and what each front adds before the first token (TTFT p50 through the
-front minus the direct call's). `--results` (default
+falls on every column alike. Prints p50/p90 latency, TTFT and requests/s side
+by side with the difference and the ratio to the direct call, and what each
+front adds before the first token (TTFT p50 through the front minus the direct
+call's). `--results` (default
 benchmarks/results/front_overhead.json, + .txt) records them with the command
 and the host's state.
 """
