@@ -124,25 +124,38 @@ class Router:
         self._routes: dict[str, list[str]] | None = None
         self._routes_at = -math.inf
         self._routes_error: str | None = None
+        self._refreshing = False
         self._rr = itertools.count()
         self._tasks: set[asyncio.Task] = set()
 
     # ----------------------------------------------------------- directory
     async def routes(self, force: bool = False) -> dict[str, list[str]]:
-        """The directory's view, cached for `directory_ttl_s`; a failing directory keeps the last view."""
-        now = self.clock()
-        if force or self._routes is None or now - self._routes_at >= self.settings.directory_ttl_s:
-            try:
-                fresh = await self.directory.routes()
-                self._routes = {d: list(ps) for d, ps in fresh.items()}
-                self._routes_error = None
-            except Exception as exc:  # noqa: BLE001 - the directory being away must not crash routing
-                self._routes_error = f"{type(exc).__name__}: {exc}"
-                logger.warning("directory unavailable, keeping the last view: %s", self._routes_error)
-                if self._routes is None:
-                    self._routes = {}
-            self._routes_at = now
+        """The directory's view, cached for `directory_ttl_s`; a failing directory keeps the last view.
+
+        Only the first lookup (or `force`) waits for the directory: an expired view is served
+        as is while one refresh runs in the background, so no request pays the coordinator's
+        round trips on its way to the first token.
+        """
+        if force or self._routes is None:
+            await self._refresh_routes()
+        elif self.clock() - self._routes_at >= self.settings.directory_ttl_s and not self._refreshing:
+            self._refreshing = True
+            self._spawn(self._refresh_routes())
         return self._routes
+
+    async def _refresh_routes(self) -> None:
+        try:
+            fresh = await self.directory.routes()
+            self._routes = {d: list(ps) for d, ps in fresh.items()}
+            self._routes_error = None
+        except Exception as exc:  # noqa: BLE001 - the directory being away must not crash routing
+            self._routes_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("directory unavailable, keeping the last view: %s", self._routes_error)
+            if self._routes is None:
+                self._routes = {}
+        finally:
+            self._routes_at = self.clock()
+            self._refreshing = False
 
     def breaker(self, decode_id: str, prefill_id: str) -> CircuitBreaker:
         key = (decode_id, prefill_id)

@@ -427,7 +427,8 @@ def test_directory_is_cached_and_its_failure_keeps_the_last_view():
         assert directory.calls == 1
         clock.t += 2.0
         directory.error = RuntimeError("coordinator restarting")
-        s = await router.open(req("r9"))
+        s = await router.open(req("r9"))  # served from the last view while it refreshes
+        await router.drain()
         assert s.prefill_id in ("p0", "p1") and directory.calls == 2
         s.close()
         assert (await router.health())["directory_error"].startswith("RuntimeError")
