@@ -16,7 +16,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from actors.protocol import TokenChunk
 from serving.front.accounting import RequestTicket
 from serving.front.errors import ApiError, error_body
 from serving.front.prepare import PreparedRequest
