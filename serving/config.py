@@ -91,7 +91,6 @@ class HttpConfig(_Strict):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     served_model_name: str | None = None
     max_inflight_requests: int = Field(512, ge=1)  # per ingress replica; beyond it: 429
-    default_max_tokens: int = Field(512, ge=1)  # chat requests that set no max_tokens
     num_replicas: int = Field(1, ge=1, le=64)  # Ray Serve ingress replicas
     replica_num_cpus: float = Field(0.0, ge=0)  # CPUs reserved per ingress replica
 
