@@ -26,7 +26,7 @@ from typing import Any
 
 from ray import serve
 
-from serving.config import DeploymentConfig, load_config
+from serving.config import DeploymentConfig, check_engine_args, load_config
 
 logger = logging.getLogger("raypd.app")
 
@@ -122,6 +122,9 @@ class RaypdIngress:
 def build_app(config: dict[str, Any] | None = None) -> serve.Application:
     """The raypd Serve application for one deployment config (see the module docstring)."""
     cfg = resolve_config(config)
+    # engine_kwargs are checked by vLLM's own classes before anything deploys (as `raypd up` does)
+    for note in check_engine_args(cfg):
+        logger.info("raypd: note: %s", note)
     http = cfg.http
     ingress = serve.deployment(
         RaypdIngress,

@@ -41,3 +41,9 @@ def test_shipped_serve_config_file_is_valid_and_builds():
     assert ingress.name == "RaypdIngress" and ingress.num_replicas == 1
     bound_cfg = app._bound_deployment.init_args[0]
     assert bound_cfg["backend"] == "synthetic" and bound_cfg["prefill"]["tp_size"] == 2
+
+
+def test_engine_kwargs_vllm_refuses_fail_the_build_naming_the_key():
+    pytest.importorskip("vllm")
+    with pytest.raises(ConfigError, match=r"decode\.engine_kwargs\.max_num_seqz"):
+        build_app({"config_path": "configs/local.yaml", "decode": {"engine_kwargs": {"max_num_seqz": 4}}})
