@@ -34,6 +34,19 @@ logger = logging.getLogger("raypd.api")
 
 GENERATION_PATHS: dict[str, Kind] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _tokenize_request = TypeAdapter(TokenizeRequest)
+_detokenize_request = TypeAdapter(DetokenizeRequest)
+
+
+def _validated(adapter: TypeAdapter, body: Any, state: "FrontState") -> Any:
+    """`body` as vLLM's request model for the served model; a client's mistake is a 400."""
+    try:
+        req = adapter.validate_python(body)
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+    except CLIENT_ERRORS as exc:
+        raise invalid_value(exc) from None
+    check_model(state, req.model)
+    return req
 
 
 @dataclass
@@ -156,13 +169,7 @@ async def models(state: Front) -> JSONResponse:
 
 @router.post("/tokenize")
 async def tokenize(state: Front, body: Body) -> Response:
-    try:
-        req = _tokenize_request.validate_python(body)
-    except ValidationError as exc:
-        raise invalid_request(exc) from None
-    except CLIENT_ERRORS as exc:
-        raise invalid_value(exc) from None
-    check_model(state, req.model)
+    req = _validated(_tokenize_request, body, state)
     try:
         ids, strs = await state.model.tokenize(req)
     except CLIENT_ERRORS as exc:
@@ -173,13 +180,7 @@ async def tokenize(state: Front, body: Body) -> Response:
 
 @router.post("/detokenize")
 async def detokenize(state: Front, body: Body) -> Response:
-    try:
-        req = DetokenizeRequest.model_validate(body)
-    except ValidationError as exc:
-        raise invalid_request(exc) from None
-    except CLIENT_ERRORS as exc:
-        raise invalid_value(exc) from None
-    check_model(state, req.model)
+    req = _validated(_detokenize_request, body, state)
     try:
         return json_response({"prompt": await state.model.detokenize(req)})
     except CLIENT_ERRORS as exc:
