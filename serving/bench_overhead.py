@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from serving.bench import Sample, closed_loop, make_prompt, one_request, percentile
+from serving.health_probe import wait_healthy
 
 
 def free_port() -> int:
@@ -193,22 +194,6 @@ def _uvicorn_front_main(config_json: str, port: int, address: str) -> None:
                 log_level="warning")
 
 
-def _wait_health(url: str, timeout_s: float, proc: Any = None) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the front at {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"the front at {url} did not become healthy in {timeout_s:.0f}s")
-
-
 def run_overhead(args: argparse.Namespace) -> int:
     import os
     import signal
@@ -243,7 +228,7 @@ def run_overhead(args: argparse.Namespace) -> int:
                                   str(uv_port), ray.get_runtime_context().gcs_address], env=env)
         fronts = {"serve": f"http://127.0.0.1:{serve_port}", "uvicorn": f"http://127.0.0.1:{uv_port}"}
         for url in fronts.values():
-            _wait_health(url, 120, child)
+            wait_healthy(url, 120, child)
         before = host_state()
         res = asyncio.run(measure_overhead(args, dep, fronts, cfg.served_model_name))
         table = overhead_table(res, args)

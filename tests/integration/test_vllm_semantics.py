@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +23,7 @@ import pytest
 from actors.models import resolve_model
 from serving.config import DeploymentConfig, load_config
 from serving.front import create_app, served_model_of
+from serving.health_probe import wait_healthy
 from serving.launcher import launch, shutdown_deployment
 from serving.ray_clients import build_router
 
@@ -50,20 +50,6 @@ def model_folder(tmp: Path) -> Path:
     return dst
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("vLLM's server did not start")
-
-
 @pytest.fixture(scope="module")
 def servers(coordinator, tmp_path_factory):
     folder = model_folder(tmp_path_factory.mktemp("model"))
@@ -84,7 +70,7 @@ def servers(coordinator, tmp_path_factory):
         dep = launch(cfg)
         raypd_port = free_port()
         with UvicornThread(create_app(cfg, build_router(cfg, dep), served_model_of(dep)), raypd_port):
-            wait_ready(f"http://127.0.0.1:{port}", vllm)
+            wait_healthy(f"http://127.0.0.1:{port}", 600, vllm, interval_s=1)
             yield {"vllm": f"http://127.0.0.1:{port}", "raypd": f"http://127.0.0.1:{raypd_port}"}
         shutdown_deployment(NAME, keep_coordinator=True)
     finally:
