@@ -2,14 +2,21 @@
 
 They travel prefill engine -> router -> decode engine -> vLLM scheduler ->
 decode workers. Anything forged or inconsistent is refused here with a typed
-error before a single descriptor is built.
+error before a single descriptor is built; block ids are checked against the
+producer's registered block count by the reading rank. `pull_request` is the
+one place a reader's `PullRequest` is built from them (vLLM connector and
+synthetic rank alike). Test-only fault injection is not a wire field: it is a
+policy given to the ranks (`actors.kv.faults`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from actors.kv.pull_types import PullRequest
 
 
 class TransferParamsError(ValueError):
@@ -31,9 +38,6 @@ class TransferParams(BaseModel):
     lease_expiry: float = 0.0
     remote_request_id: str | None = Field(None, max_length=512)  # the producer's id (names its lease)
     handshakes: list[str] = Field(default_factory=list, max_length=4096)  # base64 rank payloads
-    # Fault-injection hook for tests: the pull of this request fails on purpose. Only the
-    # router/tests set it; the HTTP front never forwards client-supplied transfer params.
-    inject_fault: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> "TransferParams":
@@ -48,6 +52,21 @@ class TransferParams(BaseModel):
                 f"at block size {self.block_size}"
             )
         return self
+
+    def pull_request(self, local_block_ids: Sequence[int], remote_block_ids: Sequence[int] | None = None,
+                     num_tokens: int | None = None) -> PullRequest:
+        """What a reader rank pulls: these params, with the local blocks to fill.
+
+        `remote_block_ids` / `num_tokens` narrow the read (vLLM skips blocks it
+        already has cached); by default every remote block and token is read.
+        """
+        return PullRequest(
+            remote_engine_id=self.remote_engine_id,
+            remote_block_ids=self.remote_block_ids if remote_block_ids is None else remote_block_ids,
+            remote_tp_size=self.tp_size, remote_pp_size=self.pp_size, remote_dcp_size=self.dcp_size,
+            local_block_ids=local_block_ids, num_tokens=self.num_tokens if num_tokens is None else num_tokens,
+            remote_request_id=self.remote_request_id,
+        )
 
     @classmethod
     def parse(cls, data: object) -> "TransferParams":

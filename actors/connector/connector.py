@@ -2,9 +2,10 @@
 
 vLLM builds one instance with role SCHEDULER (EngineCore process) and one with
 role WORKER per rank (worker process); each delegates to its half
-(`ConnectorScheduler`, `ConnectorWorker`). Extra config keys
-(`kv_connector_extra_config`): engine_id, handshake_dir, model_id,
-lease_ttl_s, read_timeout_s.
+(`ConnectorScheduler`, `ConnectorWorker`). Both refuse, when created, a
+parallel/model configuration raypd cannot map (`check_supported`: the message
+names it). Extra config keys (`kv_connector_extra_config`): engine_id,
+handshake_dir, model_id, lease_ttl_s, read_timeout_s, fault_rate, fault_seed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from actors.connector.metadata import RankHandshakeMetadata, RayNixlMetadata
 from actors.connector.scheduler import ConnectorScheduler
-from actors.connector.worker import ConnectorWorker
+from actors.connector.worker import ConnectorWorker, check_supported
 
 
 class RayNixlConnector(KVConnectorBase_V1):
@@ -36,7 +37,7 @@ class RayNixlConnector(KVConnectorBase_V1):
             pc = vllm_config.parallel_config
             self._scheduler = ConnectorScheduler(
                 engine_id=engine_id, tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size,
-                dcp_size=getattr(pc, "decode_context_parallel_size", 1) or 1,
+                dcp_size=check_supported(vllm_config),  # refuses what raypd cannot map, by name
                 block_size=vllm_config.cache_config.block_size,
                 lease_ttl_s=float(extra.get("lease_ttl_s", 30.0)),
             )

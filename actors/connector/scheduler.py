@@ -88,18 +88,21 @@ class ConnectorScheduler:
         local_ids = list(blocks.get_block_ids()[0])
         computed = request.num_computed_tokens
         end = computed + num_external_tokens
-        first = computed // self.block_size  # prefix-cached blocks are not read again
-        last = math.ceil(end / self.block_size)
-        ratio = self.block_size // params.block_size if self.block_size % params.block_size == 0 else 0
-        if ratio == 0:  # refused up front by the coordinator; defensive here
+        # With DCP a block id covers block_size tokens on each of dcp ranks.
+        local_span, remote_span = self.block_size * self.dcp_size, params.block_size * params.dcp_size
+        # Prefix-cached blocks are not read again, except for token-sharded reads (dcp
+        # sizes differ), which address tokens from the first block on.
+        first = computed // local_span if self.dcp_size == params.dcp_size else 0
+        last = math.ceil(end / local_span)
+        ratio = local_span // remote_span if local_span % remote_span == 0 else 0
+        if ratio == 0 and self.dcp_size == params.dcp_size:  # refused up front by the coordinator
             logger.warning("request %s: remote block size %d does not divide %d", request.request_id,
                            params.block_size, self.block_size)
-            ratio = 1
-        remote_end = min(len(params.remote_block_ids), math.ceil(end / params.block_size))
+        remote_end = min(len(params.remote_block_ids), math.ceil(end / remote_span))
         self._meta.recv[request.request_id] = RecvSpec(
             params=params,
             local_block_ids=tuple(local_ids[first:last]),
-            remote_block_ids=tuple(params.remote_block_ids[first * ratio:remote_end]),
+            remote_block_ids=tuple(params.remote_block_ids[first * max(ratio, 1):remote_end]),
             num_tokens=end,
         )
         request.kv_transfer_params["do_remote_prefill"] = False  # a retry must not pull again

@@ -19,8 +19,12 @@ Semantics follow vLLM's `KVOutputAggregator`:
   `ft_defer_kv_connector_outputs` and are replayed by the next `aggregate`,
   so their transfer progress is not lost.
 
-raypd additions: `forget()` drops an aborted request's counters (no leaks),
-`pending()` shows what is still waiting, and stats are summed per key.
+raypd's shape of it: `aggregate` takes the per-rank `KVConnectorOutput`s
+themselves (vLLM wraps them in its ModelRunnerOutput, a type this package
+does not import) and returns the aggregate with empty sets rather than None;
+stats are summed per key and kv_cache_events collected in rank order.
+Additions: `forget()` drops an aborted request's counters (no leaks) and
+`pending()` shows what is still waiting.
 """
 
 from __future__ import annotations
@@ -120,6 +124,12 @@ class KVOutputAggregator:
         self._failed_recving_pending: set[str] = set()
         self._salvaged: list[KVConnectorOutput] = []
 
+    @classmethod
+    def from_connector(cls, connector: object, world_size: int) -> "KVOutputAggregator":
+        """Expect the connector's own finished count (`get_finished_count()`), else every rank."""
+        get_count = getattr(connector, "get_finished_count", None)
+        return cls((get_count() if callable(get_count) else None) or world_size)
+
     @property
     def expected_finished_count(self) -> int:
         return self._expected
@@ -168,19 +178,20 @@ class KVOutputAggregator:
             kv_cache_events=tuple(events) if events else None,
         )
 
-    def ft_defer_kv_connector_outputs(self, outputs: Iterable[KVConnectorOutput | None]) -> None:
-        """Stash outputs of a failed rank for replay at the next `aggregate`.
+    def ft_defer_kv_connector_outputs(self, kv_connector_outputs: Iterable[KVConnectorOutput | None]) -> None:
+        """Stash KV connector outputs from failed workers for replay at the next aggregate().
 
-        kv_cache_events are dropped: replaying them could skew the live
-        ranks' event quorum, and a missed event only costs a cache miss.
-        Copies are stashed so the caller's objects are left unchanged.
+        kv_cache_events are dropped (set to None on the outputs themselves, as
+        the reference does): replaying them could break the live workers' event
+        quorum, and a missed event only costs a cache miss.
         """
-        batch = list(outputs)
+        batch = list(kv_connector_outputs)
         for index, output in enumerate(batch):
             _check_output(index, output)
-        self._salvaged.extend(
-            dataclasses.replace(output, kv_cache_events=None) for output in batch if output
-        )
+        for output in batch:
+            if output is not None:
+                output.kv_cache_events = None
+        self._salvaged.extend(output for output in batch if output)
 
     def forget(self, req_id: str) -> bool:
         """Drop every trace of an aborted request; True if anything was held.

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -50,7 +49,11 @@ def _positive_seconds(value: object, what: str) -> float:
 
 
 class CircuitBreaker:
-    """Thread-safe breaker guarding one peer; see the module docstring."""
+    """Breaker guarding one peer; see the module docstring.
+
+    No lock: breakers live in the coordinator's ledger and in the router, each
+    used from one asyncio event loop, so calls never interleave.
+    """
 
     def __init__(
         self,
@@ -75,9 +78,6 @@ class CircuitBreaker:
         self.probe_window_s = _positive_seconds(probe_window_s, "probe_window_s")
         self._clock = clock
 
-        # RLock: listeners run under the lock (so they observe transitions in
-        # order) and may read the breaker back, e.g. snapshot().
-        self._lock = threading.RLock()
         self._state: State = CLOSED
         self._failures = 0
         self._open_until = 0.0
@@ -94,99 +94,91 @@ class CircuitBreaker:
     @property
     def state(self) -> State:
         """Current state; an elapsed cooldown reads as "half_open"."""
-        with self._lock:
-            self._advance(self._clock())
-            return self._state
+        self._advance(self._clock())
+        return self._state
 
     @property
     def is_open(self) -> bool:
         """True when `allow()` would refuse right now (cooling down, or a probe is out)."""
-        with self._lock:
-            now = self._clock()
-            self._advance(now)
-            return self._state == OPEN or self._probe_in_flight(now)
+        now = self._clock()
+        self._advance(now)
+        return self._state == OPEN or self._probe_in_flight(now)
 
     @property
     def consecutive_failures(self) -> int:
-        with self._lock:
-            return self._failures
+        return self._failures
 
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(name, old_state, new_state)` on every state change.
 
-        Listeners run under the breaker's lock: keep them cheap. An exception
-        in a listener is logged and swallowed (metrics must not break traffic).
+        Listeners run inside the transition (in order): keep them cheap. An
+        exception in a listener is logged and swallowed (metrics must not break traffic).
         """
         if not callable(listener):
             raise BreakerConfigError("listener must be callable")
-        with self._lock:
-            self._listeners.append(listener)
+        self._listeners.append(listener)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-dict view for status endpoints and metrics exporters."""
-        with self._lock:
-            now = self._clock()
-            self._advance(now)
-            return {
-                "name": self.name,
-                "state": self._state,
-                "consecutive_failures": self._failures,
-                "failure_threshold": self.failure_threshold,
-                "cooldown_s": self.cooldown_s,
-                "probe_window_s": self.probe_window_s,
-                "retry_in_s": max(0.0, self._open_until - now) if self._state == OPEN else 0.0,
-                "probe_in_flight": self._probe_in_flight(now),
-                "opened_count": self.opened_count,
-                "closed_count": self.closed_count,
-                "probes_admitted": self.probes_admitted,
-                "rejections": self.rejections,
-            }
+        now = self._clock()
+        self._advance(now)
+        return {
+            "name": self.name,
+            "state": self._state,
+            "consecutive_failures": self._failures,
+            "failure_threshold": self.failure_threshold,
+            "cooldown_s": self.cooldown_s,
+            "probe_window_s": self.probe_window_s,
+            "retry_in_s": max(0.0, self._open_until - now) if self._state == OPEN else 0.0,
+            "probe_in_flight": self._probe_in_flight(now),
+            "opened_count": self.opened_count,
+            "closed_count": self.closed_count,
+            "probes_admitted": self.probes_admitted,
+            "rejections": self.rejections,
+        }
 
     # -- decisions ---------------------------------------------------------
 
     def allow(self) -> bool:
         """May the caller send a request to this peer now?"""
-        with self._lock:
-            now = self._clock()
-            self._advance(now)
-            if self._state == CLOSED:
-                return True
-            if self._state == HALF_OPEN and not self._probe_in_flight(now):
-                # First caller after the cooldown (or after an unreported
-                # probe's window) becomes the probe; others wait for its verdict.
-                self._probe_deadline = now + self.probe_window_s
-                self.probes_admitted += 1
-                logger.info("%s circuit breaker admitted a probe", self.name)
-                return True
-            self.rejections += 1
-            return False
+        now = self._clock()
+        self._advance(now)
+        if self._state == CLOSED:
+            return True
+        if self._state == HALF_OPEN and not self._probe_in_flight(now):
+            # First caller after the cooldown (or after an unreported
+            # probe's window) becomes the probe; others wait for its verdict.
+            self._probe_deadline = now + self.probe_window_s
+            self.probes_admitted += 1
+            logger.info("%s circuit breaker admitted a probe", self.name)
+            return True
+        self.rejections += 1
+        return False
 
     def record_failure(self) -> None:
-        with self._lock:
-            now = self._clock()
-            self._advance(now)
-            self._failures += 1
-            if self._state == HALF_OPEN:
-                # The probe (or a straggler) failed: the peer is still sick.
-                self._open(now, reason="probe failed")
-            elif self._state == OPEN:
-                # Late failure of a request admitted earlier: restart the cooldown.
-                self._open_until = now + self.cooldown_s
-            elif self._failures >= self.failure_threshold:
-                self._open(now, reason=f"{self._failures} consecutive failures")
+        now = self._clock()
+        self._advance(now)
+        self._failures += 1
+        if self._state == HALF_OPEN:
+            # The probe (or a straggler) failed: the peer is still sick.
+            self._open(now, reason="probe failed")
+        elif self._state == OPEN:
+            # Late failure of a request admitted earlier: restart the cooldown.
+            self._open_until = now + self.cooldown_s
+        elif self._failures >= self.failure_threshold:
+            self._open(now, reason=f"{self._failures} consecutive failures")
 
     def record_success(self) -> None:
-        with self._lock:
-            self._advance(self._clock())
-            self._failures = 0
-            self._open_until = 0.0
-            self._probe_deadline = None
-            if self._state != CLOSED:
-                self.closed_count += 1
-                self._transition(CLOSED)
-                logger.info("%s circuit breaker closed", self.name)
+        self._advance(self._clock())
+        self._failures = 0
+        self._open_until = 0.0
+        self._probe_deadline = None
+        if self._state != CLOSED:
+            self.closed_count += 1
+            self._transition(CLOSED)
+            logger.info("%s circuit breaker closed", self.name)
 
-    # -- internals (caller holds the lock) -----------------------------------
+    # -- internals -----------------------------------------------------------
 
     def _probe_in_flight(self, now: float) -> bool:
         return (

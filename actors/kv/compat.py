@@ -9,6 +9,7 @@ from __future__ import annotations
 from actors.kv.errors import KVTransferError
 from actors.kv.handshake import RankHandshake
 from actors.kv.layout import compatible_geometry
+from actors.kv.read_plan import plan_reads
 from actors.kv.topology import EngineTransferInfo, TransferTopology
 
 
@@ -37,7 +38,7 @@ def pair_problem(prefill: list[RankHandshake], decode: list[RankHandshake]) -> s
                     end_layer=layers[1] if p.pp_size > 1 else 0,
                     remote_dcp_size=p.dcp_size,
                 ))
-                topology.read_plan(p.engine_id, p.pp_rank)
+                plan_reads(topology, p.engine_id, p.pp_rank)
     except (KVTransferError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None

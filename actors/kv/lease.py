@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -63,13 +62,16 @@ def _check_block_ids(block_ids: Iterable[int]) -> tuple[int, ...]:
 
 
 class LeaseTable:
-    """Leases of one producer rank, keyed by request id. Thread-safe."""
+    """Leases of one producer rank, keyed by request id.
+
+    No lock: the table belongs to one rank's `RankTransfer`, which is driven
+    from one thread (a vLLM worker's step thread or a rank actor's executor).
+    """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         if not callable(clock):
             raise LeaseError("clock must be callable")
         self._clock = clock
-        self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         # (expires_at, seq, req_id) min-heap; entries of leases released
         # another way go stale and are skipped (seq tells re-grants apart).
@@ -93,18 +95,17 @@ class LeaseTable:
                 or not math.isfinite(ttl_s) or ttl_s <= 0:
             raise LeaseError(f"ttl_s must be a finite number > 0, got {ttl_s!r}")
         ids = _check_block_ids(block_ids)
-        with self._lock:
-            if req_id in self._leases:
-                # A second grant would orphan the first lease's blocks.
-                raise LeaseError(f"request {req_id!r} already holds a lease")
-            lease = Lease(req_id, ids, readers, frozenset(), self._clock() + float(ttl_s))
-            self._leases[req_id] = lease
-            seq = self._next_seq
-            self._next_seq += 1
-            self._seq_of[req_id] = seq
-            heapq.heappush(self._deadlines, (lease.expires_at, seq, req_id))
-            self.granted += 1
-            return lease
+        if req_id in self._leases:
+            # A second grant would orphan the first lease's blocks.
+            raise LeaseError(f"request {req_id!r} already holds a lease")
+        lease = Lease(req_id, ids, readers, frozenset(), self._clock() + float(ttl_s))
+        self._leases[req_id] = lease
+        seq = self._next_seq
+        self._next_seq += 1
+        self._seq_of[req_id] = seq
+        heapq.heappush(self._deadlines, (lease.expires_at, seq, req_id))
+        self.granted += 1
+        return lease
 
     def notify(self, req_id: str, reader: str, readers_expected: int | None = None) -> list[int] | None:
         """Record that `reader` is done; return the block ids if it was the last one.
@@ -119,84 +120,67 @@ class LeaseTable:
         """
         if not isinstance(reader, str) or not reader:
             raise LeaseError("reader must be a non-empty str")
-        with self._lock:
-            lease = self._leases.get(req_id)
-            if lease is None:
-                self.unknown_notifications += 1
-                return None
-            if reader in lease.readers_heard:
-                return None  # redelivered notification
-            if readers_expected is not None:
-                if isinstance(readers_expected, bool) or not isinstance(readers_expected, int) \
-                        or readers_expected < 1:
-                    raise LeaseError(f"readers_expected must be an int >= 1, got {readers_expected!r}")
-                lease = dataclasses.replace(lease, readers_expected=readers_expected)
-            lease = dataclasses.replace(lease, readers_heard=lease.readers_heard | {reader})
-            if lease.readers_remaining > 0:
-                self._leases[req_id] = lease
-                return None
-            self._drop(req_id)
-            self.released_by_readers += 1
-            return list(lease.block_ids)
+        lease = self._leases.get(req_id)
+        if lease is None:
+            self.unknown_notifications += 1
+            return None
+        if reader in lease.readers_heard:
+            return None  # redelivered notification
+        if readers_expected is not None:
+            if isinstance(readers_expected, bool) or not isinstance(readers_expected, int) \
+                    or readers_expected < 1:
+                raise LeaseError(f"readers_expected must be an int >= 1, got {readers_expected!r}")
+            lease = dataclasses.replace(lease, readers_expected=readers_expected)
+        lease = dataclasses.replace(lease, readers_heard=lease.readers_heard | {reader})
+        if lease.readers_remaining > 0:
+            self._leases[req_id] = lease
+            return None
+        self._drop(req_id)
+        self.released_by_readers += 1
+        return list(lease.block_ids)
 
     def release(self, req_id: str) -> list[int]:
         """Abort: free the request's blocks now (empty list if it holds none)."""
-        with self._lock:
-            lease = self._drop(req_id)
-            if lease is None:
-                return []
-            self.aborted += 1
-            return list(lease.block_ids)
+        lease = self._drop(req_id)
+        if lease is None:
+            return []
+        self.aborted += 1
+        return list(lease.block_ids)
 
     def expire(self) -> list[tuple[str, list[int]]]:
         """Release every lease whose deadline has passed, earliest first."""
-        with self._lock:
-            now = self._clock()
-            out: list[tuple[str, list[int]]] = []
-            while self._deadlines and self._deadlines[0][0] <= now:
-                _, seq, req_id = heapq.heappop(self._deadlines)
-                if self._seq_of.get(req_id) != seq:
-                    continue  # stale entry: that lease already left another way
-                lease = self._drop(req_id)
-                if lease is not None:
-                    self.expired += 1
-                    out.append((req_id, list(lease.block_ids)))
-            return out
+        now = self._clock()
+        out: list[tuple[str, list[int]]] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, seq, req_id = heapq.heappop(self._deadlines)
+            if self._seq_of.get(req_id) != seq:
+                continue  # stale entry: that lease already left another way
+            lease = self._drop(req_id)
+            if lease is not None:
+                self.expired += 1
+                out.append((req_id, list(lease.block_ids)))
+        return out
 
     def get(self, req_id: str) -> Lease | None:
-        with self._lock:
-            return self._leases.get(req_id)
+        return self._leases.get(req_id)
 
     def held(self) -> int:
         """Number of leases currently held."""
-        with self._lock:
-            return len(self._leases)
-
-    def held_block_count(self) -> int:
-        """Block ids held, summed over leases (a block shared by two leases counts twice)."""
-        with self._lock:
-            return sum(len(lease.block_ids) for lease in self._leases.values())
-
-    def next_expiry(self) -> float | None:
-        """Earliest `expires_at` among held leases, to schedule the next sweep."""
-        with self._lock:
-            return min((lease.expires_at for lease in self._leases.values()), default=None)
+        return len(self._leases)
 
     def counters(self) -> dict[str, Any]:
         """Plain-dict view for status endpoints and metrics exporters."""
-        with self._lock:
-            return {
-                "held": len(self._leases),
-                "held_blocks": sum(len(lease.block_ids) for lease in self._leases.values()),
-                "granted": self.granted,
-                "released_by_readers": self.released_by_readers,
-                "expired": self.expired,
-                "aborted": self.aborted,
-                "unknown_notifications": self.unknown_notifications,
-            }
+        return {
+            "held": len(self._leases),
+            "held_blocks": sum(len(lease.block_ids) for lease in self._leases.values()),
+            "granted": self.granted,
+            "released_by_readers": self.released_by_readers,
+            "expired": self.expired,
+            "aborted": self.aborted,
+            "unknown_notifications": self.unknown_notifications,
+        }
 
     def _drop(self, req_id: str) -> Lease | None:
-        # Caller holds the lock.
         lease = self._leases.pop(req_id, None)
         self._seq_of.pop(req_id, None)
         # Stale heap entries are bounded by grants within one TTL, but a burst

@@ -5,9 +5,8 @@ Every rank owns one `TransferTopology`. It answers, from sizes alone:
     is known, and whom to read from once it is (`target_remote_ranks`);
   * how many local readers each remote rank must hear from before it frees a
     request's blocks (`dcp_consumer_count`);
-  * the exact reads that fill this rank's KV cache (`read_plan`): for every
-    remote rank, which of its heads land on which local heads, which layers
-    (pipeline parallelism) and the block-size ratio.
+  * the block-size and TP ratios, and whether a cache is replicated.
+`actors.kv.read_plan` turns these answers into the reads that fill a rank.
 
 Head ownership. A non-MLA cache with K kv heads split over `tp` ranks gives
 rank r the global heads [r*K/tp, (r+1)*K/tp) when tp <= K, and the single
@@ -18,13 +17,16 @@ Decode context parallelism (DCP, MLA only here) shards tokens: with dcp size d
 the rank of dcp rank j holds the tokens t with t % d == j. raypd supports
 dcp in {1, tp} on either side with sizes dividing one another, as vLLM does.
 
-Semantics follow the customer's reference (vLLM's class of the same name);
-input errors are `TopologyError` (a `ValueError`) naming both sides.
+Semantics follow the customer's reference (vLLM's class of the same name):
+unknown engines raise `KeyError`; an MLA topology accepts any
+`total_num_kv_heads` (the checkpoint's head count; the cache has one latent
+head). Input errors are `TopologyError` (a `ValueError`) naming both sides.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from actors.kv.errors import TopologyError
 
@@ -77,42 +79,6 @@ class EngineTransferInfo:
         return (self.start_layer, self.end_layer)
 
 
-@dataclass(frozen=True)
-class ReadSpec:
-    """One remote rank's contribution to this rank's KV cache.
-
-    Heads are in each rank's own index space (0 = the first head that rank
-    holds). `token_shard` is None when whole blocks are copied; otherwise the
-    read is token by token: remote (dcp_size, dcp_rank), local (dcp_size,
-    dcp_rank), and only tokens held by both move.
-    """
-
-    remote_rank: int
-    remote_heads: tuple[int, int]
-    local_heads: tuple[int, int]
-    layers: tuple[int, int] | None
-    block_size_ratio: int
-    token_shard: tuple[int, int, int, int] | None = None
-
-
-@dataclass(frozen=True)
-class ReadPlan:
-    """Everything one local rank does to pull a request's KV from one remote pp rank."""
-
-    remote_engine_id: EngineId
-    remote_pp_rank: int
-    reads: tuple[ReadSpec, ...]
-    # Ranks to notify once the reads are done: every handshake target, including
-    # replicas we skipped, so each producer rank hears from all its readers.
-    notify_ranks: tuple[int, ...]
-    # How many local ranks notify each of those remote ranks (what they wait for).
-    consumers_per_remote_rank: int
-
-    @property
-    def source_ranks(self) -> tuple[int, ...]:
-        return tuple(spec.remote_rank for spec in self.reads)
-
-
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise TopologyError(f"{name} must be a positive int, got {value!r}")
@@ -141,7 +107,11 @@ def check_head_split(side: str, tp_size: int, num_kv_heads: int) -> None:
 
 @dataclass
 class TransferTopology:
-    """This rank's identity plus what it knows of each remote engine."""
+    """Single source of truth for local TP identity and per-engine remote info.
+
+    `attn_backends` and `tensor_shape` are carried for parity with vLLM's
+    class (opaque here: this package imports no vLLM).
+    """
 
     tp_rank: int
     tp_size: int
@@ -150,10 +120,9 @@ class TransferTopology:
     is_mla: bool
     is_mamba: bool
     total_num_kv_heads: int
+    attn_backends: list[Any] = field(default_factory=list)
     dcp_size: int = 1
-    _engines: dict[tuple[EngineId, int], EngineTransferInfo] = field(
-        default_factory=dict, init=False, repr=False
-    )
+    tensor_shape: Any = None
 
     def __post_init__(self) -> None:
         _check_positive("local tp size", self.tp_size)
@@ -168,28 +137,31 @@ class TransferTopology:
             )
         if self.dcp_size > 1 and not self.is_mla:
             raise TopologyError("decode context parallelism (dcp > 1) is supported for MLA only")
-        if self.is_mla and self.total_num_kv_heads != 1:
-            raise TopologyError(
-                f"an MLA cache has one latent head, got total_num_kv_heads={self.total_num_kv_heads}"
-            )
-        check_head_split("local", self.tp_size, self.total_num_kv_heads)
+        if not self.is_mla:
+            # An MLA cache is one latent head whatever the checkpoint's head count says.
+            check_head_split("local", self.tp_size, self.total_num_kv_heads)
         self.local_physical_heads = max(1, self.total_num_kv_heads // self.tp_size)
+        self._engines: dict[tuple[EngineId, int], EngineTransferInfo] = {}
 
     # ---------------------------------------------------------------- registry
 
     def register_remote_engine(
         self, remote_engine_id: EngineId, info: EngineTransferInfo
     ) -> EngineTransferInfo:
-        """Store `info` under (engine, pp rank); a second call returns the first info."""
+        """Store `info` under (engine, pp rank); a second call returns the first info.
+
+        raypd addition: an unmappable pair is refused here (typed error) instead
+        of failing later in the middle of a request.
+        """
         if remote_engine_id == self.engine_id:
             raise TopologyError(
-                f"cannot register the local engine {self.engine_id!r} as a remote engine"
+                f"Cannot register local engine {self.engine_id!r} as remote. "
+                "Local identity is set via __init__ params."
             )
         key = (remote_engine_id, info.remote_pp_rank)
         stored = self._engines.get(key)
         if stored is not None:
             return stored
-        # Validate the pairing now so a bad remote never gets a plan later.
         self.tp_ratio(info.remote_tp_size)
         self.block_size_ratio(info.remote_block_size)
         self._check_dcp_pair(info.remote_tp_size, info.remote_dcp_size)
@@ -198,32 +170,21 @@ class TransferTopology:
         self._engines[key] = info
         return info
 
-    def get_engine_info(self, remote_engine_id: EngineId, pp_rank: int = 0) -> EngineTransferInfo:
-        try:
-            return self._engines[(remote_engine_id, pp_rank)]
-        except KeyError:
-            raise TopologyError(
-                f"remote engine {remote_engine_id!r} pp rank {pp_rank} is not registered"
-            ) from None
+    def get_engine_info(self, remote_engine_id: EngineId, remote_pp_rank: int = 0) -> EngineTransferInfo:
+        """Raises KeyError for an engine (pp rank) that is not registered."""
+        return self._engines[(remote_engine_id, remote_pp_rank)]
 
-    def unregister_remote_engine(self, remote_engine_id: EngineId, pp_rank: int | None = None) -> None:
-        """Forget every pp rank of a remote engine (or just `pp_rank`)."""
+    def unregister_remote_engine(self, remote_engine_id: EngineId) -> None:
+        """Forget every pp rank of a remote engine."""
         for key in [k for k in self._engines if k[0] == remote_engine_id]:
-            if pp_rank is None or key[1] == pp_rank:
-                del self._engines[key]
-
-    def remote_engines(self) -> list[tuple[EngineId, int]]:
-        return sorted(self._engines)
+            del self._engines[key]
 
     # ------------------------------------------------------------ size ratios
 
     @property
     def dcp_rank(self) -> int:
+        """This rank's DCP coverage rank (dcp size is 1 or the tp size)."""
         return self.tp_rank % self.dcp_size
-
-    @property
-    def local_replicates_kv_cache(self) -> bool:
-        return self.is_mla or self.tp_size > self.total_num_kv_heads
 
     def tp_ratio(self, remote_tp_size: int) -> int:
         """local/remote when local >= remote, else -(remote/local)."""
@@ -231,13 +192,14 @@ class TransferTopology:
         if self.tp_size >= remote_tp_size:
             if self.tp_size % remote_tp_size:
                 raise TopologyError(
-                    f"local tp size {self.tp_size} is not divisible by remote tp size "
-                    f"{remote_tp_size}"
+                    f"Local tensor parallel size {self.tp_size} is not divisible "
+                    f"by remote tensor parallel size {remote_tp_size}."
                 )
             return self.tp_size // remote_tp_size
         if remote_tp_size % self.tp_size:
             raise TopologyError(
-                f"remote tp size {remote_tp_size} is not divisible by local tp size {self.tp_size}"
+                f"Remote tensor parallel size {remote_tp_size} is not divisible "
+                f"by local tensor parallel size {self.tp_size}."
             )
         return -(remote_tp_size // self.tp_size)
 
@@ -246,19 +208,23 @@ class TransferTopology:
         _check_positive("remote block size", remote_block_size)
         if self.block_size % remote_block_size:
             raise TopologyError(
-                f"remote block size {remote_block_size} does not divide local block size "
-                f"{self.block_size}"
+                f"Local block size {self.block_size} is not divisible "
+                f"by remote block size {remote_block_size} or vice versa."
             )
         return self.block_size // remote_block_size
 
-    def is_kv_replicated(self, remote_engine_id: EngineId, pp_rank: int = 0) -> bool:
+    def is_kv_replicated(self, remote_engine_id: EngineId, remote_pp_rank: int = 0) -> bool:
         """The remote has more TP ranks than kv heads, so ranks hold copies."""
-        info = self.get_engine_info(remote_engine_id, pp_rank)
+        info = self._engines[(remote_engine_id, remote_pp_rank)]
         return info.remote_tp_size > self.total_num_kv_heads
 
-    def replicates_kv_cache(self, remote_engine_id: EngineId, pp_rank: int = 0) -> bool:
+    def replicates_kv_cache(self, remote_engine_id: EngineId, remote_pp_rank: int = 0) -> bool:
         # MLA's latent vector cannot be split across ranks: always replicated.
-        return self.is_mla or self.is_kv_replicated(remote_engine_id, pp_rank)
+        return self.is_mla or self.is_kv_replicated(remote_engine_id, remote_pp_rank)
+
+    @property
+    def local_replicates_kv_cache(self) -> bool:
+        return self.is_mla or self.tp_size > self.total_num_kv_heads
 
     # -------------------------------------------------------------- rank maps
 
@@ -281,7 +247,7 @@ class TransferTopology:
             )
 
     def dcp_source_ranks(self, remote_tp_size: int, remote_dcp_size: int) -> list[int]:
-        """Remote ranks whose token shard overlaps this rank's (remote dcp > 1)."""
+        """Remote ranks whose DCP slice overlaps mine (MLA, remote_dcp_size > 1)."""
         self._check_dcp_pair(remote_tp_size, remote_dcp_size)
         if self.dcp_size <= remote_dcp_size:
             # Every remote shard that sits inside mine (all of them when local dcp is 1).
@@ -307,111 +273,30 @@ class TransferTopology:
         self._check_dcp_pair(remote_tp_size, remote_dcp_size)
         if remote_dcp_size > 1:
             if self.dcp_size == 1:
-                return self.tp_size  # every local rank reads every shard
+                return self.tp_size  # replicated locally: every local rank reads every shard
             return max(1, self.dcp_size // remote_dcp_size)
         return max(1, self.tp_ratio(remote_tp_size))
 
-    def target_remote_ranks(self, remote_engine_id: EngineId, pp_rank: int = 0) -> list[int]:
-        """Remote ranks this rank reads from for a registered engine."""
-        info = self.get_engine_info(remote_engine_id, pp_rank)
+    def target_remote_ranks(self, remote_engine_id: EngineId, remote_pp_rank: int = 0) -> list[int]:
+        """Remote TP ranks this rank reads from for a registered engine (KeyError if unknown)."""
+        info = self._engines[(remote_engine_id, remote_pp_rank)]
         return self._tp_targets(info.remote_tp_size)
 
-    def describe(self, remote_engine_id: EngineId, pp_rank: int = 0) -> str:
-        info = self.get_engine_info(remote_engine_id, pp_rank)
+    def describe(self, remote_engine_id: EngineId, remote_pp_rank: int = 0) -> str:
+        """One-line summary of the transfer config for logging (KeyError if unknown)."""
+        info = self._engines[(remote_engine_id, remote_pp_rank)]
         return (
-            "TransferTopology("
+            f"TransferTopology("
             f"tp_ratio={self.tp_ratio(info.remote_tp_size)}, "
-            f"num_kv_heads={1 if self.is_mla else self.total_num_kv_heads}, "
-            f"local_tp={self.tp_size}, remote_tp={info.remote_tp_size}, "
-            f"remote_pp={pp_rank}, local_dcp={self.dcp_size}, "
-            f"remote_dcp={info.remote_dcp_size}, local_rank={self.tp_rank}, "
-            f"block_size_ratio={self.block_size_ratio(info.remote_block_size)}, "
+            f"num_kv_heads={self.total_num_kv_heads if not self.is_mla else 1}, "
+            f"local_tp={self.tp_size}, "
+            f"remote_tp={info.remote_tp_size}, "
+            f"remote_pp={remote_pp_rank}, "
+            f"local_dcp={self.dcp_size}, "
+            f"remote_dcp={info.remote_dcp_size}, "
+            f"local_rank={self.tp_rank}, "
             f"remote_block_len={info.remote_block_len})"
         )
-
-    # -------------------------------------------------------------- read plan
-
-    def read_plan(self, remote_engine_id: EngineId, pp_rank: int = 0) -> ReadPlan:
-        """The reads that fill each local head of this rank exactly once.
-
-        Redundant replicas (replicated GQA, MLA) are read once and only
-        notified; token-sharded MLA caches with different dcp sizes are read
-        token by token.
-        """
-        info = self.get_engine_info(remote_engine_id, pp_rank)
-        targets = self.handshake_target_ranks(info.remote_tp_size, info.remote_dcp_size)
-        ratio = self.block_size_ratio(info.remote_block_size)
-        consumers = self.dcp_consumer_count(info.remote_tp_size, info.remote_dcp_size)
-        if self.is_mla and (info.remote_dcp_size > 1 or self.dcp_size > 1):
-            reads = self._dcp_reads(info, targets, ratio)
-        else:
-            reads = self._head_reads(info, targets, ratio)
-        return ReadPlan(
-            remote_engine_id=remote_engine_id,
-            remote_pp_rank=pp_rank,
-            reads=tuple(reads),
-            notify_ranks=tuple(targets),
-            consumers_per_remote_rank=consumers,
-        )
-
-    def _head_reads(
-        self, info: EngineTransferInfo, targets: list[int], ratio: int
-    ) -> list[ReadSpec]:
-        heads = self.total_num_kv_heads
-        local_g0, local_g1 = rank_global_heads(self.tp_rank, self.tp_size, heads, self.is_mla)
-        covered: set[int] = set()
-        reads: list[ReadSpec] = []
-        for remote_rank in targets:
-            rem_g0, rem_g1 = rank_global_heads(remote_rank, info.remote_tp_size, heads, self.is_mla)
-            new = [g for g in range(max(local_g0, rem_g0), min(local_g1, rem_g1)) if g not in covered]
-            if not new:
-                continue  # a replica of heads we already read: notify only
-            lo, hi = new[0], new[-1] + 1
-            covered.update(new)
-            reads.append(
-                ReadSpec(
-                    remote_rank=remote_rank,
-                    remote_heads=(lo - rem_g0, hi - rem_g0),
-                    local_heads=(lo - local_g0, hi - local_g0),
-                    layers=info.layers,
-                    block_size_ratio=ratio,
-                )
-            )
-        missing = set(range(local_g0, local_g1)) - covered
-        if missing:  # only reachable through an inconsistent size pair
-            raise TopologyError(
-                f"local rank {self.tp_rank} heads {sorted(missing)} are held by none of remote "
-                f"ranks {targets} (remote tp {info.remote_tp_size})"
-            )
-        return reads
-
-    def _dcp_reads(
-        self, info: EngineTransferInfo, targets: list[int], ratio: int
-    ) -> list[ReadSpec]:
-        remote_dcp = info.remote_dcp_size
-        if remote_dcp == self.dcp_size:
-            # Same sharding on both sides (dcp == tp on both): one shard, whole blocks.
-            sources = [t for t in targets if t % remote_dcp == self.dcp_rank][:1]
-            token_shard = None
-        elif remote_dcp > 1:
-            sources = targets  # each remote shard overlapping mine (already filtered)
-            token_shard = True
-        else:
-            sources = targets[:1]  # remote replicated: any one rank holds every token
-            token_shard = True
-        return [
-            ReadSpec(
-                remote_rank=r,
-                remote_heads=(0, 1),
-                local_heads=(0, 1),
-                layers=info.layers,
-                block_size_ratio=ratio,
-                token_shard=(remote_dcp, r % remote_dcp, self.dcp_size, self.dcp_rank)
-                if token_shard
-                else None,
-            )
-            for r in sources
-        ]
 
 
 def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:

@@ -1,39 +1,38 @@
-"""Per-rank KV transport: peers, READs per request, completion, notifications.
+"""Per-rank KV transport: peers, descriptor lists, READs per request, completion, notices.
 
 Life cycle of one request's pull on a decode rank:
 
-  start_read(req, peer, runs, notif)  -> runs are bounds-checked against the
-        peer's registered regions (from its handshake) and ours, then posted
-        as one READ per (request, peer); `notif` reaches the peer on success;
-  poll()  -> non-blocking; a request is DONE when all its READs are, FAILED as
-        soon as one READ errors, raises, or the request outlives `read_timeout_s`
-        (a dead peer must never leave a request waiting forever);
-  every handle is released once, whatever the outcome.
+  add_peer            once per remote rank (handshake): connect to its agent;
+  local_list /        once per descriptor table: prepared lists are cached
+  remote_list         (local ones per table, remote ones per (peer, table)) and
+                      released with their peer;
+  start_read          post one READ by descriptor index; `notif` reaches the
+                      peer when the data has moved;
+  poll                non-blocking; a request is DONE when all its READs are,
+                      FAILED as soon as one READ errors, raises, or the request
+                      outlives `read_timeout_s` (a dead peer must never leave a
+                      request waiting forever); every handle is released once.
 
-`NixlTransport` moves bytes with NIXL (UCX); `FakeTransport` moves them with
-memmove inside one process and has fault switches for the layers above. Both
-share the bookkeeping in `_TransportBase`, so tests of one exercise the other's
-logic too. No thread is started: progress happens in `poll()`.
+`NixlTransport` moves bytes with NIXL (UCX); `actors.kv.fake_transport`
+moves them with memmove inside one process, with fault switches for the layers
+above. Both share the bookkeeping in `TransportBase`, so tests of one exercise
+the other's logic too. No thread is started: progress happens in
+`poll()`/`progress()`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from actors.kv.errors import (
-    BlockRangeError,
-    HandshakeError,
-    KVTransferError,
-    TransferSetupError,
-    TransportClosedError,
-)
+import numpy as np
+
+from actors.kv.descriptors import DescTable
+from actors.kv.errors import HandshakeError, KVTransferError, TransferSetupError, TransportClosedError
 from actors.kv.handshake import RankHandshake
-from actors.kv.layout import CacheGeometry, Run, check_runs_inside
+from actors.kv.layout import CacheGeometry
 
 logger = logging.getLogger("raypd.transport")
 
@@ -62,9 +61,10 @@ class TransportStats:
     requests_failed: int = 0
     notifs_sent: int = 0
     handshakes: int = 0
+    lists_prepared: int = 0
 
 
-class _TransportBase:
+class TransportBase:
     """Request bookkeeping shared by the real and the fake transport."""
 
     def __init__(self, name: str, geometry: CacheGeometry, read_timeout_s: float = 30.0,
@@ -76,6 +76,8 @@ class _TransportBase:
         self.read_timeout_s = read_timeout_s
         self._clock = clock
         self._peers: dict[PeerKey, RankHandshake] = {}
+        self._local: dict[DescTable, Any] = {}
+        self._remote: dict[tuple[PeerKey, DescTable], Any] = {}
         self._pending: dict[str, _Pending] = {}
         self._closed = False
         self.stats = TransportStats()
@@ -83,11 +85,14 @@ class _TransportBase:
     # ------------------------------------------------------- backend hooks
     def _connect(self, hs: RankHandshake) -> None: raise NotImplementedError
     def _disconnect(self, hs: RankHandshake) -> None: raise NotImplementedError
-    def _post(self, hs: RankHandshake, runs: list[Run], notif: bytes) -> Any: raise NotImplementedError
+    def _prepare(self, hs: RankHandshake | None, table: DescTable) -> Any: raise NotImplementedError
+    def _post(self, hs: RankHandshake, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray,
+              notif: bytes) -> Any: raise NotImplementedError
     def _state(self, handle: Any) -> str: raise NotImplementedError
     def _release(self, handle: Any) -> None: raise NotImplementedError
     def _send(self, hs: RankHandshake, msg: bytes) -> None: raise NotImplementedError
     def _recv(self) -> list[bytes]: raise NotImplementedError
+    def _progress(self) -> None: return None
     def _close(self) -> None: raise NotImplementedError
     def metadata(self) -> bytes: raise NotImplementedError
 
@@ -130,33 +135,52 @@ class _TransportBase:
         return len(keys)
 
     def _drop_peer(self, key: PeerKey) -> None:
-        for req_id, pending in self._pending.items():
+        for pending in self._pending.values():
             if pending.failed is None and any(k == key for k, _ in pending.handles):
                 pending.failed = f"peer {key} was removed"
+        for list_key in [k for k in self._remote if k[0] == key]:
+            del self._remote[list_key]  # released with the peer's agent
         hs = self._peers.pop(key)
         try:
             self._disconnect(hs)
         except KVTransferError as exc:  # a dead peer may refuse a clean goodbye
             logger.warning("disconnecting %s: %s", key, exc)
 
+    # ----------------------------------------------------- descriptor lists
+    def local_list(self, table: DescTable) -> Any:
+        """This rank's descriptors cut by `table`, prepared once and cached."""
+        self._require_open()
+        handle = self._local.get(table)
+        if handle is None:
+            handle = self._local[table] = self._prepare(None, table)
+            self.stats.lists_prepared += 1
+        return handle
+
+    def remote_list(self, key: PeerKey, table: DescTable) -> Any:
+        """A peer's descriptors cut by `table`, prepared once per peer and cached."""
+        self._require_open()
+        handle = self._remote.get((key, table))
+        if handle is None:
+            handle = self._remote[(key, table)] = self._prepare(self.peer(key), table)
+            self.stats.lists_prepared += 1
+        return handle
+
     # -------------------------------------------------------------- reads
-    def start_read(self, req_id: str, key: PeerKey, runs: list[Run], notif: bytes = b"") -> None:
-        """Post one READ of `runs` (local addr, remote addr, nbytes) from a peer."""
+    def start_read(self, req_id: str, key: PeerKey, local: Any, li: np.ndarray, remote: Any,
+                   ri: np.ndarray, notif: bytes, nbytes: int) -> None:
+        """Post one READ of descriptors `ri` of a peer's list into `li` of ours."""
         self._require_open()
         hs = self.peer(key)
-        if not runs:
-            raise TransferSetupError(f"request {req_id}: empty read from {key}")
-        check_runs_inside(runs, self.geometry, hs.geometry)
         pending = self._pending.setdefault(req_id, _Pending([], self._clock()))
         try:
-            handle = self._post(hs, runs, notif)
+            handle = self._post(hs, local, li, remote, ri, notif)
         except KVTransferError as exc:
             pending.failed = pending.failed or f"read setup from {key} failed: {exc}"
             raise
         pending.handles.append((key, handle))
         self.stats.reads_posted += 1
-        self.stats.descriptors_posted += len(runs)
-        self.stats.bytes_posted += sum(n for _, _, n in runs)
+        self.stats.descriptors_posted += int(li.size)
+        self.stats.bytes_posted += nbytes
 
     def fail_request(self, req_id: str, reason: str) -> None:
         """Mark a request failed (e.g. a later read of it could not be set up)."""
@@ -224,18 +248,16 @@ class _TransportBase:
         if not self._closed:
             self._progress()
 
-    def _progress(self) -> None:
-        return None
-
     # ----------------------------------------------------------- shutdown
     def shutdown(self) -> None:
-        """Release every handle, peer and registration exactly once; idempotent."""
+        """Release every handle, list, peer and registration exactly once; idempotent."""
         if self._closed:
             return
         for req_id in list(self._pending):
             self._finish(req_id)
         for key in list(self._peers):
             self._drop_peer(key)
+        self._local.clear()
         self._closed = True
         self._close()
 
@@ -244,7 +266,7 @@ class _TransportBase:
         return self._closed
 
 
-class NixlTransport(_TransportBase):
+class NixlTransport(TransportBase):
     """One NIXL agent (UCX) per rank, with this rank's KV regions registered."""
 
     def __init__(self, name: str, geometry: CacheGeometry, read_timeout_s: float = 30.0,
@@ -259,7 +281,6 @@ class NixlTransport(_TransportBase):
         except Exception:
             self._agent.shutdown()
             raise
-        self._names: dict[PeerKey, str] = {}
 
     def metadata(self) -> bytes:
         return self._agent.metadata()
@@ -277,12 +298,16 @@ class NixlTransport(_TransportBase):
             logger.info("eager connection to %s failed (the first READ retries): %s", name, exc)
 
     def _disconnect(self, hs: RankHandshake) -> None:
-        self._agent.remove_remote(hs.agent_name)
+        self._agent.remove_remote(hs.agent_name)  # also releases its prepared lists
 
-    def _post(self, hs: RankHandshake, runs: list[Run], notif: bytes) -> Any:
-        local = [(l, n) for l, _, n in runs]
-        remote = [(r, n) for _, r, n in runs]
-        return self._agent.read_ranges(hs.agent_name, local, remote, notif, mem=self.mem)
+    def _prepare(self, hs: RankHandshake | None, table: DescTable) -> Any:
+        if hs is None:
+            return self._agent.prepare_local(table.rows(), self.mem)
+        return self._agent.prepare_remote(hs.agent_name, table.rows(), self.mem)
+
+    def _post(self, hs: RankHandshake, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray,
+              notif: bytes) -> Any:
+        return self._agent.read(local, li, remote, ri, notif)
 
     def _state(self, handle: Any) -> str:
         return self._agent.check(handle)
@@ -305,94 +330,3 @@ class NixlTransport(_TransportBase):
     @property
     def registered_regions(self) -> int:
         return 0 if self._agent.closed else len(self._agent.registrations)
-
-
-class FakeFabric:
-    """The in-process 'network' of fake transports: metadata and notifications."""
-
-    def __init__(self) -> None:
-        self.agents: dict[str, "FakeTransport"] = {}
-        self.mailboxes: dict[str, list[bytes]] = defaultdict(list)
-
-
-@dataclass
-class FaultSwitches:
-    """Faults a FakeTransport injects; each applies to every later call."""
-
-    handshake_fails: bool = False
-    setup_fails: bool = False
-    state_err: bool = False
-    poll_raises: bool = False
-    slow_polls: int = 0  # a READ reports PROC this many polls before DONE
-    dead: bool = False  # behaves like a killed peer: reads from it error
-
-
-class FakeTransport(_TransportBase):
-    """Same interface as NixlTransport; copies with memmove inside one process."""
-
-    def __init__(self, name: str, geometry: CacheGeometry, fabric: FakeFabric | None = None,
-                 read_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
-        super().__init__(name, geometry, read_timeout_s, clock)
-        self.fabric = fabric or FakeFabric()
-        self.faults = FaultSwitches()
-        self.fabric.agents[name] = self
-        self.connected: set[str] = set()
-
-    def metadata(self) -> bytes:
-        return f"fake:{self.name}".encode()
-
-    def _connect(self, hs: RankHandshake) -> None:
-        if self.faults.handshake_fails:
-            raise HandshakeError("agent_metadata", f"injected handshake failure with {hs.agent_name}")
-        if hs.agent_metadata != f"fake:{hs.agent_name}".encode():
-            raise HandshakeError("agent_metadata", "not a fake agent's metadata")
-        self.connected.add(hs.agent_name)
-
-    def _disconnect(self, hs: RankHandshake) -> None:
-        self.connected.discard(hs.agent_name)
-
-    def _post(self, hs: RankHandshake, runs: list[Run], notif: bytes) -> Any:
-        if self.faults.setup_fails:
-            raise TransferSetupError(f"injected setup failure for a read from {hs.agent_name}")
-        return {"peer": hs.agent_name, "runs": runs, "notif": notif, "polls": 0, "state": "PROC"}
-
-    def _state(self, handle: Any) -> str:
-        if self.faults.poll_raises:
-            raise RuntimeError("injected exception while polling")
-        if handle["state"] != "PROC":
-            return handle["state"]
-        peer = self.fabric.agents.get(handle["peer"])
-        if self.faults.state_err or peer is None or peer.faults.dead or peer.closed:
-            handle["state"] = "ERR"
-            return "ERR"
-        handle["polls"] += 1
-        if handle["polls"] <= self.faults.slow_polls:
-            return "PROC"
-        for local, remote, nbytes in handle["runs"]:
-            ctypes.memmove(local, remote, nbytes)
-        if handle["notif"]:
-            self.fabric.mailboxes[handle["peer"]].append(handle["notif"])
-        handle["state"] = "DONE"
-        return "DONE"
-
-    def _release(self, handle: Any) -> None:
-        if handle.get("released"):
-            raise TransferSetupError("handle released twice")
-        handle["released"] = True
-
-    def _send(self, hs: RankHandshake, msg: bytes) -> None:
-        self.fabric.mailboxes[hs.agent_name].append(msg)
-
-    def _recv(self) -> list[bytes]:
-        msgs, self.fabric.mailboxes[self.name] = self.fabric.mailboxes[self.name], []
-        return msgs
-
-    def _close(self) -> None:
-        self.fabric.agents.pop(self.name, None)
-
-
-def validate_runs(runs: list[Run], local: CacheGeometry, remote: CacheGeometry) -> None:
-    """Public alias so callers can check a plan before asking for a transport."""
-    if not runs:
-        raise BlockRangeError("a read needs at least one byte range")
-    check_runs_inside(runs, local, remote)

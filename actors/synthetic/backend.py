@@ -9,7 +9,6 @@ is an error, never an answer.
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Any, AsyncIterator
 
 from actors.engine_config import EngineConfig
@@ -30,7 +29,6 @@ class SyntheticBackend:
                                  block_size=cfg.effective_block_size, num_blocks=cfg.num_blocks,
                                  layout="ND" if m.is_mla else cfg.layout)
         self.token_latency_s = token_latency_s
-        self._faults = random.Random(0)
         self.engine: SyntheticEngine | None = None
         self._decoding: set[str] = set()
 
@@ -38,7 +36,7 @@ class SyntheticBackend:
         # Registration is done by the EngineActor (it adds itself as a liveness handle).
         self.engine = SyntheticEngine(self.engine_id, self.cfg.role, self.model, self.shape, coordinator,
                                       lease_ttl_s=self.cfg.lease_ttl_s, read_timeout_s=self.cfg.read_timeout_s,
-                                      register=False)
+                                      register=False, fault_rate=self.cfg.fault_rate)
         await self.engine.start()
 
     def handshakes(self) -> list[bytes]:
@@ -89,8 +87,6 @@ class SyntheticBackend:
         resumed = min(req.num_resumed_tokens, len(tokens) - 1)
         prompt = tokens[:len(tokens) - resumed]
         params = req.kv_transfer_params
-        if params and self.cfg.fault_rate and self._faults.random() < self.cfg.fault_rate:
-            params = {**params, "inject_fault": True}  # fault-injection knob (tests)
         recomputed = False
         self._decoding.add(req_id)
         try:

@@ -29,9 +29,11 @@ from typing import Any
 import ray
 
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
+from actors.kv.faults import NO_FAULTS, FaultPolicy
 from actors.synthetic.block_pool import BlockPool
 from actors.synthetic.pattern import tokens_from_checksums
-from actors.synthetic.rank import RankConfig, SyntheticModel, SyntheticRank
+from actors.synthetic.rank import FailedPull, PulledKV, RankConfig, RankPoll, SyntheticModel, SyntheticRank
+from actors.transfer_params import TransferParams
 
 logger = logging.getLogger("raypd.synthetic")
 
@@ -39,11 +41,11 @@ logger = logging.getLogger("raypd.synthetic")
 class SyntheticRankActor(SyntheticRank):
     """The Ray-actor face of a rank: the directory is the coordinator."""
 
-    def __init__(self, cfg: RankConfig, coordinator: Any = None):
+    def __init__(self, cfg: RankConfig, coordinator: Any = None, faults: FaultPolicy = NO_FAULTS):
         directory = None
         if coordinator is not None:
             directory = lambda e, p, rs: ray.get(coordinator.handshake_payloads.remote(e, p, rs))  # noqa: E731
-        super().__init__(cfg, directory=directory)
+        super().__init__(cfg, directory=directory, faults=faults)
 
     def ping(self) -> str:
         return "pong"
@@ -81,26 +83,27 @@ class TransferFailed(RuntimeError):
 class SyntheticEngine:
     def __init__(self, engine_id: str, role: str, model: SyntheticModel, shape: EngineShape,
                  coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0,
-                 register: bool = True):
+                 register: bool = True, fault_rate: float = 0.0):
         self.engine_id, self.role, self.model, self.shape = engine_id, role, model, shape
         self.coordinator = coordinator
         self.register = register
         self.lease_ttl_s = lease_ttl_s
         self.pool = BlockPool(shape.num_blocks)
+        faults = FaultPolicy(rate=fault_rate)  # test knob: this fraction of pulls fails on purpose
         self.ranks = [
             _RankActor.options(num_cpus=0).remote(
                 RankConfig(engine_id=engine_id, role=role, model=model, tp_rank=t, tp_size=shape.tp_size,
                            pp_rank=p, pp_size=shape.pp_size, dcp_size=shape.dcp_size,
                            block_size=shape.block_size, num_blocks=shape.num_blocks,
                            layout=shape.layout, read_timeout_s=read_timeout_s),
-                coordinator,
+                coordinator, faults,
             )
             for p in range(shape.pp_size) for t in range(shape.tp_size)
         ]
         self._held: dict[str, tuple[list[int], set[int]]] = {}  # req -> (blocks, ranks still holding)
         # rank.poll() drains every request's pull outcome; concurrent decodes (and the lease
         # pump) share one drain, so outcomes are parked here per rank until their request asks.
-        self._pull_outcomes: list[dict[str, tuple[str, dict]]] = [{} for _ in self.ranks]
+        self._pull_outcomes: list[dict[str, PulledKV | FailedPull]] = [{} for _ in self.ranks]
         self._pump: asyncio.Task | None = None
         self._flush_until = 0.0  # keep driving our ranks' agents this long after a pull
         self.pump_interval_s = 0.002
@@ -147,7 +150,7 @@ class SyntheticEngine:
         outs = await self._poll_ranks()
         freed = []
         for i, out in enumerate(outs):
-            for req_id in out["released"] + out["expired"]:
+            for req_id in out.released + out.expired:
                 held = self._held.get(req_id)
                 if held is None:
                     continue
@@ -193,11 +196,15 @@ class SyntheticEngine:
     # ------------------------------------------------------------- decode
     async def decode(self, req_id: str, params: dict, token_ids: list[int], seed: int = 0,
                      max_tokens: int = 8, timeout_s: float = 60.0) -> dict:
-        """Pull the prompt's KV from the prefill engine and 'generate' from it."""
+        """Pull the prompt's KV from the prefill engine and 'generate' from it.
+
+        Malformed params raise `TransferParamsError` (a ValueError) before anything moves.
+        """
+        parsed = TransferParams.parse(params)
         block_ids = self.pool.allocate(self.blocks_for(len(token_ids)))
         try:
             await asyncio.gather(*(
-                r.start_pull.remote(req_id, params, token_ids, block_ids, seed) for r in self.ranks
+                r.start_pull.remote(req_id, parsed, token_ids, block_ids, seed) for r in self.ranks
             ))
             per_rank = await self._await_pulls(req_id, timeout_s)
         except BaseException:
@@ -212,28 +219,26 @@ class SyntheticEngine:
             self._ensure_pump()
         checksums: dict[int, float] = {}
         for out in per_rank:
-            for pos, value in out["checksums"].items():
+            for pos, value in out.checksums.items():
                 checksums[int(pos)] = checksums.get(int(pos), 0.0) + value
         ordered = [checksums[p] for p in sorted(checksums)]
         return {
             "token_ids": tokens_from_checksums(ordered, max_tokens, self.model.vocab_size),
-            "mismatches": sum(out["mismatches"] for out in per_rank),
+            "mismatches": sum(out.mismatches for out in per_rank),
             "checksums": ordered,
         }
 
-    async def _poll_ranks(self) -> list[dict]:
+    async def _poll_ranks(self) -> list[RankPoll]:
         outs = await asyncio.gather(*(r.poll.remote() for r in self.ranks))
         for parked, out in zip(self._pull_outcomes, outs):
-            for req_id, res in out["finished"].items():
-                parked[req_id] = ("finished", res)
-            for req_id, res in out["failed"].items():
-                parked[req_id] = ("failed", res)
+            parked.update(out.finished)
+            parked.update(out.failed)
         return outs
 
-    async def _await_pulls(self, req_id: str, timeout_s: float) -> list[dict]:
+    async def _await_pulls(self, req_id: str, timeout_s: float) -> list[PulledKV]:
         aggregator = KVOutputAggregator(len(self.ranks))
-        results: dict[int, dict] = {}
-        failures: dict[int, dict] = {}
+        results: dict[int, PulledKV] = {}
+        failures: dict[int, FailedPull] = {}
         deadline = time.monotonic() + timeout_s
         delay = 0.0005
         while True:
@@ -241,15 +246,15 @@ class SyntheticEngine:
             rank_outputs = []
             for i, parked in enumerate(self._pull_outcomes):
                 out_i = KVConnectorOutput()
-                kind, res = parked.pop(req_id, (None, None))
-                if kind == "finished":
+                res = parked.pop(req_id, None)
+                if isinstance(res, PulledKV):
                     results[i] = res
                     out_i.finished_recving.add(req_id)
-                elif kind == "failed":
+                elif isinstance(res, FailedPull):
                     failures[i] = res
                     out_i.finished_recving.add(req_id)
                     out_i.failed_recving.add(req_id)
-                    out_i.invalid_block_ids.update(res["invalid_block_ids"])
+                    out_i.invalid_block_ids.update(res.invalid_block_ids)
                 rank_outputs.append(out_i)
             verdict = aggregator.aggregate(rank_outputs)
             if self.coordinator is not None and any(not o.is_empty() for o in rank_outputs):
@@ -258,7 +263,7 @@ class SyntheticEngine:
                 self.coordinator.report_outcomes.remote(self.engine_id, rank_outputs)
             if req_id in verdict.finished_recving:
                 if req_id in verdict.failed_recving:
-                    raise TransferFailed(req_id, [f["reason"] for f in failures.values()],
+                    raise TransferFailed(req_id, [f.reason for f in failures.values()],
                                          set(verdict.invalid_block_ids))
                 return [results[i] for i in range(len(self.ranks))]
             if time.monotonic() > deadline:

@@ -5,21 +5,22 @@ Life cycle of a request across ranks:
   prefill rank  write_prompt(req)   values of its heads/layers/token shard are
                                     written into the blocks, which are then
                                     held under a lease;
-  decode rank   start_pull(req)     handshakes (through the directory) with the
-                                    prefill ranks it needs, once per engine,
-                                    posts the READs of its read plan; each READ
-                                    carries a notification for its source;
-                poll()              finished pulls are transformed into the
-                                    local layout, verified element by element
-                                    and summarized as per-position checksums;
-                                    replicas that were skipped are notified;
-                                    a failed pull notifies every source too,
-                                    so nothing waits for the lease to expire;
-  prefill rank  poll()              notifications release leases; expired
-                                    leases are released too.
+  decode rank   start_pull(req)     `RankTransfer.start_pull` with the request
+                                    built from its TransferParams: handshake
+                                    once per engine (through the directory),
+                                    then READs by descriptor index;
+                poll()              one `RankTransfer.step()`: finished pulls
+                                    (already in the local layout) are verified
+                                    element by element and summarized as
+                                    per-position checksums; failed pulls carry
+                                    their reason and invalid blocks;
+  prefill rank  poll()              the same step releases leases (notices,
+                                    expiry, aborts).
 
-This class has no Ray import: `actors.synthetic.engine` runs it as an actor,
-unit tests drive it in-process with `FakeTransport`.
+A thin adapter: every transfer decision is `RankTransfer`'s. Faults are
+injected by the `FaultPolicy` the engine gives the rank. No Ray import:
+`actors.synthetic.engine` runs it as an actor, unit tests drive it in-process
+with `FakeTransport`.
 """
 
 from __future__ import annotations
@@ -28,18 +29,20 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from actors.kv.errors import HandshakeError, KVTransferError
+from actors.kv.faults import NO_FAULTS, FaultPolicy
 from actors.kv.handshake import CompatInfo
 from actors.kv.layout import BlockLayout, CacheGeometry, canonical_view
-from actors.kv.rank_transfer import HandshakeDirectory, PullRequest, RankIdentity, RankTransfer
+from actors.kv.rank_transfer import HandshakeDirectory, RankIdentity, RankTransfer
 from actors.kv.topology import pp_layer_range, rank_global_heads
 from actors.kv.transport import NixlTransport
 from actors.synthetic.pattern import kv_values
+from actors.transfer_params import TransferParams
 
 logger = logging.getLogger("raypd.synthetic")
 
@@ -87,10 +90,34 @@ class RankConfig:
         )
 
 
+@dataclass(frozen=True)
+class PulledKV:
+    """A finished pull as this rank verified it."""
+
+    mismatches: int
+    checksums: dict[int, float]  # token position -> sum of what this rank holds for it
+
+
+@dataclass(frozen=True)
+class FailedPull:
+    reason: str
+    invalid_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankPoll:
+    """What one `SyntheticRank.poll()` produced."""
+
+    finished: dict[str, PulledKV] = field(default_factory=dict)
+    failed: dict[str, FailedPull] = field(default_factory=dict)
+    released: tuple[str, ...] = ()
+    expired: tuple[str, ...] = ()
+
+
 class SyntheticRank:
     def __init__(self, cfg: RankConfig, directory: HandshakeDirectory | None = None,
                  transport_factory: Callable[[str, CacheGeometry], object] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, faults: FaultPolicy = NO_FAULTS):
         self.cfg = cfg
         m = cfg.model
         self.layout = BlockLayout.parse(cfg.layout)
@@ -119,12 +146,11 @@ class SyntheticRank:
                                 tp_size=cfg.tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
                                 dcp_size=cfg.dcp_size, block_size=cfg.block_size)
         self.xfer = RankTransfer(identity, self.geometry, self.tensors, self.compat, self.transport,
-                                 is_mla=m.is_mla, clock=clock)
+                                 is_mla=m.is_mla, faults=faults, clock=clock)
         self.topology = self.xfer.topology
         self.leases = self.xfer.leases
         self.reader_name = identity.reader_name
         self._pulls: dict[str, tuple[list[int], int, list[int]]] = {}  # req -> (tokens, seed, blocks)
-        self._released_early = False
 
     # ------------------------------------------------------------ identity
     def handshake(self) -> bytes:
@@ -171,7 +197,7 @@ class SyntheticRank:
                 for blk, start, n in self._block_chunks(block_ids, len(positions)):
                     view[blk, :, :n, :] = values[:, start:start + n, :]
         if lease_ttl_s is not None:
-            self._released_early = self.xfer.hold(req_id, block_ids, lease_ttl_s) is not None
+            self.xfer.hold(req_id, block_ids, lease_ttl_s)
 
     def read_back(self, token_ids: list[int], block_ids: list[int], seed: int) -> tuple[int, dict[int, float]]:
         """(mismatched elements, per-position checksums) of what this rank's cache holds."""
@@ -189,40 +215,28 @@ class SyntheticRank:
         return mismatches, {t: float(s) for t, s in zip(positions, sums)}
 
     # ------------------------------------------------------------- decode
-    def start_pull(self, req_id: str, params: dict, token_ids: list[int], block_ids: list[int], seed: int) -> None:
+    def start_pull(self, req_id: str, params: TransferParams, token_ids: list[int], block_ids: list[int],
+                   seed: int) -> None:
         """Post every READ this rank needs for a request prefilled elsewhere."""
         if self.directory is None:
             raise HandshakeError("directory", "this rank has no handshake directory")
         self._pulls[req_id] = (list(token_ids), seed, list(block_ids))
-        req = PullRequest(
-            remote_engine_id=params["remote_engine_id"], remote_block_ids=list(params["remote_block_ids"]),
-            remote_tp_size=params["tp_size"], remote_pp_size=params["pp_size"],
-            remote_dcp_size=params["dcp_size"], local_block_ids=list(block_ids), num_tokens=len(token_ids),
-        )
-        if params.get("inject_fault"):  # fault-injection hook (tests): fail without reading
-            self.xfer.fail_pull(req_id, req, "fault injected on purpose (test knob)")
-            return
-        self.xfer.start_pull(req_id, req, self.directory)
+        self.xfer.start_pull(req_id, params.pull_request(block_ids, num_tokens=len(token_ids)), self.directory)
 
-    def poll(self) -> dict:
-        """Advance pulls and leases. Returns finished/failed pulls and released leases."""
-        out: dict = {"finished": {}, "failed": {}, "released": [], "expired": []}
-        if self._pulls:
-            outcome = self.xfer.poll_pulls()
-            for req_id in outcome.done:
-                tokens, seed, blocks = self._pulls.pop(req_id)
-                mismatches, sums = self.read_back(tokens, blocks, seed)
-                out["finished"][req_id] = {"mismatches": mismatches, "checksums": sums}
-            for req_id, reason in outcome.failed.items():
-                self._pulls.pop(req_id, None)
-                out["failed"][req_id] = {"reason": reason,
-                                         "invalid_block_ids": outcome.invalid_block_ids.get(req_id, [])}
-        if self.leases.held() or self._released_early:
-            out["released"], out["expired"] = self.xfer.poll_leases()
-            self._released_early = False
-        elif not self._pulls:
-            self.transport.progress()  # notices we sent may wait for a connection set-up
-        return out
+    def poll(self) -> RankPoll:
+        """One transfer step: verified finished pulls, failed pulls, released leases."""
+        step = self.xfer.step()
+        finished: dict[str, PulledKV] = {}
+        failed: dict[str, FailedPull] = {}
+        for req_id in step.done:
+            pulled = self._pulls.pop(req_id, None)
+            if pulled is not None:
+                tokens, seed, blocks = pulled
+                finished[req_id] = PulledKV(*self.read_back(tokens, blocks, seed))
+        for req_id, reason in step.failed.items():
+            self._pulls.pop(req_id, None)
+            failed[req_id] = FailedPull(reason, step.invalid_block_ids.get(req_id, ()))
+        return RankPoll(finished, failed, step.released, step.expired)
 
     # ---------------------------------------------------------- lifecycle
     def abort(self, req_id: str) -> bool:

@@ -196,7 +196,7 @@ def test_salvaged_outputs_replayed_at_next_aggregate():
     dead = out(finished_sending=["a"], invalid_block_ids=[9], stats={"bytes": 10.0},
                kv_cache_events=events)
     agg.ft_defer_kv_connector_outputs([dead, None])
-    assert dead.kv_cache_events is events  # caller's object untouched
+    assert dead.kv_cache_events is None  # dropped on the stashed output itself, as the reference does
     assert agg.pending().salvaged_outputs == 1
     result = agg.aggregate([out(finished_sending=["a"])])
     assert result.finished_sending == {"a"}  # salvaged report counted
@@ -214,6 +214,19 @@ def test_salvaged_failed_recv_still_reported():
     result = agg.aggregate([out(finished_recving=["r"]), None])
     assert result.finished_recving == {"r"}
     assert result.failed_recving == {"r"}
+
+
+def test_from_connector_uses_the_connectors_finished_count():
+    class Counting:
+        def __init__(self, count):
+            self.count = count
+
+        def get_finished_count(self):
+            return self.count
+
+    assert KVOutputAggregator.from_connector(Counting(3), world_size=8).expected_finished_count == 3
+    assert KVOutputAggregator.from_connector(Counting(None), world_size=8).expected_finished_count == 8
+    assert KVOutputAggregator.from_connector(object(), world_size=2).expected_finished_count == 2
 
 
 def test_defer_rejects_malformed():
@@ -323,3 +336,63 @@ def test_failed_recv_reported_exactly_when_its_recv_finishes(n_ranks, failing):
             assert result.finished_recving == set("abcd")
     assert got_failed == failing_set
     assert agg.pending().is_empty()
+
+
+# -- the reference's semantics, step by step ------------------------------------------
+
+class ReferenceAggregator:
+    """The customer's reference aggregate(), restated over plain per-rank outputs (test oracle)."""
+
+    def __init__(self, expected):
+        self.expected, self.send, self.recv, self.failed_pending, self.salvaged = expected, {}, {}, set(), []
+
+    def aggregate(self, outputs):
+        sending, recving, invalid = set(), set(), set()
+        salvaged, self.salvaged = self.salvaged, []
+        for o in [*salvaged, *outputs]:
+            if o is None:
+                continue
+            if o.expected_finished_count > 0 and o.expected_finished_count != self.expected:
+                self.expected = o.expected_finished_count
+            for ids, remaining, finished in ((o.finished_sending, self.send, sending),
+                                             (o.finished_recving, self.recv, recving)):
+                for req_id in ids:
+                    remaining[req_id] = remaining.get(req_id, self.expected) - 1
+                    if remaining[req_id] == 0:
+                        finished.add(req_id)
+                        del remaining[req_id]
+            invalid |= o.invalid_block_ids
+            self.failed_pending |= o.failed_recving
+        failed = self.failed_pending & recving
+        self.failed_pending -= failed
+        return sending, recving, invalid, failed, self.expected
+
+    def defer(self, outputs):
+        self.salvaged.extend(o for o in outputs if o)
+
+
+@st.composite
+def rank_steps(draw):
+    n = draw(st.integers(1, 3))
+    ids = st.sets(st.sampled_from("abc"), max_size=2)
+    rank = st.builds(lambda s, r, i, f, e: out(finished_sending=s, finished_recving=r, invalid_block_ids=i,
+                                               failed_recving=f, expected_finished_count=e),
+                     ids, ids, st.sets(st.integers(0, 5), max_size=2), ids, st.sampled_from([0, 0, 0, 1, 2, 3]))
+    steps = draw(st.lists(st.tuples(st.lists(st.one_of(st.none(), rank), min_size=n, max_size=n),
+                                    st.booleans()), max_size=12))
+    return n, steps
+
+
+@settings(max_examples=300, deadline=None)
+@given(rank_steps())
+def test_every_step_matches_the_reference(case):
+    n, steps = case
+    ours, ref = KVOutputAggregator(n), ReferenceAggregator(n)
+    for outputs, failed_rank in steps:
+        if failed_rank:  # a worker died: its outputs are stashed for the next step
+            ours.ft_defer_kv_connector_outputs([o and out(**vars(o)) for o in outputs])
+            ref.defer(outputs)
+            continue
+        got = ours.aggregate([o and out(**vars(o)) for o in outputs])
+        assert (got.finished_sending, got.finished_recving, got.invalid_block_ids, got.failed_recving,
+                got.expected_finished_count) == ref.aggregate(outputs)

@@ -1,11 +1,13 @@
-"""vLLM cache tensors -> raypd geometry (no vLLM engine needed)."""
+"""vLLM cache tensors and parallel config -> raypd geometry and DCP size (no vLLM engine needed)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from actors.connector.worker import geometry_from_vllm
-from actors.kv.errors import LayoutError
-from actors.kv.layout import CPU_HKND, NHD, canonical_view
+from actors.connector.worker import check_supported, geometry_from_vllm
+from actors.kv.errors import LayoutError, TopologyError
+from actors.kv.layout import CPU_HKND, MLA_ND, NHD, canonical_view
 
 
 def test_cpu_layout_matches_how_the_cpu_backend_reads_it():
@@ -33,3 +35,34 @@ def test_unsupported_shapes_are_clear_errors():
         geometry_from_vllm({"model.layers.0.a": torch.zeros(2, 1, 8, 8), "model.layers.2.a": torch.zeros(2, 1, 8, 8)}, 8)
     with pytest.raises(LayoutError, match="no KV cache"):
         geometry_from_vllm({}, 8)
+
+
+def test_mla_latent_cache_is_one_row_per_token():
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(7, 16, 576) for i in range(2)}
+    geometry, planes = geometry_from_vllm(caches, block_size=16, use_mla=True)
+    assert geometry.layout == MLA_ND and geometry.num_heads == 1 and geometry.head_size == 576
+    assert geometry.planes == 1 and geometry.block_bytes == 16 * 576 * 4
+    with pytest.raises(LayoutError, match="unsupported MLA KV cache shape"):
+        geometry_from_vllm({"model.layers.0.attn": torch.zeros(2, 6, 16, 2, 64)}, block_size=16, use_mla=True)
+
+
+def vllm_config(tp=1, dcp=1, pcp=1, interleave=1, use_mla=False):
+    parallel = SimpleNamespace(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                               prefill_context_parallel_size=pcp, cp_kv_cache_interleave_size=interleave)
+    return SimpleNamespace(parallel_config=parallel, model_config=SimpleNamespace(use_mla=use_mla))
+
+
+def test_dcp_comes_from_vllms_parallel_config():
+    assert check_supported(vllm_config(tp=4, dcp=4, use_mla=True)) == 4
+    assert check_supported(vllm_config(tp=2)) == 1
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(tp=4, dcp=2, use_mla=True), "decode_context_parallel_size=2 with tensor_parallel_size=4"),
+    (dict(tp=2, dcp=2, use_mla=False), "decode_context_parallel_size=2 without MLA"),
+    (dict(tp=2, dcp=2, use_mla=True, interleave=16), "cp_kv_cache_interleave_size=16"),
+    (dict(tp=2, pcp=2), "prefill_context_parallel_size=2"),
+])
+def test_unsupported_parallel_combinations_are_refused_by_name(kwargs, named):
+    with pytest.raises(TopologyError, match=named):
+        check_supported(vllm_config(**kwargs))

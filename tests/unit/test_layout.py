@@ -1,17 +1,22 @@
-"""Block byte math and receive transforms, checked token by token against a reference.
+"""Descriptor plans and receive transforms, checked token by token against a reference.
 
-A READ is simulated in-process with ctypes.memmove over the computed runs, so
-the same runs the NIXL transport posts are what is verified here.
+A READ is simulated in-process: the descriptor tables a reader prepares at
+handshake (`build_stage`) are expanded to addresses and the descriptor indices
+a request computes (`SourceRead.indices`) are copied with ctypes.memmove, so
+the same indices the NIXL transport posts are what is verified here.
 """
 
 import ctypes
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.kv.descriptors import checked_block_ids
 from actors.kv.errors import BlockRangeError, LayoutError
+from actors.kv.handshake import CompatInfo, RankHandshake
 from actors.kv.layout import (
     CPU_HKND,
     HND,
@@ -19,16 +24,12 @@ from actors.kv.layout import (
     NHD,
     BlockLayout,
     CacheGeometry,
-    block_read_runs,
     canonical_view,
-    check_runs_inside,
-    clip_ssm_state_blocks,
     compatible_geometry,
-    copy_kv_blocks,
-    merge_runs,
     to_local_layout,
-    token_read_runs,
 )
+from actors.kv.pull_plan import build_stage
+from actors.kv.read_plan import plan_reads
 from actors.kv.topology import EngineTransferInfo, TransferTopology, rank_global_heads
 
 D = 4
@@ -96,22 +97,51 @@ class Cache:
         return bad
 
 
-def apply(runs):
-    for local, remote, nbytes in runs:
-        ctypes.memmove(local, remote, nbytes)
+class Lists:
+    """The transport's list cache, in memory: tables expanded to (address, nbytes)."""
+
+    def local_list(self, table):
+        return table.addresses()
+
+    def remote_list(self, key, table):
+        return table.addresses()
 
 
-def transfer(local, remote, spec, local_ids, remote_ids):
-    runs = block_read_runs(spec, local.geometry, remote.geometry, local_ids, remote_ids)
-    check_runs_inside(runs, local.geometry, remote.geometry)
-    apply(runs)
-    return runs
+COMPAT = CompatInfo("m", "float32", 4, 4, D, "float32", "split")
 
 
-def finish(local, remote_layout, local_ids, ratio):
-    for planes in local.tensors:
-        for plane in planes:
-            to_local_layout(plane, local_ids, remote_layout, local.layout, ratio)
+def peer(rank, cache, tp=1, pp_rank=0, pp=1, dcp=1):
+    return RankHandshake("p", "prefill", rank, tp, pp_rank, pp, dcp, cache.block_size, f"p{rank}", b"x",
+                         cache.geometry, COMPAT)
+
+
+def pull(local, topology, remotes, local_ids, remote_ids, num_tokens=0, pp_rank=0):
+    """Post a pull's descriptor indices as memmoves; returns how many descriptors moved."""
+    plan = plan_reads(topology, "p", pp_rank)
+    peers = {r: peer(r, c, topology.get_engine_info("p", pp_rank).remote_tp_size, pp_rank) for r, c in remotes.items()}
+    stage = build_stage(Lists(), local.geometry, plan, peers)
+    li_ids = checked_block_ids("local", local_ids, local.geometry.num_blocks)
+    ri_ids = checked_block_ids("remote", remote_ids, min(c.geometry.num_blocks for c in remotes.values()))
+    moved = 0
+    for src in stage.reads:
+        li, ri, nbytes = src.indices(li_ids, ri_ids, num_tokens)
+        (l_addr, l_len), (r_addr, r_len) = src.local, src.remote
+        assert np.array_equal(l_len[li], r_len[ri]) and int(l_len[li].sum()) == nbytes
+        for a, b, n in zip(l_addr[li].tolist(), r_addr[ri].tolist(), l_len[li].tolist()):
+            ctypes.memmove(a, b, n)
+        moved += li.size
+    return stage, moved
+
+
+def finish(local, stage, local_ids):
+    index = torch.tensor(local_ids, dtype=torch.long)
+    for layer in stage.transform_layers:
+        for plane in local.tensors[layer - local.geometry.first_layer]:
+            to_local_layout(plane, index, stage.remote_layout, local.layout, stage.ratio)
+
+
+def topo(rank=0, tp=1, bs=4, heads=1, mla=False, dcp=1):
+    return TransferTopology(rank, tp, bs, "d", mla, False, heads, dcp_size=dcp)
 
 
 # ----------------------------------------------------------------- basics
@@ -131,16 +161,9 @@ def test_geometry_roundtrip_and_validation():
     geo = cache.geometry
     assert CacheGeometry.from_dict(geo.to_dict()) == geo
     assert geo.planes == 2 and geo.block_bytes == 2 * 4 * D * 4
-    with pytest.raises(BlockRangeError):
-        geo.block_address(0, 0, 3)
-    with pytest.raises(BlockRangeError):
-        geo.block_address(2, 0, 0)
+    assert geo.region_index(1, 1) == 3 and len(geo.regions()) == 4
     with pytest.raises(LayoutError, match="does not match layout"):
         CacheGeometry.from_tensors([[torch.zeros(3, 2, 4, 5)]], HND, 4, 2, D)
-
-
-def test_merge_runs_coalesces_only_when_both_sides_adjacent():
-    assert merge_runs([(100, 500, 10), (110, 510, 5), (120, 515, 5)]) == [(100, 500, 15), (120, 515, 5)]
 
 
 def test_compatible_geometry_rejects_mismatches():
@@ -167,11 +190,11 @@ def test_transfer_then_transform_matches_reference(remote_layout, local_layout, 
     remote_ids = [11, 3, 7, 0, 5, 9, 2, 4, 6, 8][: -(-tokens // (local_bs // ratio))]
     local_ids = [4, 1, 5]
     remote.write_tokens(remote_ids, tokens, range(heads))
-    spec_t = TransferTopology(0, 1, local_bs, "d", False, False, heads)
-    spec_t.register_remote_engine("p", EngineTransferInfo(1, remote.geometry.block_bytes, local_bs // ratio, 1))
-    (spec,) = spec_t.read_plan("p").reads
-    transfer(local, remote, spec, local_ids, remote_ids)
-    finish(local, remote_layout, local_ids, ratio)
+    t = topo(bs=local_bs, heads=heads)
+    t.register_remote_engine("p", EngineTransferInfo(1, remote.geometry.block_bytes, local_bs // ratio, 1))
+    stage, _ = pull(local, t, {0: remote}, local_ids, remote_ids)
+    assert bool(stage.transform_layers) == (remote_layout != local_layout or ratio > 1)
+    finish(local, stage, local_ids)
     assert local.check_tokens(local_ids, tokens, range(heads)) == 0
 
 
@@ -180,46 +203,42 @@ def test_transfer_then_transform_matches_reference(remote_layout, local_layout, 
 def test_heterogeneous_tp_fills_every_local_head(layout, local_tp, remote_tp, heads):
     tokens, bs = 11, 4
     ids = [2, 0, 3]
-    remotes = []
+    remotes = {}
     for r in range(remote_tp):
         g0, g1 = rank_global_heads(r, remote_tp, heads, False)
-        cache = Cache(layout, 2, 4, bs, g1 - g0)
-        cache.write_tokens(ids, tokens, range(g0, g1))
-        remotes.append(cache)
+        remotes[r] = Cache(layout, 2, 4, bs, g1 - g0)
+        remotes[r].write_tokens(ids, tokens, range(g0, g1))
     for lr in range(local_tp):
         g0, g1 = rank_global_heads(lr, local_tp, heads, False)
         local = Cache(layout, 2, 4, bs, g1 - g0)
-        t = TransferTopology(lr, local_tp, bs, "d", False, False, heads)
+        t = topo(lr, local_tp, bs, heads)
         t.register_remote_engine("p", EngineTransferInfo(remote_tp, 1, bs, 1))
-        for spec in t.read_plan("p").reads:
-            transfer(local, remotes[spec.remote_rank], spec, ids, ids)
+        pull(local, t, remotes, ids, ids)
         assert local.check_tokens(ids, tokens, range(g0, g1)) == 0
 
 
-def test_head_slice_of_hnd_is_one_run_per_block_and_merges_across_blocks():
+def test_descriptor_counts_per_layout():
+    """HND head slices are one descriptor per block; whole blocks too; NHD slices one per token."""
     remote = Cache(HND, 1, 8, 4, 4)
-    local = Cache(HND, 1, 8, 4, 2)
-    t = TransferTopology(1, 2, 4, "d", False, False, 4)
-    t.register_remote_engine("p", EngineTransferInfo(1, 1, 4, 1))
-    (spec,) = t.read_plan("p").reads
-    runs = block_read_runs(spec, local.geometry, remote.geometry, [0, 1, 2], [0, 1, 2])
-    assert len(runs) == 2 * 3  # 2 planes x 3 blocks, a contiguous head slice per block
-    full = TransferTopology(0, 1, 4, "d", False, False, 4)
+    half = topo(1, 2, 4, 4)
+    half.register_remote_engine("p", EngineTransferInfo(1, 1, 4, 1))
+    _, moved = pull(Cache(HND, 1, 8, 4, 2), half, {0: remote}, [0, 1, 2], [0, 1, 2])
+    assert moved == 2 * 3  # 2 planes x 3 blocks
+    full = topo(0, 1, 4, 4)
     full.register_remote_engine("p", EngineTransferInfo(1, 1, 4, 1))
-    (spec,) = full.read_plan("p").reads
-    same = Cache(HND, 1, 8, 4, 4)
-    runs = block_read_runs(spec, same.geometry, remote.geometry, [3, 4, 5], [0, 1, 2])
-    assert len(runs) == 2  # whole adjacent blocks merge into one run per plane
+    _, moved = pull(Cache(NHD, 1, 8, 4, 4), full, {0: Cache(NHD, 1, 8, 4, 4)}, [3, 4, 5], [0, 1, 2])
+    assert moved == 2 * 3  # a whole NHD block is one run
+    _, moved = pull(Cache(NHD, 1, 8, 4, 2), half, {0: Cache(NHD, 1, 8, 4, 4)}, [3, 4, 5], [0, 1, 2])
+    assert moved == 2 * 3 * 4  # an NHD head slice is one run per token slot
 
 
 def test_pp_layer_range_only_touches_its_layers():
     remote = Cache(HND, layers=2, blocks=2, block_size=4, heads=1, first_layer=2)
     local = Cache(HND, layers=4, blocks=2, block_size=4, heads=1)
     remote.write_tokens([1], 4, [0])
-    t = TransferTopology(0, 1, 4, "d", False, False, 1)
+    t = topo()
     t.register_remote_engine("p", EngineTransferInfo(1, 1, 4, 1, remote_pp_rank=1, start_layer=2, end_layer=4))
-    (spec,) = t.read_plan("p", 1).reads
-    transfer(local, remote, spec, [0], [1])
+    pull(local, t, {0: remote}, [0], [1], pp_rank=1)
     assert local.check_tokens([0], 4, [0], layers=[2, 3]) == 0
     assert bool((local.tensors[0][0] == -1).all()) and bool((local.tensors[1][0] == -1).all())
 
@@ -228,37 +247,37 @@ def test_pp_layer_range_only_touches_its_layers():
 def test_dcp_token_reads(local_dcp, remote_dcp):
     tokens, bs = 23, 4
     ids = [3, 1, 0, 2, 5, 4]
-    remotes = []
-    for r in range(max(remote_dcp, 1)):
-        cache = Cache(MLA_ND, 2, 8, bs, 1)
-        cache.write_tokens(ids, tokens, [0], token_filter=lambda t, r=r: t % remote_dcp == r,
-                           slot_of=lambda t: t // remote_dcp)
-        remotes.append(cache)
+    remotes = {}
+    for r in range(remote_dcp):
+        remotes[r] = Cache(MLA_ND, 2, 8, bs, 1)
+        remotes[r].write_tokens(ids, tokens, [0], token_filter=lambda t, r=r: t % remote_dcp == r,
+                                slot_of=lambda t: t // remote_dcp)
     for lr in range(local_dcp):
         local = Cache(MLA_ND, 2, 8, bs, 1)
-        t = TransferTopology(lr, local_dcp, bs, "d", True, False, 1, dcp_size=local_dcp)
+        t = topo(lr, local_dcp, bs, heads=16, mla=True, dcp=local_dcp)  # MLA: any head count
         t.register_remote_engine("p", EngineTransferInfo(remote_dcp, 1, bs, 1, remote_dcp_size=remote_dcp))
-        for spec in t.read_plan("p").reads:
-            runs = token_read_runs(spec, local.geometry, remotes[spec.remote_rank].geometry, ids, ids, tokens)
-            check_runs_inside(runs, local.geometry, remotes[spec.remote_rank].geometry)
-            apply(runs)
+        plan = plan_reads(t, "p")
+        sources = {s.remote_rank: remotes[s.remote_rank] for s in plan.reads}
+        pull(local, t, sources, ids, ids, num_tokens=tokens)
         assert local.check_tokens(ids, tokens, [0], token_filter=lambda t: t % local_dcp == lr,
                                   slot_of=lambda t: t // local_dcp) == 0
 
 
 def test_out_of_range_block_ids_are_typed_errors():
     remote, local = Cache(HND, 1, 4, 4, 1), Cache(HND, 1, 4, 4, 1)
-    t = TransferTopology(0, 1, 4, "d", False, False, 1)
+    t = topo()
     t.register_remote_engine("p", EngineTransferInfo(1, 1, 4, 1))
-    (spec,) = t.read_plan("p").reads
     with pytest.raises(BlockRangeError, match="remote block id 4"):
-        block_read_runs(spec, local.geometry, remote.geometry, [0], [4])
+        pull(local, t, {0: remote}, [0], [4])
     with pytest.raises(BlockRangeError, match="local block id -1"):
-        block_read_runs(spec, local.geometry, remote.geometry, [-1], [0])
+        pull(local, t, {0: remote}, [-1], [0])
     with pytest.raises(BlockRangeError, match="do not fit"):
-        block_read_runs(spec, local.geometry, remote.geometry, [0], [0, 1])
-    with pytest.raises(BlockRangeError, match="outside the registered cache"):
-        check_runs_inside([(local.geometry.bases[0][0], 0x10, 16)], local.geometry, remote.geometry)
+        pull(local, t, {0: remote}, [0], [0, 1])
+    mla = Cache(MLA_ND, 1, 4, 4, 1)
+    m = topo(0, 2, 4, 1, mla=True, dcp=2)
+    m.register_remote_engine("p", EngineTransferInfo(1, 1, 4, 1))
+    with pytest.raises(BlockRangeError, match="tokens need"):
+        pull(Cache(MLA_ND, 1, 4, 4, 1), m, {0: mla}, [0], [0], num_tokens=9)
 
 
 @settings(max_examples=60, deadline=None)
@@ -286,34 +305,10 @@ def test_transform_equals_token_reference(ratio, remote_layout, local_layout, da
                     rv[h, n] = torch.tensor([value(0, h, (j * ratio + i) * remote_bs + n, 0, d) for d in range(D)])
             sub.append(r.flatten())
         plane[blk] = torch.cat(sub).view(plane.shape[1:])
-    to_local_layout(plane, ids, remote_layout, local_layout, ratio)
+    to_local_layout(plane, torch.tensor(ids, dtype=torch.long), remote_layout, local_layout, ratio)
     view = canonical_view(plane, local_layout)
     for j, blk in enumerate(ids):
         for h in range(heads):
             for n in range(local_bs):
                 want = torch.tensor([value(0, h, j * local_bs + n, 0, d) for d in range(D)])
                 assert torch.equal(view[blk, h, n], want)
-
-
-# --------------------------------------------------------------- helpers
-
-
-def test_copy_kv_blocks():
-    src = {"a": torch.arange(24.0).view(4, 6), "b": torch.arange(24.0, 48.0).view(4, 6)}
-    dst = {"a": torch.zeros(3, 6), "b": torch.zeros(3, 6)}
-    copy_kv_blocks(src, dst, [3, 1], [0, 2])
-    assert torch.equal(dst["a"][0], src["a"][3]) and torch.equal(dst["b"][2], src["b"][1])
-    assert torch.equal(dst["a"][1], torch.zeros(6))
-    with pytest.raises(LayoutError):
-        copy_kv_blocks(src, dst, [1], [0, 1])
-    with pytest.raises(BlockRangeError):
-        copy_kv_blocks(src, dst, [1], [3])
-
-
-def test_clip_ssm_state_blocks():
-    assert clip_ssm_state_blocks([], 2) == []
-    assert clip_ssm_state_blocks([7], 3) == [7]
-    assert clip_ssm_state_blocks([1, 2, 3, 4], 2) == [2]
-    assert clip_ssm_state_blocks([1, 2, 3], 0) == [3]
-    with pytest.raises(LayoutError):
-        clip_ssm_state_blocks([1], -1)

@@ -4,8 +4,10 @@ import math
 
 import pytest
 
-from actors.kv.transport import FakeFabric, FakeTransport
-from actors.synthetic.rank import RankConfig, SyntheticModel, SyntheticRank
+from actors.kv.fake_transport import FakeFabric, FakeTransport
+from actors.kv.faults import NO_FAULTS, FaultPolicy
+from actors.synthetic.rank import FailedPull, PulledKV, RankConfig, SyntheticModel, SyntheticRank
+from actors.transfer_params import TransferParams
 
 TOKENS = list(range(100, 137))  # 37 tokens: several blocks plus a partial one
 
@@ -19,7 +21,7 @@ class Clock:
 
 
 def make_engine(fabric, directory, engine_id, role, model, tp=1, pp=1, dcp=1, layout="HND",
-                block_size=8, clock=None):
+                block_size=8, clock=None, faults=NO_FAULTS):
     ranks = []
     for p in range(pp):
         for t in range(tp):
@@ -29,7 +31,7 @@ def make_engine(fabric, directory, engine_id, role, model, tp=1, pp=1, dcp=1, la
             rank = SyntheticRank(
                 cfg, directory=lambda e, p_, rs: [directory[(e, p_, r)] for r in rs],
                 transport_factory=lambda name, geo: FakeTransport(name, geo, fabric, clock=clock or Clock()),
-                clock=clock or Clock(),
+                clock=clock or Clock(), faults=faults,
             )
             directory[(engine_id, p, t)] = rank.handshake()
             ranks.append(rank)
@@ -43,7 +45,8 @@ def prefill(ranks, req, ttl=60.0):
     for r in ranks:
         r.write_prompt(req, TOKENS, block_ids, seed=7, lease_ttl_s=ttl)
     return {"remote_engine_id": cfg.engine_id, "remote_block_ids": block_ids, "tp_size": cfg.tp_size,
-            "pp_size": cfg.pp_size, "dcp_size": cfg.dcp_size, "block_size": cfg.block_size}
+            "pp_size": cfg.pp_size, "dcp_size": cfg.dcp_size, "block_size": cfg.block_size,
+            "num_tokens": len(TOKENS)}
 
 
 def decode(ranks, req, params, polls=20):
@@ -51,13 +54,13 @@ def decode(ranks, req, params, polls=20):
     n_blocks = math.ceil(math.ceil(len(TOKENS) / cfg.dcp_size) / cfg.block_size)
     block_ids = list(range(2, 2 + n_blocks))
     for r in ranks:
-        r.start_pull(req, params, TOKENS, block_ids, seed=7)
+        r.start_pull(req, TransferParams.parse(params), TOKENS, block_ids, seed=7)
     results = [{} for _ in ranks]
     for _ in range(polls):
         for i, r in enumerate(ranks):
             out = r.poll()
-            results[i].update({k: ("ok", v) for k, v in out["finished"].items()})
-            results[i].update({k: ("failed", v) for k, v in out["failed"].items()})
+            results[i].update({k: ("ok", v) for k, v in out.finished.items()})
+            results[i].update({k: ("failed", v) for k, v in out.failed.items()})
         if all(req in res for res in results):
             break
     return [res.get(req) for res in results]
@@ -89,7 +92,7 @@ def test_pull_verifies_every_element_and_frees_producer_blocks(case):
     params = prefill(p, "r1")
     results = decode(d, "r1", params)
     assert [r[0] for r in results] == ["ok"] * len(d), results
-    assert [r[1]["mismatches"] for r in results] == [0] * len(d)
+    assert [r[1].mismatches for r in results] == [0] * len(d)
     for rank in p:  # every prefill rank heard all its readers and released the lease
         out = rank.poll()
         assert rank.leases.held() == 0, (rank.reader_name, out, rank.leases.counters())
@@ -100,7 +103,7 @@ def test_pull_verifies_every_element_and_frees_producer_blocks(case):
         n_blocks = math.ceil(math.ceil(len(TOKENS) / d_dcp) / d_bs)
         r.write_prompt("c", TOKENS, list(range(n_blocks)), seed=7)
         _, sums = r.read_back(TOKENS, list(range(n_blocks)), seed=7)
-        assert results[i][1]["checksums"] == sums
+        assert results[i][1].checksums == sums
 
 
 def test_corrupted_byte_is_detected():
@@ -111,7 +114,7 @@ def test_corrupted_byte_is_detected():
     params = prefill(p, "r1")
     p[0].tensors[1][0][params["remote_block_ids"][1], 1, 3, 5] += 1.0
     (result,) = decode(d, "r1", params)
-    assert result[0] == "ok" and result[1]["mismatches"] == 1
+    assert result[0] == "ok" and result[1].mismatches == 1
 
 
 @pytest.mark.parametrize("fault", ["handshake_fails", "setup_fails", "state_err", "poll_raises", "dead"])
@@ -125,14 +128,14 @@ def test_fault_switch_fails_the_request_with_invalid_blocks(fault):
     setattr(target.transport.faults, fault, True)
     (result,) = decode(d, "r1", params)
     assert result[0] == "failed", result
-    assert result[1]["invalid_block_ids"] and result[1]["reason"]
+    assert result[1].invalid_block_ids and result[1].reason
     assert d[0].transport.in_flight() == 0 and d[0].xfer.pulls_in_flight == 0 and not d[0]._pulls
     # the producer frees its blocks: at once when told, at the latest when the lease expires
     p[0].transport.faults.dead = False
     p[0].poll()
     if p[0].leases.held():
         clock.now += 31.0
-        assert p[0].poll()["expired"] == ["r1"]
+        assert p[0].poll().expired == ("r1",)
     assert p[0].leases.held() == 0
 
 
@@ -148,11 +151,11 @@ def test_slow_transfer_finishes_after_n_polls_and_times_out_when_too_slow():
     d[0].transport.faults.slow_polls = 10**6
     params = prefill(p, "r2")
     block_ids = [2, 3, 4, 5, 6]
-    d[0].start_pull("r2", params, TOKENS, block_ids, seed=7)
-    assert d[0].poll()["failed"] == {}
+    d[0].start_pull("r2", TransferParams.parse(params), TOKENS, block_ids, seed=7)
+    assert d[0].poll().failed == {}
     clock.now += d[0].transport.read_timeout_s + 1
     out = d[0].poll()
-    assert "not done after" in out["failed"]["r2"]["reason"]
+    assert "not done after" in out.failed["r2"].reason
 
 
 def test_forged_block_ids_never_reach_the_wire():
@@ -163,7 +166,7 @@ def test_forged_block_ids_never_reach_the_wire():
     params = prefill(p, "r1")
     params["remote_block_ids"] = [0, 1, 2, 3, 99]
     (result,) = decode(d, "r1", params)
-    assert result[0] == "failed" and "BlockRangeError" in result[1]["reason"]
+    assert result[0] == "failed" and "BlockRangeError" in result[1].reason
     assert d[0].transport.stats.reads_posted == 0
 
 
@@ -188,7 +191,7 @@ def test_shutdown_releases_everything_once():
     d = make_engine(fabric, directory, "D", "decode", model)
     params = prefill(p, "r1")
     d[0].transport.faults.slow_polls = 100
-    d[0].start_pull("r1", params, TOKENS, [2, 3, 4, 5, 6], seed=7)
+    d[0].start_pull("r1", TransferParams.parse(params), TOKENS, [2, 3, 4, 5, 6], seed=7)
     stats = d[0].shutdown()
     assert stats["transport_in_flight"] == 0 and stats["peers"] == 0
     d[0].shutdown()  # idempotent
@@ -196,21 +199,29 @@ def test_shutdown_releases_everything_once():
         d[0].transport.poll()
 
 
-def test_fail_pull_reports_failure_and_tells_known_producers():
-    from actors.kv.rank_transfer import PullRequest
-
+def test_fault_policy_fails_its_requests_without_reading_and_tells_known_producers():
     model = SyntheticModel(num_layers=2, num_kv_heads=2)
     fabric, directory = FakeFabric(), {}
+    faults = FaultPolicy(rate=0.5, seed=3)
+    doomed = next(f"r{i}" for i in range(100) if faults.fails(f"r{i}"))
+    spared = next(f"r{i}" for i in range(100) if not faults.fails(f"r{i}"))
     p = make_engine(fabric, directory, "P", "prefill", model)
-    d = make_engine(fabric, directory, "D", "decode", model)
-    assert decode(d, "r1", prefill(p, "r1"))[0][0] == "ok"  # connects D to P
-    params = prefill(p, "r2")
-    req = PullRequest("P", params["remote_block_ids"], 1, 1, 1, [2, 3, 4, 5, 6], len(TOKENS))
-    d[0].xfer.fail_pull("r2", req, "injected")
-    out = d[0].xfer.poll_pulls()
-    assert out.failed == {"r2": "injected"} and out.invalid_block_ids["r2"] == [2, 3, 4, 5, 6]
-    assert d[0].transport.stats.reads_posted == 1  # only r1 was ever read
-    assert "r2" in p[0].poll()["released"] and p[0].leases.held() == 0
+    d = make_engine(fabric, directory, "D", "decode", model, tp=2, faults=faults)
+    assert [r[0] for r in decode(d, spared, prefill(p, spared))] == ["ok", "ok"]  # connects D to P
+    results = decode(d, doomed, prefill(p, doomed))
+    assert [r[0] for r in results] == ["failed", "failed"]  # every rank agrees on the verdict
+    assert all("fault injected" in r[1].reason and r[1].invalid_block_ids for r in results)
+    assert sum(r.transport.stats.reads_posted for r in d) == 2  # only the spared request was read
+    assert doomed in p[0].poll().released and p[0].leases.held() == 0
+
+
+def test_fault_policy_rate_holds_per_request():
+    faults = FaultPolicy(rate=0.1, seed=0)
+    hits = sum(faults.fails(f"req-{i}") for i in range(10_000))
+    assert 900 < hits < 1100
+    assert not any(FaultPolicy().fails(f"req-{i}") for i in range(1000))
+    with pytest.raises(ValueError):
+        FaultPolicy(rate=1.5)
 
 
 def test_notice_before_the_lease_is_applied_when_the_lease_arrives():
@@ -220,6 +231,72 @@ def test_notice_before_the_lease_is_applied_when_the_lease_arrives():
     fabric, directory = FakeFabric(), {}
     p = make_engine(fabric, directory, "P", "prefill", model)
     fabric.mailboxes[p[0].agent_name].append(ReaderNotice("early", "D:0:0", 1, True).encode())
-    assert p[0].xfer.poll_leases() == ([], [])  # no lease yet: kept, not lost
-    assert p[0].xfer.hold("early", [1, 2], ttl_s=10) == [1, 2]
-    assert p[0].leases.held() == 0 and p[0].leases.counters()["released_by_readers"] == 1
+    p[0].xfer.hold("other", [5], ttl_s=10)  # a held lease makes the step read notices
+    step = p[0].xfer.step()
+    assert (step.released, step.expired) == ((), ())  # no lease for "early" yet: kept, not lost
+    p[0].xfer.hold("early", [1, 2], ttl_s=10)
+    assert p[0].leases.held() == 1 and p[0].leases.counters()["released_by_readers"] == 1
+    assert p[0].xfer.step().released == ("early",)  # the early release shows in the next step
+
+
+
+def test_handshake_and_descriptor_lists_are_prepared_once_per_engine():
+    model = SyntheticModel(num_layers=2, num_kv_heads=4)
+    fabric, directory = FakeFabric(), {}
+    p = make_engine(fabric, directory, "P", "prefill", model, tp=2)
+    d = make_engine(fabric, directory, "D", "decode", model, tp=1, layout="NHD")
+    asked = []
+    for r in d:  # count directory lookups
+        inner = r.directory
+        r.directory = lambda e, pp, ranks, inner=inner: asked.append((e, pp, tuple(ranks))) or inner(e, pp, ranks)
+    assert decode(d, "r1", prefill(p, "r1"))[0][0] == "ok"
+    first = d[0].stats()
+    for i in range(2, 5):
+        assert decode(d, f"r{i}", prefill(p, f"r{i}"))[0][0] == "ok"
+    again = d[0].stats()
+    assert asked == [("P", 0, (0, 1))]  # one handshake with both producer ranks, ever
+    assert (first["handshakes"], first["lists_prepared"]) == (2, 4)  # per rank: our list + theirs
+    assert (again["handshakes"], again["lists_prepared"]) == (2, 4)
+    assert again["reads_posted"] == 4 * 2
+
+
+def test_forged_local_block_ids_never_reach_the_wire():
+    model = SyntheticModel(num_layers=2, num_kv_heads=2)
+    fabric, directory = FakeFabric(), {}
+    p = make_engine(fabric, directory, "P", "prefill", model)
+    d = make_engine(fabric, directory, "D", "decode", model)
+    params = TransferParams.parse(prefill(p, "r1"))
+    d[0]._pulls["r1"] = (TOKENS, 7, [2, 3, 4, 5, 32])
+    d[0].xfer.start_pull("r1", params.pull_request([2, 3, 4, 5, 32]), d[0].directory)  # 32: not ours
+    out = d[0].poll()
+    assert "local block id 32 outside [0, 32)" in out.failed["r1"].reason
+    assert d[0].transport.stats.reads_posted == 0
+    assert "r1" in p[0].poll().released  # the producer heard we gave up
+
+
+def test_release_is_reported_by_the_next_step_once():
+    model = SyntheticModel(num_layers=2, num_kv_heads=2)
+    p = make_engine(FakeFabric(), {}, "P", "prefill", model)
+    xfer = p[0].xfer
+    xfer.hold("r1", [4, 5], ttl_s=60)
+    assert xfer.release("r1") == [4, 5] and xfer.leases.held() == 0
+    assert xfer.step().released == ("r1",)
+    assert xfer.step().released == ()
+    assert xfer.release("r1") == []  # nothing held: nothing reported
+    assert xfer.step().released == () and not xfer.needs_step
+
+
+def test_a_restarted_producer_under_new_agents_is_handshaken_again():
+    model = SyntheticModel(num_layers=2, num_kv_heads=2)
+    fabric, directory = FakeFabric(), {}
+    p = make_engine(fabric, directory, "P", "prefill", model)
+    d = make_engine(fabric, directory, "D", "decode", model)
+    assert decode(d, "r1", prefill(p, "r1"))[0][0] == "ok"
+    d[0].xfer.refresh_peers({("P", 0, 0): p[0].agent_name})  # same agent: nothing happens
+    assert d[0].transport.peers() == [("P", 0, 0)]
+    p[0].shutdown()
+    p = make_engine(fabric, directory, "P", "prefill", model)
+    d[0].xfer.refresh_peers({("P", 0, 0): p[0].agent_name})
+    assert d[0].transport.peers() == []
+    assert decode(d, "r2", prefill(p, "r2"))[0][0] == "ok"
+    assert d[0].transport.peer(("P", 0, 0)).agent_name == p[0].agent_name

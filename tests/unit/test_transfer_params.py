@@ -30,3 +30,19 @@ def test_forged_params_are_refused(change, message):
 def test_not_a_dict():
     with pytest.raises(TransferParamsError, match="must be an object"):
         TransferParams.parse([1, 2])
+
+
+def test_pull_request_is_built_from_the_params():
+    p = TransferParams.parse({**GOOD, "tp_size": 2, "pp_size": 2, "remote_request_id": "r-7"})
+    req = p.pull_request([9, 8])
+    assert (req.remote_engine_id, list(req.remote_block_ids), req.num_tokens) == ("prefill-1", [3, 4], 20)
+    assert (req.remote_tp_size, req.remote_pp_size, req.remote_dcp_size) == (2, 2, 1)
+    assert list(req.local_block_ids) == [9, 8] and req.remote_request_id == "r-7"
+    narrowed = p.pull_request([9], remote_block_ids=[4], num_tokens=20)
+    assert list(narrowed.remote_block_ids) == [4]
+
+
+def test_fault_injection_is_not_a_wire_field():
+    assert "inject_fault" not in TransferParams.model_fields
+    p = TransferParams.parse({**GOOD, "inject_fault": True})  # ignored like any unknown key
+    assert "inject_fault" not in p.model_dump()

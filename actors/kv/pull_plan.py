@@ -1,0 +1,185 @@
+"""What a reader prepares once per remote engine so that a pull costs a lookup.
+
+At handshake, for every remote pp rank (`StagePlan`) and every remote rank it
+reads (`SourceRead`), the read plan's head slice, layers, block-size ratio or
+token shard is turned into two `DescTable`s (ours and the peer's), both
+prepared with the transport once, plus the first descriptor index of every
+(region pair, run). A request then only has its block ids checked (one
+vectorised min/max per side) and its descriptor indices computed by numpy
+broadcasting (`SourceRead.indices`); nothing is planned per request.
+
+Descriptor order is region-major, then run, then block: neighbouring blocks
+that are also neighbours in memory sit next to each other in the READ, and
+NIXL merges them into one extent when it builds the transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from actors.kv.descriptors import DescTable, UnitCut, head_slice_runs, index_dtype, token_cut
+from actors.kv.errors import BlockRangeError, LayoutError
+from actors.kv.handshake import RankHandshake
+from actors.kv.layout import BlockLayout, CacheGeometry
+from actors.kv.read_plan import ReadPlan, ReadSpec
+
+PeerKey = tuple[str, int, int]  # (engine id, pp rank, tp rank)
+
+
+@dataclass(frozen=True)
+class SourceRead:
+    """One remote rank's part of every pull from its engine, prepared at handshake."""
+
+    key: PeerKey
+    local: Any  # prepared local descriptor list
+    remote: Any  # prepared remote descriptor list
+    local_base: np.ndarray  # [regions, runs, 1] index of block 0 / unit 0, ours
+    remote_base: np.ndarray  # the same in the peer's list
+    local_units: int  # units per local block (block-size ratio, or token slots)
+    remote_units: int
+    token_shard: tuple[int, int, int, int] | None
+    remote_num_blocks: int
+    bytes_per_item: int  # bytes moved per remote block (or per token) over every region
+    dtype: type
+
+    def indices(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int
+                ) -> tuple[np.ndarray, np.ndarray, int]:
+        """(local indices, remote indices, bytes) of one request; ids are already checked."""
+        if self.token_shard is None:
+            ratio = self.local_units
+            if remote_ids.size > local_ids.size * ratio:
+                raise BlockRangeError(
+                    f"{remote_ids.size} remote blocks do not fit in {local_ids.size} local blocks "
+                    f"at block size ratio {ratio}"
+                )
+            item = np.arange(remote_ids.size)
+            local_pos = local_ids[item // ratio] * ratio + item % ratio
+            remote_pos = remote_ids
+        else:
+            r_size, r_rank, l_size, l_rank = self.token_shard
+            tokens = np.arange(num_tokens)
+            tokens = tokens[(tokens % r_size == r_rank) & (tokens % l_size == l_rank)]
+            r_slot, l_slot = tokens // r_size, tokens // l_size
+            r_blk, l_blk = r_slot // self.remote_units, l_slot // self.local_units
+            if tokens.size and (r_blk[-1] >= remote_ids.size or l_blk[-1] >= local_ids.size):
+                raise BlockRangeError(
+                    f"{num_tokens} tokens need {int(r_blk[-1]) + 1} remote / {int(l_blk[-1]) + 1} local "
+                    f"blocks, but {remote_ids.size} / {local_ids.size} were given"
+                )
+            remote_pos = remote_ids[r_blk] * self.remote_units + r_slot % self.remote_units
+            local_pos = local_ids[l_blk] * self.local_units + l_slot % self.local_units
+        li = (self.local_base + local_pos[None, None, :]).astype(self.dtype).ravel()
+        ri = (self.remote_base + remote_pos[None, None, :]).astype(self.dtype).ravel()
+        return li, ri, int(local_pos.size) * self.bytes_per_item
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Everything read from, and said to, one remote pp rank."""
+
+    pp_rank: int
+    reads: tuple[SourceRead, ...]
+    notify: tuple[PeerKey, ...]  # every rank told when we are done (replicas too)
+    skipped: tuple[PeerKey, ...]  # replicas we do not read: told at once
+    consumers: int  # readers each remote rank waits for
+    # whole-block reads land in the remote axis order: permute these local layers after
+    remote_layout: BlockLayout | None
+    ratio: int
+    transform_layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """One remote engine, as a reader of a given request shape sees it."""
+
+    engine_id: str
+    stages: tuple[StagePlan, ...]
+    agents: dict[PeerKey, str]  # agent names the plan was prepared against
+
+    @property
+    def remote_num_blocks(self) -> int:
+        return min((src.remote_num_blocks for stage in self.stages for src in stage.reads), default=0)
+
+
+def _layer_pairs(spec: ReadSpec, local: CacheGeometry, remote: CacheGeometry) -> list[int]:
+    """Global layers both sides hold, limited to the read's layer range."""
+    lo = max(local.first_layer, remote.first_layer)
+    hi = min(local.first_layer + local.num_layers, remote.first_layer + remote.num_layers)
+    if spec.layers is not None:
+        lo, hi = max(lo, spec.layers[0]), min(hi, spec.layers[1])
+    return list(range(lo, hi))
+
+
+def _cuts(spec: ReadSpec, local: CacheGeometry, remote: CacheGeometry) -> tuple[UnitCut, UnitCut]:
+    """How each side's blocks are cut into descriptors for this read."""
+    if spec.token_shard is not None:
+        l_cut = token_cut(local.layout, local.block_dims(), local.dtype_size)
+        r_cut = token_cut(remote.layout, remote.block_dims(), remote.dtype_size)
+        if l_cut.run_lengths != r_cut.run_lengths:
+            raise LayoutError(f"token rows differ between layouts {local.layout.name} and {remote.layout.name}")
+        return l_cut, r_cut
+    # Local block j receives remote blocks [j*ratio, (j+1)*ratio) back to back, in the
+    # remote axis order with the local head count (`to_local_layout` permutes later).
+    src_dims = remote.block_dims()
+    dst_dims = remote.block_dims(num_heads=local.num_heads)
+    sub_block = local.block_bytes // spec.block_size_ratio
+    runs = head_slice_runs(remote.layout, src_dims, dst_dims, spec.remote_heads, spec.local_heads,
+                           remote.dtype_size)
+    l_cut = UnitCut(spec.block_size_ratio, sub_block, tuple((d, n) for d, _, n in runs))
+    r_cut = UnitCut(1, remote.block_bytes, tuple((s, n) for _, s, n in runs))
+    return l_cut, r_cut
+
+
+def table_of(geometry: CacheGeometry, cut: UnitCut) -> DescTable:
+    return DescTable(tuple(b for planes in geometry.bases for b in planes), geometry.num_blocks,
+                     geometry.block_bytes, cut)
+
+
+def build_stage(transport: Any, local: CacheGeometry, plan: ReadPlan, peers: dict[int, RankHandshake]) -> StagePlan:
+    """Prepare every descriptor list one remote pp rank's reads need (handshake time)."""
+    engine_id, pp_rank = plan.remote_engine_id, plan.remote_pp_rank
+    reads, transform_layers = [], set()
+    remote_layout, ratio = None, 1
+    for spec in plan.reads:
+        hs = peers[spec.remote_rank]
+        remote = hs.geometry
+        layers = _layer_pairs(spec, local, remote)
+        if not layers:
+            continue
+        l_cut, r_cut = _cuts(spec, local, remote)
+        l_table, r_table = table_of(local, l_cut), table_of(remote, r_cut)
+        planes = range(local.planes)
+        l_regions = np.array([local.region_index(g, p) for g in layers for p in planes], dtype=np.int64)
+        r_regions = np.array([remote.region_index(g, p) for g in layers for p in planes], dtype=np.int64)
+        reads.append(SourceRead(
+            key=hs.key,
+            local=transport.local_list(l_table),
+            remote=transport.remote_list(hs.key, r_table),
+            local_base=l_table.region_run_base(l_regions),
+            remote_base=r_table.region_run_base(r_regions),
+            local_units=l_cut.units,
+            remote_units=r_cut.units,
+            token_shard=spec.token_shard,
+            remote_num_blocks=remote.num_blocks,
+            bytes_per_item=l_cut.bytes_per_unit * len(l_regions),
+            dtype=index_dtype(max(len(l_table), len(r_table))),
+        ))
+        if spec.token_shard is None:
+            remote_layout, ratio = remote.layout, spec.block_size_ratio
+            transform_layers.update(layers)
+    if remote_layout == local.layout and ratio == 1:
+        transform_layers.clear()  # bytes already sit where the local layout wants them
+    read_ranks = {src.key[2] for src in reads}
+    return StagePlan(
+        pp_rank=pp_rank,
+        reads=tuple(reads),
+        notify=tuple((engine_id, pp_rank, r) for r in plan.notify_ranks),
+        skipped=tuple((engine_id, pp_rank, r) for r in plan.notify_ranks if r not in read_ranks),
+        consumers=plan.consumers_per_remote_rank,
+        remote_layout=remote_layout,
+        ratio=ratio,
+        transform_layers=tuple(sorted(transform_layers)),
+    )
