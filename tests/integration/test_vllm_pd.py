@@ -57,12 +57,16 @@ def engines(coordinator, tmp_path_factory):
         ray.kill(h)
 
 
-async def pd(engines, decode, prompt, max_tokens=12, rid=None, **params_extra):
+async def pd(engines, decode, prompt, max_tokens=12, rid=None, forge=False):
+    """Prefill on P, decode on `decode`; `forge` replaces a block id with one P never had,
+    which the decode ranks' block-id check refuses (a failed pull, nothing on the wire)."""
     rid = rid or f"r{time.monotonic_ns()}"
     req = request(rid, token_ids=prompt, max_tokens=max_tokens)
     pre = await engines["P"].prefill.remote(req)
-    dreq = pre.continuation(req).replace(request_id=rid + "-d",
-                                         kv_transfer_params={**pre.kv_transfer_params, **params_extra})
+    params = dict(pre.kv_transfer_params)
+    if forge:
+        params["remote_block_ids"] = [10**6, *params["remote_block_ids"][1:]]
+    dreq = pre.continuation(req).replace(request_id=rid + "-d", kv_transfer_params=params)
     chunks = await collect(engines[decode], dreq)
     # the transfer verdict rides on the first chunk, the finish on the last
     summary = chunks[-1].replace(num_cached_tokens=chunks[0].num_cached_tokens,
@@ -127,7 +131,7 @@ def test_decode_really_uses_the_transferred_kv(engines):
 def test_fail_policy_ends_with_an_error_and_frees_both_sides(engines):
     async def go():
         base = await baselines(engines)
-        tokens, last = await pd(engines, "D", PROMPTS[32], inject_fault=True)
+        tokens, last = await pd(engines, "D", PROMPTS[32], forge=True)
         assert last.finish_reason == "error" and "KV transfer failed" in last.error
         for k in ("P", "D"):
             assert (await wait_free(engines[k], base[k]))["free_blocks"] == base[k], k
@@ -138,7 +142,7 @@ def test_fail_policy_ends_with_an_error_and_frees_both_sides(engines):
 def test_recompute_policy_answers_from_a_local_prefill(engines):
     async def go():
         base = await baselines(engines)
-        tokens, last = await pd(engines, "D2", PROMPTS[150], inject_fault=True)
+        tokens, last = await pd(engines, "D2", PROMPTS[150], forge=True)
         assert last.recomputed and last.finish_reason in ("length", "stop")
         # after P's first token, D2 recomputed the whole prompt with its own weights
         own = await local(engines["D2"], PROMPTS[150] + tokens[:1], max_tokens=len(tokens) - 1)
