@@ -234,6 +234,9 @@ class RankTransfer:
         if self._pulls or self.transport.in_flight():
             polled = self.transport.poll()
             now = self._clock()
+            if polled.done or polled.failed:
+                # a READ's notice can still sit behind a connection set-up: keep progressing a while
+                self._flush_until = now + self.flush_s
             for req_id in polled.done:
                 pull = self._pulls.pop(req_id, None)
                 if pull is None:
