@@ -281,8 +281,10 @@ def run(args: argparse.Namespace) -> dict:
     started = time.monotonic()
     deadline = started + args.max_seconds
     load_before = os.getloadavg()
+    # Both actors allocate their tensors (KV caches and the baseline's copy alike) on
+    # transparent huge pages, as raypd's synthetic ranks do.
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=RAY_TEMP, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "THP_MEM_ALLOC_ENABLE": "1"}})
     producer = consumer = None
     rows, handshakes, profiles = [], [], {}
     try:

@@ -14,8 +14,8 @@ a success reported in any state closes the breaker (the peer demonstrably
 works), and a failure reported while open restarts the cooldown.
 
 The clock is injected (`clock=`) so every transition is testable without
-sleeping. State changes are logged on "raypd.breaker", counted, and pushed to
-listeners; `snapshot()` gives a plain dict for status pages and metrics.
+sleeping. State changes are logged on "raypd.breaker" and counted; `snapshot()` gives
+a plain dict for status pages and metrics.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ CLOSED: State = "closed"
 OPEN: State = "open"
 HALF_OPEN: State = "half_open"
 
-# listener(name, old_state, new_state)
-Listener = Callable[[str, State, State], None]
 
 
 def _positive_seconds(value: object, what: str) -> float:
@@ -82,7 +80,6 @@ class CircuitBreaker:
         self._failures = 0
         self._open_until = 0.0
         self._probe_deadline: float | None = None  # set while a probe is out
-        self._listeners: list[Listener] = []
 
         self.opened_count = 0
         self.closed_count = 0
@@ -107,16 +104,6 @@ class CircuitBreaker:
     @property
     def consecutive_failures(self) -> int:
         return self._failures
-
-    def add_listener(self, listener: Listener) -> None:
-        """Call `listener(name, old_state, new_state)` on every state change.
-
-        Listeners run inside the transition (in order): keep them cheap. An
-        exception in a listener is logged and swallowed (metrics must not break traffic).
-        """
-        if not callable(listener):
-            raise BreakerConfigError("listener must be callable")
-        self._listeners.append(listener)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-dict view for status endpoints and metrics exporters."""
@@ -204,9 +191,4 @@ class CircuitBreaker:
                        self.name, reason, self.cooldown_s)
 
     def _transition(self, new: State) -> None:
-        old, self._state = self._state, new
-        for listener in list(self._listeners):
-            try:
-                listener(self.name, old, new)
-            except Exception:  # noqa: BLE001 - a broken hook must not break traffic
-                logger.exception("%s circuit breaker listener failed", self.name)
+        self._state = new

@@ -78,10 +78,6 @@ class RankHandshake:
     def key(self) -> tuple[str, int, int]:
         return (self.engine_id, self.pp_rank, self.tp_rank)
 
-    @property
-    def block_len(self) -> int:
-        return self.geometry.block_bytes
-
     def encode(self) -> bytes:
         body = {
             "engine_id": self.engine_id,

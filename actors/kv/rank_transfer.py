@@ -139,6 +139,8 @@ class RankTransfer:
             ))
             stages.append(build_stage(self.transport, self.geometry, plan_reads(self.topology, engine_id, pp_rank),
                                       peers))
+            logger.info("%s connected to %s: %s", self.identity.reader_name, engine_id,
+                        self.topology.describe(engine_id, pp_rank))
         plan = self._plans[shape] = PeerPlan(engine_id, tuple(stages), agents)
         return plan
 

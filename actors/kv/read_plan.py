@@ -48,10 +48,6 @@ class ReadPlan:
     # How many local ranks notify each of those remote ranks (what they wait for).
     consumers_per_remote_rank: int
 
-    @property
-    def source_ranks(self) -> tuple[int, ...]:
-        return tuple(spec.remote_rank for spec in self.reads)
-
 
 def plan_reads(topology: TransferTopology, remote_engine_id: EngineId, remote_pp_rank: int = 0) -> ReadPlan:
     """The reads that fill each local head of this rank exactly once (KeyError if unregistered)."""

@@ -32,6 +32,7 @@ import numpy as np
 from actors.kv.descriptors import DescTable
 from actors.kv.errors import HandshakeError, KVTransferError, TransferSetupError, TransportClosedError
 from actors.kv.handshake import RankHandshake
+from actors.kv.hugepages import back_with_huge_pages
 from actors.kv.layout import CacheGeometry
 
 logger = logging.getLogger("raypd.transport")
@@ -275,6 +276,8 @@ class NixlTransport(TransportBase):
         from actors.kv.nixl_agent import NixlAgent  # nixl is imported only for real transports
 
         self.mem = mem
+        # CMA pins the source pages of every descriptor: 2 MiB pages make that cheap
+        self.huge_page_bytes = back_with_huge_pages(geometry.regions()) if mem == "DRAM" else 0
         self._agent = NixlAgent(name)
         try:
             self._agent.register(geometry.regions(), mem=mem)

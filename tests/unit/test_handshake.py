@@ -28,7 +28,7 @@ def mutate(fn):
 
 def test_round_trip():
     hs = decode_handshake(payload().encode(), expect_compat_hash=COMPAT.compat_hash())
-    assert hs == payload() and hs.key == ("P", 0, 1) and hs.block_len == 2 * 16 * 32 * 4
+    assert hs == payload() and hs.key == ("P", 0, 1) and hs.geometry.block_bytes == 2 * 16 * 32 * 4
 
 
 def test_compat_hash_covers_model_fields():

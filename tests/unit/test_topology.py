@@ -223,7 +223,7 @@ def test_read_plan_mla_reads_one_replica():
     t = topo(tp_rank=0, tp_size=1, mla=True)
     t.register_remote_engine("p", info(tp=4))
     plan = plan_reads(t, "p")
-    assert plan.source_ranks == (0,) and plan.notify_ranks == (0, 1, 2, 3)
+    assert [s.remote_rank for s in plan.reads] == [0] and plan.notify_ranks == (0, 1, 2, 3)
 
 
 def test_read_plan_pp_layer_ranges():
@@ -313,7 +313,7 @@ def test_readers_per_remote_rank_match_consumer_count(case):
         for t in ranks:
             plan = plan_reads(t, "p", p)
             targets = t.handshake_target_ranks(remote_tp, remote_dcp)
-            assert set(plan.source_ranks) <= set(targets)
+            assert {s.remote_rank for s in plan.reads} <= set(targets)
             assert set(plan.notify_ranks) == set(targets)
             notified.update(plan.notify_ranks)
         expected = {plan_reads(t, "p", p).consumers_per_remote_rank for t in ranks}
