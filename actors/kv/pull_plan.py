@@ -97,7 +97,6 @@ class PeerPlan:
 
     engine_id: str
     stages: tuple[StagePlan, ...]
-    agents: dict[PeerKey, str]  # agent names the plan was prepared against
 
     @property
     def remote_num_blocks(self) -> int:

@@ -116,7 +116,7 @@ class RankTransfer:
             self.drop_engine(engine_id)
         self.topology.unregister_remote_engine(engine_id)
         targets = self.topology.handshake_target_ranks(tp_size, dcp_size)
-        stages, agents = [], {}
+        stages = []
         for pp_rank in range(pp_size):
             payloads = directory(engine_id, pp_rank, targets)
             if len(payloads) != len(targets):
@@ -129,7 +129,6 @@ class RankTransfer:
                 compatible_geometry(self.geometry, hs.geometry)
                 self.transport.add_peer(hs)
                 peers[hs.tp_rank] = hs
-                agents[hs.key] = hs.agent_name
             g, first = peers[targets[0]].geometry, peers[targets[0]]
             layers = (g.first_layer, g.first_layer + g.num_layers) if first.pp_size > 1 else (0, 0)
             self.topology.register_remote_engine(engine_id, EngineTransferInfo(
@@ -141,7 +140,7 @@ class RankTransfer:
                                       peers))
             logger.info("%s connected to %s: %s", self.identity.reader_name, engine_id,
                         self.topology.describe(engine_id, pp_rank))
-        plan = self._plans[shape] = PeerPlan(engine_id, tuple(stages), agents)
+        plan = self._plans[shape] = PeerPlan(engine_id, tuple(stages))
         return plan
 
     def refresh_peers(self, agents: dict[PeerKey, str]) -> None:

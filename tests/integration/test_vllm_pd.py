@@ -32,8 +32,9 @@ def run(coro):
 
 
 def make_engine(role, engine_id, model, bind, **kw):
-    cfg = EngineConfig(role=role, backend="vllm", engine_id=engine_id, model=str(model), model_id="tiny-a",
-                       block_size=32, max_model_len=512, cpu_bind=bind, dtype="float32",
+    kw = {"model_id": "tiny-a", "block_size": 32, **kw}
+    cfg = EngineConfig(role=role, backend="vllm", engine_id=engine_id, model=str(model), max_model_len=512,
+                       cpu_bind=bind, dtype="float32",
                        engine_kwargs={"enable_prefix_caching": False, "enforce_eager": True},
                        num_cpus=0, lease_ttl_s=60, read_timeout_s=10, **kw)
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}

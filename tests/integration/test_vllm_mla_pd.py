@@ -1,0 +1,78 @@
+"""An MLA model (DeepSeek-V2 style) served P/D on vLLM CPU: the decode answers like a colocated engine.
+
+A tiny random DeepSeek-V2 (2 layers, kv_lora_rank 512 + rope 64 = the 576-wide
+latent the CPU MLA kernel supports, block size 16) whose checkpoint says 4 KV
+heads: vLLM builds the connector's topology with that count, while the cache
+holds one latent row per token. The decode pulls the prompt's latent KV over
+NIXL and must produce the colocated engine's tokens.
+"""
+
+import asyncio
+import json
+import random
+
+import pytest
+import ray
+
+from test_vllm_pd import generate, local, make_engine, wait_free
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+rng = random.Random(11)
+PROMPTS = {n: [rng.randrange(1000, 40000) for _ in range(n)] for n in (20, 70)}
+
+
+def build_tiny_mla(path, seed=0):
+    """A random float32 DeepseekV2ForCausalLM with SmolLM2's tokenizer (no download)."""
+    import torch
+    from transformers import AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from actors.models import smollm2_path
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path(progress=None), local_files_only=True)
+    config = DeepseekV2Config(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,  # dense MLPs
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        max_position_embeddings=2048, initializer_range=0.1, tie_word_embeddings=False, rope_scaling=None,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DeepseekV2ForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["DeepseekV2ForCausalLM"]
+    return path
+
+
+@pytest.fixture(scope="module")
+def engines(coordinator, tmp_path_factory):
+    model = build_tiny_mla(tmp_path_factory.mktemp("models") / "tiny-mla")
+    e = {"P": make_engine("prefill", "mla-P", model, "0", block_size=16, model_id="tiny-mla"),
+         "D": make_engine("decode", "mla-D", model, "1", block_size=16, model_id="tiny-mla")}
+    ray.get([h.start.remote() for h in e.values()])
+    yield e
+    ray.get([h.shutdown.remote() for h in e.values()])
+    for h in e.values():
+        ray.kill(h)
+
+
+@pytest.mark.parametrize("length", sorted(PROMPTS))
+def test_mla_pd_equals_colocated_token_for_token(engines, length):
+    async def go():
+        base = {k: (await e.stats.remote())["num_blocks"] for k, e in engines.items()}
+        pre = await engines["P"].prefill.remote({"request_id": f"mla-{length}", "prompt_token_ids": PROMPTS[length]})
+        chunks = await generate(engines["D"], {
+            "request_id": f"mla-{length}-d", "prompt_token_ids": pre["prompt_token_ids"] + pre["first_token_ids"],
+            "max_tokens": 11, "kv_transfer_params": pre["kv_transfer_params"]})
+        assert chunks[0].get("num_cached_tokens") == length  # the latent KV came over the wire
+        assert not any(c.get("recomputed") for c in chunks)
+        tokens = pre["first_token_ids"] + [t for c in chunks for t in c["token_ids"]]
+        assert tokens == await local(engines["D"], PROMPTS[length])
+        for k in ("P", "D"):
+            assert (await wait_free(engines[k], base[k]))["free_blocks"] == base[k], k
+
+    asyncio.run(go())
