@@ -93,12 +93,15 @@ def geometry_from_vllm(kv_caches: dict[str, torch.Tensor], block_size: int, use_
         raise LayoutError(f"KV cache layers are not consecutive: {indices}")
     first = kv_caches[names[0]]
     if use_mla:
-        if first.dim() != 3 or first.shape[1] != block_size:
-            raise LayoutError(f"unsupported MLA KV cache shape {tuple(first.shape)} (block size {block_size}); "
-                              "raypd expects [blocks, block_size, latent size]")
-        nb, _, head_size = first.shape  # one latent row per token (kv_lora_rank + rope dims)
+        # one latent row per token (kv_lora_rank + rope dims); vLLM's CPU MLA backend keeps a
+        # singleton head axis: [blocks, 1, block_size, latent]
+        shape = tuple(first.shape)
+        if not (len(shape) == 3 and shape[1] == block_size) and not (len(shape) == 4 and shape[1:3] == (1, block_size)):
+            raise LayoutError(f"unsupported MLA KV cache shape {shape} (block size {block_size}); raypd expects "
+                              "[blocks, block_size, latent] or [blocks, 1, block_size, latent]")
+        nb, head_size = shape[0], shape[-1]
         heads, layout = 1, MLA_ND
-        planes = [[kv_caches[n]] for n in names]
+        planes = [[kv_caches[n].view(nb, block_size, head_size)] for n in names]
     elif first.dim() == 4 and first.shape[2] == block_size and first.shape[3] % 2 == 0:
         # vLLM CPU: [blocks, heads, block_size, 2*head], used as [blocks, heads, 2*block_size,
         # head]: per head, K of every slot, then V of every slot

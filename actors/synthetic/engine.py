@@ -91,8 +91,7 @@ class SyntheticEngine:
         self.pool = BlockPool(shape.num_blocks)
         faults = FaultPolicy(rate=fault_rate)  # test knob: this fraction of pulls fails on purpose
         self.ranks = [
-            # KV caches on transparent huge pages: CMA pins far fewer pages per READ
-            _RankActor.options(num_cpus=0, runtime_env={"env_vars": {"THP_MEM_ALLOC_ENABLE": "1"}}).remote(
+            _RankActor.options(num_cpus=0).remote(
                 RankConfig(engine_id=engine_id, role=role, model=model, tp_rank=t, tp_size=shape.tp_size,
                            pp_rank=p, pp_size=shape.pp_size, dcp_size=shape.dcp_size,
                            block_size=shape.block_size, num_blocks=shape.num_blocks,

@@ -42,6 +42,9 @@ def test_mla_latent_cache_is_one_row_per_token():
     geometry, planes = geometry_from_vllm(caches, block_size=16, use_mla=True)
     assert geometry.layout == MLA_ND and geometry.num_heads == 1 and geometry.head_size == 576
     assert geometry.planes == 1 and geometry.block_bytes == 16 * 576 * 4
+    cpu = {f"model.layers.{i}.self_attn.attn": torch.zeros(7, 1, 16, 576) for i in range(2)}  # vLLM CPU MLA
+    geometry, planes = geometry_from_vllm(cpu, block_size=16, use_mla=True)
+    assert geometry.layout == MLA_ND and planes[0][0].shape == (7, 16, 576)
     with pytest.raises(LayoutError, match="unsupported MLA KV cache shape"):
         geometry_from_vllm({"model.layers.0.attn": torch.zeros(2, 6, 16, 2, 64)}, block_size=16, use_mla=True)
 
