@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A KV pull as raypd runs it (RankTransfer over NIXL, two Ray actors) vs an in-process gather.
 
-  .venv/bin/python benchmarks/transfer.py [--tokens 1024,4096,8192] [--reps 7]
+  .venv/bin/python benchmarks/transfer.py [--tokens 1024,4096,8192] [--reps 7] [--layouts HND,HCND]
       [--patterns contiguous,scattered] [--out results.json] [--plot transfer.png] [--profile]
 
 What runs
@@ -13,8 +13,10 @@ source copy gets the same backing, so both methods read and write the same
 kind of memory (temporaries stay on normal pages):
 
   producer  a prefill rank: a KV cache of a realistic shape (30 layers, 3 kv
-            heads, head size 64, block size 16, float32, HND with K and V
-            planes = 60 registered regions) filled with a seeded pattern,
+            heads, head size 64, block size 16, float32) filled with a seeded
+            pattern, in each of `--layouts`: HND with K and V planes (60
+            registered regions, flash-attention style) and HCND (K/V packed
+            per block, vLLM's CPU backend: 30 regions),
             behind a `RankTransfer` with a `NixlTransport`. Before each pull it
             leases the request's blocks (`hold`); an asyncio pump calls
             `step()` every `--producer-poll-us` (its engine loop: that drives
@@ -282,30 +284,21 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def run(args: argparse.Namespace) -> dict:
-    import ray
-
-    tokens = [int(t) for t in args.tokens.split(",")]
-    patterns = [p for p in args.patterns.split(",") if p]
-    pool = max(args.pool_blocks, max(-(-t // BLOCK_SIZE) for t in tokens))
-    started = time.monotonic()
-    deadline = started + args.max_seconds
-    load_before = os.getloadavg()
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=RAY_TEMP, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+def measure_layout(ray, args, layout: str, tokens: list[int], patterns: list[str], pool: int,
+                   deadline: float) -> dict:
+    """One producer/consumer pair with caches in `layout`: handshakes, then every case."""
     producer = consumer = None
-    rows, handshakes, profiles = [], [], {}
+    rows, profiles = [], {}
     try:
-        producer = ray.remote(Producer).options(num_cpus=1).remote(pool, args.layout, args.seed,
-                                                                     args.producer_poll_us)
-        consumer = ray.remote(Consumer).options(num_cpus=1).remote(pool, args.layout, args.seed, producer,
+        producer = ray.remote(Producer).options(num_cpus=1).remote(pool, layout, args.seed, args.producer_poll_us)
+        consumer = ray.remote(Consumer).options(num_cpus=1).remote(pool, layout, args.seed, producer,
                                                                      args.consumer_poll_us)
         handshakes = ray.get(consumer.first_handshake.remote(args.handshake_reps), timeout=120)
         for n_tok in tokens:
             n_blocks = -(-n_tok // BLOCK_SIZE)
             for pattern in patterns:
                 if time.monotonic() > deadline:
-                    print(f"time budget reached, skipping {n_tok} {pattern}", file=sys.stderr)
+                    print(f"time budget reached, skipping {layout} {n_tok} {pattern}", file=sys.stderr)
                     continue
                 pulls, gathers = [], []
                 for rep in range(args.reps):
@@ -315,13 +308,13 @@ def run(args: argparse.Namespace) -> dict:
                     pulls.append(ray.get(consumer.pull.remote(n_blocks, pattern, seed, verify, prof), timeout=120))
                     gathers.append(ray.get(consumer.gather.remote(n_blocks, pattern, seed), timeout=120))
                     if verify and not pulls[-1]["verified"]:
-                        raise RuntimeError(f"pulled bytes differ from the source ({n_tok} tokens, {pattern})")
+                        raise RuntimeError(f"pulled bytes differ from the source ({layout}, {n_tok} tokens, {pattern})")
                     if prof:
-                        profiles[f"{n_tok} {pattern}"] = pulls[-1].pop("profile")
+                        profiles[f"{layout} {n_tok} {pattern}"] = pulls[-1].pop("profile")
                 t_pull, t_gather = median([p["pull_s"] for p in pulls]), median([g["gather_s"] for g in gathers])
                 nbytes = gathers[0]["bytes"]
                 rows.append({
-                    "tokens": n_tok, "pattern": pattern, "blocks": n_blocks, "bytes": nbytes,
+                    "layout": layout, "tokens": n_tok, "pattern": pattern, "blocks": n_blocks, "bytes": nbytes,
                     "descriptors": pulls[0]["descs"],
                     "pull_s": t_pull, "start_pull_s": median([p["start_s"] for p in pulls]),
                     "gather_s": t_gather, "pull_gbps": nbytes / t_pull / 1e9, "gather_gbps": nbytes / t_gather / 1e9,
@@ -329,14 +322,33 @@ def run(args: argparse.Namespace) -> dict:
                     "pull_all_s": [p["pull_s"] for p in pulls], "gather_all_s": [g["gather_s"] for g in gathers],
                     "verified": True,
                 })
-                print(f"  {n_tok:>5} tok {pattern:<10} pull {t_pull * 1e3:8.2f} ms  gather {t_gather * 1e3:8.2f} ms"
-                      f"  ratio {t_gather / t_pull:.2f}", file=sys.stderr, flush=True)
+                print(f"  {layout} {n_tok:>5} tok {pattern:<10} pull {t_pull * 1e3:8.2f} ms  gather "
+                      f"{t_gather * 1e3:8.2f} ms  ratio {t_gather / t_pull:.2f}", file=sys.stderr, flush=True)
         c_stats = ray.get(consumer.shutdown.remote(), timeout=60)
         p_stats = ray.get(producer.shutdown.remote(), timeout=60)
     finally:
         for h in (consumer, producer):
             if h is not None:
                 ray.kill(h)
+    return {"layout": layout, "first_handshake": handshakes, "producer": p_stats, "consumer": c_stats,
+            "profiles": profiles, "rows": rows}
+
+
+def run(args: argparse.Namespace) -> dict:
+    import ray
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    patterns = [p for p in args.patterns.split(",") if p]
+    layouts = [x for x in args.layouts.split(",") if x]
+    pool = max(args.pool_blocks, max(-(-t // BLOCK_SIZE) for t in tokens))
+    started = time.monotonic()
+    deadline = started + args.max_seconds
+    load_before = os.getloadavg()
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=RAY_TEMP, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        per_layout = [measure_layout(ray, args, layout, tokens, patterns, pool, deadline) for layout in layouts]
+    finally:
         ray.shutdown()
     return {
         "benchmark": "transfer",
@@ -345,15 +357,19 @@ def run(args: argparse.Namespace) -> dict:
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                  "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "shape": {"layers": NUM_LAYERS, "kv_heads": NUM_HEADS, "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
-                  "dtype": "float32", "layout": args.layout, "pool_blocks": pool},
+                  "dtype": "float32", "pool_blocks": pool},
         "settings": {"reps": args.reps, "producer_poll_us": args.producer_poll_us,
                      "consumer_poll_us": args.consumer_poll_us, "torch_threads": 1, "seed": args.seed},
-        "first_handshake": handshakes,
-        "producer": p_stats, "consumer": c_stats,
-        "profiles": profiles,
+        "layouts": per_layout,
         "wall_s": time.monotonic() - started,
-        "rows": rows,
     }
+
+
+LAYOUT_NOTES = {
+    "HND": "K and V planes per layer (flash-attention style): 60 regions, 12 KiB per block",
+    "NHD": "K and V planes per layer, token-major: 60 regions, 12 KiB per block",
+    "HCND": "K/V packed per block (vLLM's CPU backend, what raypd serves here): 30 regions, 24 KiB per block",
+}
 
 
 def table(res: dict) -> str:
@@ -365,37 +381,42 @@ def table(res: dict) -> str:
         f"{h['loadavg_after'][0]:.2f} after (1 min; shared machine)",
         f"KV pull as raypd runs it (RankTransfer over NIXL/UCX, two Ray actors, loopback) vs in-process gather"
         f" -- {s['layers']} layers x {s['kv_heads']} kv heads x {s['head_size']}, block {s['block_size']},"
-        f" {s['dtype']}, {s['layout']}; medians of {res['settings']['reps']} reps",
+        f" {s['dtype']}; medians of {res['settings']['reps']} reps",
     ]
-    hdr = (f"{'tokens':>6} {'pattern':<10} {'MiB':>6} {'descs':>6} {'pull ms':>8} {'(start':>7} "
-           f"{'gather ms':>9} {'pull GB/s':>9} {'gather GB/s':>11} {'pull/gather':>11}")
-    lines += [hdr, "-" * len(hdr)]
-    for r in res["rows"]:
-        lines.append(f"{r['tokens']:>6} {r['pattern']:<10} {r['bytes'] / 2**20:>6.1f} {r['descriptors']:>6} "
-                     f"{r['pull_s'] * 1e3:>8.2f} {r['start_pull_s'] * 1e3:>7.2f} {r['gather_s'] * 1e3:>9.2f} "
-                     f"{r['pull_gbps']:>9.2f} {r['gather_gbps']:>11.2f} {r['ratio_pull_over_gather']:>11.2f}")
-    for r in res["rows"]:
-        if r["tokens"] in (4096, 8192):
-            verdict = "meets" if r["ratio_pull_over_gather"] >= 0.8 else "BELOW"
-            lines.append(f"goal ({r['tokens']} tokens, {r['pattern']}): pull/gather = "
-                         f"{r['ratio_pull_over_gather']:.2f} -> {verdict} the 0.8 goal")
-    hs = res["first_handshake"]
-    if hs:
-        first, later = hs[0]["total_s"], [x["total_s"] for x in hs[1:]]
-        worst = max(x["total_s"] / x["peer_ranks"] for x in hs)
-        lines.append(f"first handshake (fetch payload over Ray + add peer + connect + prepare lists), 1 peer rank: "
-                     f"first in process {first * 1e3:.1f} ms (fetch {hs[0]['fetch_s'] * 1e3:.1f}), later "
-                     f"median {median(later) * 1e3:.1f} ms of {len(later)} -> "
-                     f"{'meets' if worst <= 0.050 else 'BELOW'} the 50 ms per peer rank goal (worst {worst * 1e3:.1f} ms)")
     mib = 2**20
-    lines.append(f"huge pages (2 MiB) backing the data: producer KV {res['producer']['huge_page_bytes'] // mib} MiB, "
-                 f"consumer KV {res['consumer']['huge_page_bytes'] // mib} MiB, baseline source "
-                 f"{res['consumer']['baseline_src_huge_page_bytes'] // mib} MiB")
+    for part in res["layouts"]:
+        layout = part["layout"]
+        lines += ["", f"layout {layout}: {LAYOUT_NOTES.get(layout, '')}"]
+        hdr = (f"{'tokens':>6} {'pattern':<10} {'MiB':>6} {'descs':>6} {'pull ms':>8} {'(start':>7} "
+               f"{'gather ms':>9} {'pull GB/s':>9} {'gather GB/s':>11} {'pull/gather':>11}")
+        lines += [hdr, "-" * len(hdr)]
+        for r in part["rows"]:
+            lines.append(f"{r['tokens']:>6} {r['pattern']:<10} {r['bytes'] / mib:>6.1f} {r['descriptors']:>6} "
+                         f"{r['pull_s'] * 1e3:>8.2f} {r['start_pull_s'] * 1e3:>7.2f} {r['gather_s'] * 1e3:>9.2f} "
+                         f"{r['pull_gbps']:>9.2f} {r['gather_gbps']:>11.2f} {r['ratio_pull_over_gather']:>11.2f}")
+        for r in part["rows"]:
+            if r["tokens"] in (4096, 8192):
+                verdict = "meets" if r["ratio_pull_over_gather"] >= 0.8 else "BELOW"
+                lines.append(f"goal ({layout}, {r['tokens']} tokens, {r['pattern']}): pull/gather = "
+                             f"{r['ratio_pull_over_gather']:.2f} -> {verdict} the 0.8 goal")
+        hs = part["first_handshake"]
+        if hs:
+            later = [x["total_s"] for x in hs[1:]]
+            worst = max(x["total_s"] / x["peer_ranks"] for x in hs)
+            lines.append(f"first handshake ({layout}; fetch payload over Ray + add peer + connect + prepare lists), "
+                         f"1 peer rank: first in process {hs[0]['total_s'] * 1e3:.1f} ms (fetch "
+                         f"{hs[0]['fetch_s'] * 1e3:.1f}), later median {median(later) * 1e3:.1f} ms of {len(later)} -> "
+                         f"{'meets' if worst <= 0.050 else 'BELOW'} the 50 ms per peer rank goal "
+                         f"(worst {worst * 1e3:.1f} ms)")
+        lines.append(f"huge pages (2 MiB) under the data: producer KV {part['producer']['huge_page_bytes'] // mib} MiB,"
+                     f" consumer KV {part['consumer']['huge_page_bytes'] // mib} MiB, baseline source "
+                     f"{part['consumer']['baseline_src_huge_page_bytes'] // mib} MiB")
     lines += [
+        "",
         "pull = RankTransfer.start_pull -> step() until done (plan lookup + vectorised id checks + descriptor",
         "  indices + NIXL post, in which UCX's CMA copy runs, + completion + layout post-processing); start =",
-        "  start_pull alone; gather = index_select + index_copy_ of the same blocks for all 60 (layer, plane)",
-        "  tensors in the consumer; descs = descriptors posted (NIXL merges neighbours itself)",
+        "  start_pull alone; gather = index_select + index_copy_ of the same blocks for every (layer, plane)",
+        "  tensor in the consumer; descs = descriptors posted (NIXL merges neighbours itself)",
         f"wall {res['wall_s']:.0f} s",
     ]
     return "\n".join(lines)
@@ -407,13 +428,16 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    patterns = sorted({r["pattern"] for r in res["rows"]})
+    all_rows = [r for part in res["layouts"] for r in part["rows"]]
+    patterns = sorted({r["pattern"] for r in all_rows})
     fig, axes = plt.subplots(1, len(patterns), figsize=(6 * len(patterns), 4), squeeze=False)
     for ax, pattern in zip(axes[0], patterns):
-        rows = [r for r in res["rows"] if r["pattern"] == pattern]
-        xs = [r["tokens"] for r in rows]
-        ax.plot(xs, [r["pull_gbps"] for r in rows], marker="o", label="raypd pull (RankTransfer, NIXL)")
-        ax.plot(xs, [r["gather_gbps"] for r in rows], marker="s", label="in-process gather")
+        for part in res["layouts"]:
+            rows = [r for r in part["rows"] if r["pattern"] == pattern]
+            xs = [r["tokens"] for r in rows]
+            ax.plot(xs, [r["pull_gbps"] for r in rows], marker="o", label=f"raypd pull, {part['layout']}")
+            ax.plot(xs, [r["gather_gbps"] for r in rows], marker="s", linestyle="--",
+                    label=f"in-process gather, {part['layout']}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens")
         ax.set_ylabel("GB/s (median)")
@@ -432,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--patterns", default="contiguous,scattered", help="block patterns: contiguous,scattered")
     p.add_argument("--reps", type=int, default=7, help="repetitions per case (medians are reported)")
     p.add_argument("--handshake-reps", type=int, default=6, help="first handshakes measured")
-    p.add_argument("--layout", default="HND", help="block layout: HND/NHD (K, V planes) or HCND (vLLM CPU)")
+    p.add_argument("--layouts", default="HND,HCND",
+                   help="block layouts, one producer/consumer pair each: HND/NHD (K, V planes), HCND (vLLM CPU)")
     p.add_argument("--pool-blocks", type=int, default=1024, help="blocks in each cache (>= the largest read)")
     p.add_argument("--producer-poll-us", type=float, default=200.0, help="producer engine loop period")
     p.add_argument("--consumer-poll-us", type=float, default=50.0, help="consumer's sleep between steps")
@@ -446,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     text = table(res)
     print(text)
-    for case, prof in res["profiles"].items():
-        print(f"--- profile of one pull, {case}\n{prof}", file=sys.stderr)
+    for part in res["layouts"]:
+        for case, prof in part["profiles"].items():
+            print(f"--- profile of one pull, {case}\n{prof}", file=sys.stderr)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
