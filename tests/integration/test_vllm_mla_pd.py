@@ -14,7 +14,8 @@ import random
 import pytest
 import ray
 
-from test_vllm_pd import generate, local, make_engine, wait_free
+from engine_calls import pd, request, token_ids
+from test_vllm_pd import local, make_engine, wait_free
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -64,14 +65,11 @@ def engines(coordinator, tmp_path_factory):
 def test_mla_pd_equals_colocated_token_for_token(engines, length):
     async def go():
         base = {k: (await e.stats.remote())["num_blocks"] for k, e in engines.items()}
-        pre = await engines["P"].prefill.remote({"request_id": f"mla-{length}", "prompt_token_ids": PROMPTS[length]})
-        chunks = await generate(engines["D"], {
-            "request_id": f"mla-{length}-d", "prompt_token_ids": pre["prompt_token_ids"] + pre["first_token_ids"],
-            "max_tokens": 11, "kv_transfer_params": pre["kv_transfer_params"]})
-        assert chunks[0].get("num_cached_tokens") == length  # the latent KV came over the wire
-        assert not any(c.get("recomputed") for c in chunks)
-        tokens = pre["first_token_ids"] + [t for c in chunks for t in c["token_ids"]]
-        assert tokens == await local(engines["D"], PROMPTS[length])
+        pre, chunks = await pd(engines["P"], engines["D"], request(f"mla-{length}", token_ids=PROMPTS[length],
+                                                                   max_tokens=12))
+        assert chunks[0].num_cached_tokens == length  # the latent KV came over the wire
+        assert not any(c.recomputed for c in chunks)
+        assert token_ids(pre, chunks) == await local(engines["D"], PROMPTS[length])
         for k in ("P", "D"):
             assert (await wait_free(engines[k], base[k]))["free_blocks"] == base[k], k
 
