@@ -61,17 +61,11 @@ class SyntheticModel:
     dtype: str = "float32"
 
 
-@dataclass(frozen=True)
-class RankConfig:
-    engine_id: str
-    role: str
+@dataclass(frozen=True, kw_only=True)
+class RankConfig(RankIdentity):
+    """Who the rank is (`RankIdentity`) plus the cache it allocates."""
+
     model: SyntheticModel
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    dcp_size: int = 1
-    block_size: int = 16
     num_blocks: int = 64
     layout: str = "HND"  # HND | NHD | HCND (K/V packed, vLLM CPU) | ND (MLA)
     read_timeout_s: float = 30.0
@@ -142,14 +136,11 @@ class SyntheticRank:
         )
         self.transport = factory(self.agent_name, self.geometry)
         self.directory = directory
-        identity = RankIdentity(engine_id=cfg.engine_id, role=cfg.role, tp_rank=cfg.tp_rank,
-                                tp_size=cfg.tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
-                                dcp_size=cfg.dcp_size, block_size=cfg.block_size)
-        self.xfer = RankTransfer(identity, self.geometry, self.tensors, self.compat, self.transport,
+        self.xfer = RankTransfer(cfg, self.geometry, self.tensors, self.compat, self.transport,
                                  is_mla=m.is_mla, faults=faults, clock=clock)
         self.topology = self.xfer.topology
         self.leases = self.xfer.leases
-        self.reader_name = identity.reader_name
+        self.reader_name = cfg.reader_name
         self._pulls: dict[str, tuple[list[int], int, list[int]]] = {}  # req -> (tokens, seed, blocks)
 
     # ------------------------------------------------------------ identity

@@ -38,6 +38,14 @@ def make_engine(fabric, directory, engine_id, role, model, tp=1, pp=1, dcp=1, la
     return ranks
 
 
+def one_to_one():
+    """A 1-rank prefill engine "P" and a 1-rank decode engine "D" of a 2-layer, 2-head model."""
+    model = SyntheticModel(num_layers=2, num_kv_heads=2)
+    fabric, directory = FakeFabric(), {}
+    return (fabric, directory, make_engine(fabric, directory, "P", "prefill", model),
+            make_engine(fabric, directory, "D", "decode", model))
+
+
 def prefill(ranks, req, ttl=60.0):
     cfg = ranks[0].cfg
     n_blocks = math.ceil(math.ceil(len(TOKENS) / cfg.dcp_size) / cfg.block_size)
@@ -107,10 +115,7 @@ def test_pull_verifies_every_element_and_frees_producer_blocks(case):
 
 
 def test_corrupted_byte_is_detected():
-    model = SyntheticModel(num_layers=2, num_kv_heads=2)
-    fabric, directory = FakeFabric(), {}
-    p = make_engine(fabric, directory, "P", "prefill", model)
-    d = make_engine(fabric, directory, "D", "decode", model)
+    fabric, directory, p, d = one_to_one()
     params = prefill(p, "r1")
     p[0].tensors[1][0][params["remote_block_ids"][1], 1, 3, 5] += 1.0
     (result,) = decode(d, "r1", params)
@@ -159,10 +164,7 @@ def test_slow_transfer_finishes_after_n_polls_and_times_out_when_too_slow():
 
 
 def test_forged_block_ids_never_reach_the_wire():
-    model = SyntheticModel(num_layers=2, num_kv_heads=2)
-    fabric, directory = FakeFabric(), {}
-    p = make_engine(fabric, directory, "P", "prefill", model)
-    d = make_engine(fabric, directory, "D", "decode", model)
+    fabric, directory, p, d = one_to_one()
     params = prefill(p, "r1")
     params["remote_block_ids"] = [0, 1, 2, 3, 99]
     (result,) = decode(d, "r1", params)
@@ -171,24 +173,18 @@ def test_forged_block_ids_never_reach_the_wire():
 
 
 def test_engine_restart_gets_a_fresh_handshake():
-    model = SyntheticModel(num_layers=2, num_kv_heads=2)
-    fabric, directory = FakeFabric(), {}
-    p = make_engine(fabric, directory, "P", "prefill", model)
-    d = make_engine(fabric, directory, "D", "decode", model)
+    fabric, directory, p, d = one_to_one()
     assert decode(d, "r1", prefill(p, "r1"))[0][0] == "ok"
     old_agent = p[0].agent_name
     p[0].shutdown()
-    p = make_engine(fabric, directory, "P", "prefill", model)  # same engine id, new agent
+    p = make_engine(fabric, directory, "P", "prefill", p[0].cfg.model)  # same engine id, new agent
     assert d[0].drop_engine("P") == 1
     assert decode(d, "r2", prefill(p, "r2"))[0][0] == "ok"
     assert d[0].transport.peer(("P", 0, 0)).agent_name != old_agent
 
 
 def test_shutdown_releases_everything_once():
-    model = SyntheticModel(num_layers=2, num_kv_heads=2)
-    fabric, directory = FakeFabric(), {}
-    p = make_engine(fabric, directory, "P", "prefill", model)
-    d = make_engine(fabric, directory, "D", "decode", model)
+    fabric, directory, p, d = one_to_one()
     params = prefill(p, "r1")
     d[0].transport.faults.slow_polls = 100
     d[0].start_pull("r1", TransferParams.parse(params), TOKENS, [2, 3, 4, 5, 6], seed=7)
@@ -261,10 +257,7 @@ def test_handshake_and_descriptor_lists_are_prepared_once_per_engine():
 
 
 def test_forged_local_block_ids_never_reach_the_wire():
-    model = SyntheticModel(num_layers=2, num_kv_heads=2)
-    fabric, directory = FakeFabric(), {}
-    p = make_engine(fabric, directory, "P", "prefill", model)
-    d = make_engine(fabric, directory, "D", "decode", model)
+    fabric, directory, p, d = one_to_one()
     params = TransferParams.parse(prefill(p, "r1"))
     d[0]._pulls["r1"] = (TOKENS, 7, [2, 3, 4, 5, 32])
     d[0].xfer.start_pull("r1", params.pull_request([2, 3, 4, 5, 32]), d[0].directory)  # 32: not ours
@@ -287,15 +280,12 @@ def test_release_is_reported_by_the_next_step_once():
 
 
 def test_a_restarted_producer_under_new_agents_is_handshaken_again():
-    model = SyntheticModel(num_layers=2, num_kv_heads=2)
-    fabric, directory = FakeFabric(), {}
-    p = make_engine(fabric, directory, "P", "prefill", model)
-    d = make_engine(fabric, directory, "D", "decode", model)
+    fabric, directory, p, d = one_to_one()
     assert decode(d, "r1", prefill(p, "r1"))[0][0] == "ok"
     d[0].xfer.refresh_peers({("P", 0, 0): p[0].agent_name})  # same agent: nothing happens
     assert d[0].transport.peers() == [("P", 0, 0)]
     p[0].shutdown()
-    p = make_engine(fabric, directory, "P", "prefill", model)
+    p = make_engine(fabric, directory, "P", "prefill", p[0].cfg.model)
     d[0].xfer.refresh_peers({("P", 0, 0): p[0].agent_name})
     assert d[0].transport.peers() == []
     assert decode(d, "r2", prefill(p, "r2"))[0][0] == "ok"
