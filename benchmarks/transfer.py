@@ -2,7 +2,7 @@
 """A KV pull as raypd runs it (RankTransfer over NIXL, two Ray actors) vs an in-process gather.
 
   .venv/bin/python benchmarks/transfer.py [--tokens 1024,4096,8192] [--reps 7] [--layouts HND,HCND]
-      [--patterns contiguous,scattered] [--out results.json] [--plot transfer.png] [--profile]
+      [--patterns contiguous,scattered] [--idle-s 5] [--out results.json] [--plot transfer.png] [--profile]
 
 What runs
 ---------
@@ -19,8 +19,10 @@ kind of memory (temporaries stay on normal pages):
             per block, vLLM's CPU backend: 30 regions),
             behind a `RankTransfer` with a `NixlTransport`. Before each pull it
             leases the request's blocks (`hold`); an asyncio pump calls
-            `step()` every `--producer-poll-us` (its engine loop: that drives
-            UCX progress and releases the lease when the reader's notice lands);
+            `step()` every `--producer-poll-us` while a lease is held (lease
+            polling: it releases the lease once the reader's notice landed).
+            The pull itself does not wait for this pump: NIXL's progress
+            thread in the producer serves the READ;
   consumer  a decode rank of the same shape: its own `RankTransfer` +
             `NixlTransport`, plus an in-process copy of the producer's cache
             (same seed) for the baseline and for checking the bytes.
@@ -44,6 +46,11 @@ times (dropping it in between): fetch its payload over Ray, decode it, add the
 peer, connect, prepare both descriptor lists (`RankTransfer.connect`). The
 first one in the process is reported on its own (it also prepares our local
 list, which later handshakes reuse).
+
+Idle agent: after the pulls, with nothing held and no pump running, the CPU
+time of the threads the producer's agent started (NIXL's UCX progress thread
+asleep on the worker's fd, UCX's own) is read from /proc over `--idle-s`
+seconds.
 
 Goals (issue 13): pull/gather >= 0.8 for 4k and 8k tokens, both patterns;
 first handshake <= 50 ms per peer rank.
@@ -106,14 +113,33 @@ def make_rank(engine_id: str, role: str, num_blocks: int, layout: str, seed: int
     return cache, RankTransfer(identity, geometry, cache, compat, transport)
 
 
+def thread_ids() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def thread_cpu_s(tids: set[int]) -> float:
+    """User + system CPU seconds of these threads of this process (gone ones count 0)."""
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class Producer:
-    """A prefill rank whose engine loop (an asyncio pump) steps its RankTransfer."""
+    """A prefill rank whose engine loop (an asyncio pump) steps its RankTransfer while leases are held."""
 
     def __init__(self, num_blocks: int, layout: str, seed: int, poll_us: float):
         import torch
 
         torch.set_num_threads(1)
+        before = thread_ids()
         self.cache, self.xfer = make_rank(PRODUCER, "prefill", num_blocks, layout, seed)
+        self.agent_threads = thread_ids() - before  # started with the NIXL agent
         self.poll_s = poll_us / 1e6
         self.steps = 0
         self.released = 0
@@ -134,6 +160,16 @@ class Producer:
             self.released += len(self.xfer.step().released)
             self.steps += 1
             await asyncio.sleep(self.poll_s)
+
+    async def idle_agent_cpu(self, seconds: float) -> dict:
+        """CPU of the agent's threads while nothing is held and no pump runs."""
+        if self._pump is not None:
+            await asyncio.wait_for(self._pump, 30)  # the last lease is released, the pump ends
+        c0, t0 = thread_cpu_s(self.agent_threads), time.monotonic()
+        await asyncio.sleep(seconds)
+        c1, t1 = thread_cpu_s(self.agent_threads), time.monotonic()
+        return {"threads": len(self.agent_threads), "cpu_s": c1 - c0, "wall_s": t1 - t0,
+                "core_pct": 100 * (c1 - c0) / (t1 - t0)}
 
     async def shutdown(self) -> dict:
         if self._pump is not None:
@@ -324,14 +360,17 @@ def measure_layout(ray, args, layout: str, tokens: list[int], patterns: list[str
                 })
                 print(f"  {layout} {n_tok:>5} tok {pattern:<10} pull {t_pull * 1e3:8.2f} ms  gather "
                       f"{t_gather * 1e3:8.2f} ms  ratio {t_gather / t_pull:.2f}", file=sys.stderr, flush=True)
+        idle = ray.get(producer.idle_agent_cpu.remote(args.idle_s), timeout=args.idle_s + 60)
+        print(f"  {layout} idle agent: {idle['threads']} threads, {idle['cpu_s'] * 1e3:.0f} ms CPU in "
+              f"{idle['wall_s']:.1f} s", file=sys.stderr, flush=True)
         c_stats = ray.get(consumer.shutdown.remote(), timeout=60)
         p_stats = ray.get(producer.shutdown.remote(), timeout=60)
     finally:
         for h in (consumer, producer):
             if h is not None:
                 ray.kill(h)
-    return {"layout": layout, "first_handshake": handshakes, "producer": p_stats, "consumer": c_stats,
-            "profiles": profiles, "rows": rows}
+    return {"layout": layout, "first_handshake": handshakes, "idle_agent": idle, "producer": p_stats,
+            "consumer": c_stats, "profiles": profiles, "rows": rows}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -358,7 +397,7 @@ def run(args: argparse.Namespace) -> dict:
                  "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "shape": {"layers": NUM_LAYERS, "kv_heads": NUM_HEADS, "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
                   "dtype": "float32", "pool_blocks": pool},
-        "settings": {"reps": args.reps, "producer_poll_us": args.producer_poll_us,
+        "settings": {"reps": args.reps, "producer_poll_us": args.producer_poll_us, "idle_s": args.idle_s,
                      "consumer_poll_us": args.consumer_poll_us, "torch_threads": 1, "seed": args.seed},
         "layouts": per_layout,
         "wall_s": time.monotonic() - started,
@@ -408,6 +447,9 @@ def table(res: dict) -> str:
                          f"{hs[0]['fetch_s'] * 1e3:.1f}), later median {median(later) * 1e3:.1f} ms of {len(later)} -> "
                          f"{'meets' if worst <= 0.050 else 'BELOW'} the 50 ms per peer rank goal "
                          f"(worst {worst * 1e3:.1f} ms)")
+        idle = part["idle_agent"]
+        lines.append(f"idle agent ({layout}; producer, nothing held, no pump): its {idle['threads']} threads used "
+                     f"{idle['cpu_s'] * 1e3:.0f} ms CPU in {idle['wall_s']:.1f} s = {idle['core_pct']:.2f} % of a core")
         lines.append(f"huge pages (2 MiB) under the data: producer KV {part['producer']['huge_page_bytes'] // mib} MiB,"
                      f" consumer KV {part['consumer']['huge_page_bytes'] // mib} MiB, baseline source "
                      f"{part['consumer']['baseline_src_huge_page_bytes'] // mib} MiB")
@@ -459,7 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="HND,HCND",
                    help="block layouts, one producer/consumer pair each: HND/NHD (K, V planes), HCND (vLLM CPU)")
     p.add_argument("--pool-blocks", type=int, default=1024, help="blocks in each cache (>= the largest read)")
-    p.add_argument("--producer-poll-us", type=float, default=200.0, help="producer engine loop period")
+    p.add_argument("--producer-poll-us", type=float, default=10000.0,
+                   help="producer's lease-polling period while it holds leases (the pull does not wait for it)")
+    p.add_argument("--idle-s", type=float, default=5.0, help="idle spell over which the agent's threads are timed")
     p.add_argument("--consumer-poll-us", type=float, default=50.0, help="consumer's sleep between steps")
     p.add_argument("--verify-all", action="store_true", help="verify every pull (default: the first per case)")
     p.add_argument("--profile", action="store_true", help="cProfile the last pull of each case (in the JSON)")

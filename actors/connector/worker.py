@@ -15,8 +15,11 @@ the synthetic engine drives:
   start_load_kv        metadata of this step: hold sent blocks under leases,
                        start the pulls of new loads (`TransferParams.pull_request`),
                        notify producers of abandoned loads;
-  get_transfer_results one `RankTransfer.step()` (the only place the NIXL agent
-                       progresses; no thread spins).
+  get_transfer_results one `RankTransfer.step()`: finished and failed pulls,
+                       released and expired leases. Peers' READs of this
+                       rank's KV do not wait for it: NIXL's progress thread
+                       (asleep on UCX's fd, `actors.kv.nixl_binding`) serves
+                       them while this process computes a step.
 """
 
 from __future__ import annotations

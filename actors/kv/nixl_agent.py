@@ -1,6 +1,6 @@
 """A thin, typed wrapper around one NIXL agent (UCX backend) for KV-block READs.
 
-`NixlAgent` owns exactly one `nixl_agent` and everything created through it
+`NixlAgent` owns exactly one NIXL agent and everything created through it
 (registrations, remote agents, prepared descriptor lists, transfer handles:
 `actors.kv.nixl_handles`) and releases each exactly once on `shutdown()`. It
 offers what the KV transport needs: register KV memory, exchange metadata,
@@ -11,16 +11,17 @@ owner, poll them without blocking, exchange standalone notifications.
 * Caller mistakes are typed errors (`actors.kv.nixl_checks` validates before
   NIXL sees anything); a transfer that fails *after* it was posted (dead peer)
   is reported by `check()` as ``"ERR"``, never as an exception.
-* NIXL's progress thread is off: with nixl 1.5.1 its poll delay is fixed at 0
-  and it spins a core forever. Progress happens in `check()` / `progress()` /
-  `get_notifs()`, so an idle agent costs no CPU. A READ only reliably reaches
-  DONE when the *target* agent progresses too (wire-up, notifications and the
-  final flush ride UCX's TCP loopback lane): an agent whose memory is read
-  must call `progress()` while it is read.
-* No lock: the agent is created with `NIXL_THREAD_SYNC_NONE` and one UCX
-  worker, and raypd uses each agent from one thread only (a vLLM worker's step
-  thread, a rank actor's single executor thread, or one event loop). Do not
-  share an agent between threads.
+* Progress: the agent is built by `actors.kv.nixl_binding` with NIXL's UCX
+  progress thread on, asleep in ``poll()`` on the UCX worker's event fd (1 s
+  timeout). It serves peers' READs of our memory and collects notifications
+  while the owner thread is busy elsewhere (a vLLM prefill step), so nobody
+  has to call into the agent for a peer's READ to complete, and an idle agent
+  costs ~0 CPU (measured by `benchmarks/transfer.py`). `check()` also drives
+  progress for our own READs.
+* Threads: the owner uses the agent from one thread (a vLLM worker's step
+  thread, a rank actor's executor thread, or one event loop); the wrapper has
+  no lock. NIXL's ``NIXL_THREAD_SYNC_STRICT`` serializes agent calls and the
+  UCX worker is multi-threaded for the progress thread (`nixl_binding`).
 
 UCX's default error-handling mode ("peer") is kept: it makes a dead peer a
 failed transfer instead of a hang. Measured facts: `actors/kv/NIXL_NOTES.md`.
@@ -46,13 +47,14 @@ from actors.kv.nixl_checks import (
     check_inside,
     check_mem,
     err,
-    load_nixl_api,
 )
+from actors.kv.nixl_binding import load_nixl_api, new_agent
 from actors.kv.nixl_handles import LOCAL, PreparedDescs, Registration, Transfer, XferState
 
 __all__ = ["NixlAgent", "PreparedDescs", "Registration", "Transfer", "XferState"]
 
 logger = logging.getLogger(__name__)
+
 
 class NixlAgent:
     """One NIXL agent with one backend (UCX by default) and everything it owns.
@@ -67,6 +69,8 @@ class NixlAgent:
         if not isinstance(backend, str) or not backend:
             raise TransferSetupError(f"backend must be a non-empty str, got {backend!r}")
         api = load_nixl_api()
+        self._bind = api.nixlBind
+        self._prepped_handle, self._xfer_handle = api.nixl_prepped_dlist_handle, api.nixl_xfer_handle
         self._name = name
         self._backend = backend
         self._closed = False
@@ -74,22 +78,7 @@ class NixlAgent:
         self._remotes: set[str] = set()
         self._prepared: list[PreparedDescs] = []
         self._transfers: set[Transfer] = set()
-        self._notif_buf: dict[str, list[bytes]] = {}
-        # The backend is created explicitly (backends=[]) because nixl_agent only
-        # logs a warning when a requested plugin is missing.
-        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
-        try:
-            agent = api.nixl_agent(name, config)
-        except Exception as exc:
-            raise TransferSetupError(f"cannot create NIXL agent {name!r}: {err(exc)}") from exc
-        plugins = list(agent.get_plugin_list())
-        if backend not in plugins:
-            raise TransferSetupError(f"NIXL backend plugin {backend!r} not available (have {sorted(plugins)})")
-        try:
-            agent.create_backend(backend, {})
-        except Exception as exc:
-            raise TransferSetupError(f"cannot create NIXL backend {backend!r}: {err(exc)}") from exc
-        self._nixl: Any = agent
+        self._nixl: Any = new_agent(name, backend)  # nixlBind.nixlAgent
 
     # ------------------------------------------------------------------ props
     @property
@@ -118,7 +107,9 @@ class NixlAgent:
         nixl = self._require_open()
         arr = as_range_array(regions, "register")
         try:
-            descs = nixl.register_memory([(int(a), int(n), dev_id, "") for a, n in arr], check_mem(mem))
+            descs = self._bind.nixlRegDList(self._segment(check_mem(mem)),
+                                            [(int(a), int(n), dev_id, "") for a, n in arr])
+            nixl.registerMem(descs, [])
         except KVTransferError:
             raise
         except Exception as exc:
@@ -131,7 +122,7 @@ class NixlAgent:
         reg.released = True
         self._registrations.remove(reg)
         try:
-            nixl.deregister_memory(reg._descs)
+            nixl.deregisterMem(reg._descs, [])
         except Exception as exc:
             raise TransferSetupError(f"memory deregistration failed: {err(exc)}") from exc
         finally:
@@ -142,7 +133,7 @@ class NixlAgent:
         """This agent's metadata (connection info + current registrations)."""
         nixl = self._require_open()
         try:
-            return bytes(nixl.get_agent_metadata())
+            return bytes(nixl.getLocalMD())
         except Exception as exc:
             raise TransferSetupError(f"cannot export agent metadata: {err(exc)}") from exc
 
@@ -154,7 +145,7 @@ class NixlAgent:
         if not isinstance(metadata, bytes) or not metadata:
             raise HandshakeError("metadata", "must be non-empty bytes")
         try:
-            raw = nixl.add_remote_agent(metadata)
+            raw = nixl.loadRemoteMD(metadata)
         except Exception as exc:
             raise HandshakeError("metadata", f"NIXL rejected it: {err(exc)}") from exc
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -187,7 +178,7 @@ class NixlAgent:
         nixl = self._require_open()
         self._require_remote(name)
         try:
-            nixl.make_connection(name)
+            nixl.makeConnection(name, [])
         except Exception as exc:
             raise TransferSetupError(f"cannot connect to {name!r}: {err(exc)}") from exc
 
@@ -224,7 +215,8 @@ class NixlAgent:
         strided[:, 3:] = rows[:, 2:]
         where = "local memory" if agent == LOCAL else f"memory of {agent!r}"
         try:
-            handle = self._nixl.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", strided, mem)
+            raw = self._nixl.prepXferDlist(agent or self._bind.NIXL_INIT_AGENT, self._segment(mem), strided, [])
+            handle = self._prepped_handle(self._nixl, raw)
         except Exception as exc:
             raise bounds_or_setup_error(exc, f"descriptors not prepared for {where}") from exc
         prepared = PreparedDescs(agent, int(rows[:, 3].sum()), mem, handle, self)
@@ -255,12 +247,14 @@ class NixlAgent:
         if li.size != ri.size:
             raise TransferSetupError(f"read: {li.size} local indices vs {ri.size} remote indices")
         try:  # NIXL refuses pairs whose lengths differ (InvalidParam)
-            handle = nixl.make_prepped_xfer("READ", local._handle, li, remote._handle, ri, notif)
+            raw = nixl.makeXferReq(self._bind.NIXL_READ, local._handle._handle, li, remote._handle._handle, ri,
+                                   notif, [], False)
+            handle = self._xfer_handle(nixl, raw)
         except Exception as exc:
             raise TransferSetupError(f"cannot build READ from {remote.agent!r}: {err(exc)}") from exc
         error: BaseException | None = None
         try:
-            state = nixl.transfer(handle)
+            state = self._xfer_state(nixl.postXferReq(handle._handle, b""))  # notif set above
         except Exception as exc:
             if type(exc).__name__ != "nixlRemoteDisconnectError":
                 self._release_quietly(handle)
@@ -286,7 +280,7 @@ class NixlAgent:
         if transfer._state != "PROC":
             return transfer._state
         try:
-            state = nixl.check_xfer_state(transfer._handle)
+            state = self._xfer_state(nixl.getXferStatus(transfer._handle._handle))
         except Exception as exc:
             transfer.error, state = exc, "ERR"
         if state == "ERR" and transfer.error is None:
@@ -315,29 +309,22 @@ class NixlAgent:
         self._require_remote(remote_agent)
         msg = as_notif(msg)
         try:
-            nixl.send_notif(remote_agent, msg)
+            nixl.genNotif(remote_agent, msg, [])
         except Exception as exc:
             raise TransferSetupError(f"cannot notify {remote_agent!r}: {err(exc)}") from exc
 
-    def progress(self) -> int:
-        """Drive UCX progress once; buffer new notifications for `get_notifs`; returns their count."""
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications since the last call, keyed by sender agent name.
+
+        The progress thread collected them; this call only takes them over.
+        """
         nixl = self._require_open()
         try:
-            raw = nixl.get_new_notifs()
+            raw = nixl.getNotifs({}, [])
         except Exception as exc:
             raise TransferSetupError(f"cannot fetch notifications: {err(exc)}") from exc
-        count = 0
-        for k, msgs in raw.items():
-            key = k.decode() if isinstance(k, bytes) else str(k)
-            self._notif_buf.setdefault(key, []).extend(bytes(m) for m in msgs)
-            count += len(msgs)
-        return count
-
-    def get_notifs(self) -> dict[str, list[bytes]]:
-        """Notifications since the last call, keyed by sender agent name (drives progress)."""
-        self.progress()
-        out, self._notif_buf = self._notif_buf, {}
-        return out
+        return {(k.decode() if isinstance(k, bytes) else str(k)): [bytes(m) for m in msgs]
+                for k, msgs in raw.items()}
 
     # ----------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
@@ -386,10 +373,18 @@ class NixlAgent:
     @staticmethod
     def _invalidate_remote(nixl: Any, name: str) -> list[str]:
         try:
-            status = nixl.agent.invalidateRemoteMD(name)  # returns a status instead of raising
+            status = nixl.invalidateRemoteMD(name)  # returns a status instead of raising
         except Exception as exc:
             return [f"removing remote {name!r} failed: {err(exc)}"]
         return [] if int(status) == 0 else [f"removing remote {name!r} returned {status}"]
+
+    def _segment(self, mem: str) -> Any:
+        return self._bind.DRAM_SEG if mem == "DRAM" else self._bind.VRAM_SEG
+
+    def _xfer_state(self, status: Any) -> XferState:
+        if status == self._bind.NIXL_SUCCESS:
+            return "DONE"
+        return "PROC" if status == self._bind.NIXL_IN_PROG else "ERR"
 
     @staticmethod
     def _release_quietly(handle: Any) -> None:

@@ -1,8 +1,7 @@
 """Input validation for `NixlAgent`: every caller mistake becomes a typed error.
 
-The raw `nixl._api` surface reports problems through raised
-`nixl._bindings.nixl*Error` exceptions, `None` returns with only a log line
-and silently skipped backends. These helpers check arguments before NIXL sees
+NIXL's binding reports problems through raised `nixl._bindings.nixl*Error`
+exceptions or returned status codes, some only with a log line. These helpers check arguments before NIXL sees
 them (memory ranges, strided descriptor rows, descriptor indices,
 notifications) and map NIXL's own exceptions to `actors.kv.errors` types.
 All checks are vectorised with numpy: they run on every READ.
@@ -11,7 +10,6 @@ All checks are vectorised with numpy: they run on every READ.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -25,16 +23,6 @@ MEM_TYPES: tuple[str, ...] = ("DRAM", "VRAM")
 
 # NIXL exceptions meaning "these descriptors are not inside registered memory".
 _OUT_OF_BOUNDS = ("nixlNotFoundError", "nixlInvalidParamError", "nixlMismatchError")
-
-
-def load_nixl_api() -> Any:
-    """Import `nixl._api` on first use (it probes CUDA and loads plugins)."""
-    try:
-        import nixl  # noqa: F401  (selects nixl_cu12 / nixl_cu13 / nixl_rocm)
-        from nixl import _api
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise TransferSetupError(f"nixl is not importable: {exc}") from exc
-    return _api
 
 
 def err(exc: BaseException) -> str:

@@ -25,10 +25,13 @@ Life cycle on a prefill (producer) rank:
   release       the engine frees a lease itself (abort, or a reader that will
                 never come): reported by the next step like any release.
 
-`step()` is the one place that decides what a step polls (pulls, leases, or
-only UCX progress while notices we sent may still wait for a connection) and
-returns everything it produced as a `StepResult`. No thread is started and
-nothing spins: the owner calls `step()` (vLLM: every engine step).
+`step()` is the one place that decides what a step polls (pulls, then
+leases with the notices that arrived) and returns everything it produced as a
+`StepResult`. Nothing here starts a thread or spins: the owner calls `step()`
+(vLLM: every engine step) while `needs_step`. Moving bytes does not wait for
+`step()`: NIXL's progress thread (`actors.kv.nixl_binding`) serves peers'
+READs of this rank's memory, sends our notices and collects theirs even while
+the owner is busy; `step()` decides what finished and what to release.
 """
 
 from __future__ import annotations
@@ -72,8 +75,7 @@ class _Pull:
 class RankTransfer:
     def __init__(self, identity: RankIdentity, geometry: CacheGeometry, planes: list[list[torch.Tensor]],
                  compat: CompatInfo, transport, is_mla: bool = False, faults: FaultPolicy = NO_FAULTS,
-                 clock: Callable[[], float] = time.monotonic, early_notice_ttl_s: float = 60.0,
-                 flush_s: float = 1.0):
+                 clock: Callable[[], float] = time.monotonic, early_notice_ttl_s: float = 60.0):
         self.identity = identity
         self.geometry = geometry
         self.planes = planes  # [local layer][plane] -> [num_blocks, *block dims] view
@@ -91,9 +93,7 @@ class RankTransfer:
         self._pulls: dict[str, _Pull] = {}
         self._early: dict[str, tuple[float, list[ReaderNotice]]] = {}
         self._released: list[str] = []  # freed outside step(), reported by the next step()
-        self._flush_until = 0.0
         self.early_notice_ttl_s = early_notice_ttl_s
-        self.flush_s = flush_s
 
     def handshake(self) -> bytes:
         i = self.identity
@@ -138,8 +138,10 @@ class RankTransfer:
             ))
             stages.append(build_stage(self.transport, self.geometry, plan_reads(self.topology, engine_id, pp_rank),
                                       peers))
-            logger.info("%s connected to %s: %s", self.identity.reader_name, engine_id,
-                        self.topology.describe(engine_id, pp_rank))
+            # replicated: ranks holding the same KV are read once, the others only notified
+            logger.info("%s connected to %s: %s, replicated=%s", self.identity.reader_name, engine_id,
+                        self.topology.describe(engine_id, pp_rank),
+                        self.topology.replicates_kv_cache(engine_id, pp_rank))
         plan = self._plans[shape] = PeerPlan(engine_id, tuple(stages))
         return plan
 
@@ -171,7 +173,7 @@ class RankTransfer:
                 notice = self._notice(pull, req_id, stage.consumers, True)
                 self.transport.start_read(req_id, src.key, src.local, li, src.remote, ri, notice, nbytes)
             for stage in plan.stages:
-                for key in stage.skipped:  # our polling for the READs drives these out too
+                for key in stage.skipped:  # replicas we do not read from free their copy now
                     self._send_quietly(key, self._notice(pull, req_id, stage.consumers, True))
             if not posts:
                 self.transport.fail_request(req_id, "the read plan reads nothing")
@@ -205,7 +207,6 @@ class RankTransfer:
         self.transport.cancel(req_id)
 
     def _send_quietly(self, key: PeerKey, msg: bytes) -> None:
-        self._flush_until = self._clock() + self.flush_s
         try:
             if self.transport.has_peer(key):
                 self.transport.send_notif(key, msg)
@@ -235,9 +236,6 @@ class RankTransfer:
         if self._pulls or self.transport.in_flight():
             polled = self.transport.poll()
             now = self._clock()
-            if polled.done or polled.failed:
-                # a READ's notice can still sit behind a connection set-up: keep progressing a while
-                self._flush_until = now + self.flush_s
             for req_id in polled.done:
                 pull = self._pulls.pop(req_id, None)
                 if pull is None:
@@ -260,15 +258,12 @@ class RankTransfer:
         if self.leases.held() or self._early:
             released += self._apply_notices()
             expired = [req_id for req_id, _ in self.leases.expire()]
-        elif not self._pulls and self._clock() < self._flush_until:
-            self.transport.progress()  # notices we sent may wait behind a connection set-up
         return StepResult(done, failed, invalid, tuple(released), tuple(expired))
 
     @property
     def needs_step(self) -> bool:
-        """Whether `step()` has anything to drive (pulls, leases, unsent notices)."""
-        return bool(self._pulls or self.leases.held() or self._early or self._released
-                    or self._clock() < self._flush_until)
+        """Whether `step()` has anything to report or release (pulls, leases, early notices)."""
+        return bool(self._pulls or self.leases.held() or self._early or self._released)
 
     # -------------------------------------------------------------- producer
     def hold(self, req_id: str, block_ids: Sequence[int], ttl_s: float) -> None:

@@ -16,8 +16,9 @@ Life cycle of one request's pull on a decode rank:
 `NixlTransport` moves bytes with NIXL (UCX); `actors.kv.fake_transport`
 moves them with memmove inside one process, with fault switches for the layers
 above. Both share the bookkeeping in `TransportBase`, so tests of one exercise
-the other's logic too. No thread is started: progress happens in
-`poll()`/`progress()`.
+the other's logic too. Nothing here starts a thread or spins: NIXL's UCX
+progress thread (asleep on the UCX worker's fd, `actors.kv.nixl_binding`)
+serves peers' READs and collects notifications; `poll()` reads states.
 """
 
 from __future__ import annotations
@@ -93,7 +94,6 @@ class TransportBase:
     def _release(self, handle: Any) -> None: raise NotImplementedError
     def _send(self, hs: RankHandshake, msg: bytes) -> None: raise NotImplementedError
     def _recv(self) -> list[bytes]: raise NotImplementedError
-    def _progress(self) -> None: return None
     def _close(self) -> None: raise NotImplementedError
     def metadata(self) -> bytes: raise NotImplementedError
 
@@ -244,11 +244,6 @@ class TransportBase:
         self._require_open()
         return self._recv()
 
-    def progress(self) -> None:
-        """Drive the backend once (sends queued behind a connection set-up go out)."""
-        if not self._closed:
-            self._progress()
-
     # ----------------------------------------------------------- shutdown
     def shutdown(self) -> None:
         """Release every handle, list, peer and registration exactly once; idempotent."""
@@ -294,8 +289,8 @@ class NixlTransport(TransportBase):
             self._agent.remove_remote(name)
             raise HandshakeError("agent_name", f"metadata is for {name!r}, payload says {hs.agent_name!r}")
         try:
-            # Start UCX wire-up now: it completes while we poll for our first READ, so a
-            # later notification to a rank we never read from is not stuck behind it.
+            # Start UCX wire-up now (the progress threads of both sides complete it), so the
+            # first READ and a notice to a rank we never read from do not wait for it.
             self._agent.make_connection(name)
         except TransferSetupError as exc:
             logger.info("eager connection to %s failed (the first READ retries): %s", name, exc)
@@ -323,9 +318,6 @@ class NixlTransport(TransportBase):
 
     def _recv(self) -> list[bytes]:
         return [m for msgs in self._agent.get_notifs().values() for m in msgs]
-
-    def _progress(self) -> None:
-        self._agent.progress()
 
     def _close(self) -> None:
         self._agent.shutdown()

@@ -105,8 +105,7 @@ class SyntheticEngine:
         # pump) share one drain, so outcomes are parked here per rank until their request asks.
         self._pull_outcomes: list[dict[str, PulledKV | FailedPull]] = [{} for _ in self.ranks]
         self._pump: asyncio.Task | None = None
-        self._flush_until = 0.0  # keep driving our ranks' agents this long after a pull
-        self.pump_interval_s = 0.002
+        self.pump_interval_s = 0.01  # lease polling: how soon released blocks return to the pool
         self.closed = False
 
     async def start(self) -> dict:
@@ -145,7 +144,7 @@ class SyntheticEngine:
 
     async def poll(self) -> list[str]:
         """Free blocks of requests every rank released; returns their ids."""
-        if not self._held and time.monotonic() >= self._flush_until:
+        if not self._held:
             return []
         outs = await self._poll_ranks()
         freed = []
@@ -162,17 +161,18 @@ class SyntheticEngine:
         return freed
 
     def _ensure_pump(self) -> None:
-        """Drive the prefill ranks while they hold leases, and only then.
+        """Poll the prefill ranks while they hold leases, and only then.
 
-        With no progress thread, a NIXL agent advances only when called: the
-        ranks must be polled for readers to connect and for notifications to
-        arrive. An engine holding no leases is not polled, so it idles at 0 CPU.
+        Readers' READs and notices do not need this (each rank's NIXL progress
+        thread serves them); the poll turns the notices that arrived into
+        released leases and expires the rest. An engine holding no leases is
+        not polled.
         """
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())
 
     async def _run_pump(self) -> None:
-        while (self._held or time.monotonic() < self._flush_until) and not self.closed:
+        while self._held and not self.closed:
             try:
                 await self.poll()
             except ray.exceptions.RayError as exc:
@@ -214,9 +214,6 @@ class SyntheticEngine:
             self.pool.free(block_ids)
             for parked in self._pull_outcomes:  # nothing of this request stays parked
                 parked.pop(req_id, None)
-            # notices to producers may still sit behind a connection set-up on our side
-            self._flush_until = time.monotonic() + 1.0
-            self._ensure_pump()
         checksums: dict[int, float] = {}
         for out in per_rank:
             for pos, value in out.checksums.items():

@@ -4,6 +4,8 @@ Each scenario says what the caller sees and checks that nothing is stranded.
 """
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -39,13 +41,15 @@ def test_killed_prefill_rank_fails_its_transfer_in_bounded_time_and_others_keep_
             out = await d.decode("warm", await p.prefill("warm", PROMPT), PROMPT)
             assert out["mismatches"] == 0
             await p.wait_released("warm")
-            p.pump_interval_s = 3600  # P stops polling: a READ from it stays in flight
             params = await p.prefill("victim", PROMPT)
+            victim = await p.ranks[0].pid.remote()
+            # Frozen, its NIXL progress thread too, rank 0 cannot complete a READ: one stays in flight.
+            os.kill(victim, signal.SIGSTOP)
             pull = asyncio.ensure_future(d.decode("victim", params, PROMPT, timeout_s=30))
             await asyncio.sleep(0.5)
-            assert not pull.done(), "the read should still be in flight while P does not poll"
+            assert not pull.done(), "the read should still be in flight while P's rank is frozen"
             t0 = time.monotonic()
-            ray.kill(p.ranks[0])
+            os.kill(victim, signal.SIGKILL)
             with pytest.raises(TransferFailed) as failure:
                 await pull
             elapsed = time.monotonic() - t0

@@ -4,7 +4,9 @@ Every NIXL agent lives in a child process started with multiprocessing
 *spawn* (never in the pytest process, so a wedged UCX call cannot hang the
 test runner). The parent drives the children over pipes with a timeout on every
 call and always reaps them: killed peers are joined, the rest are asked to stop
-and killed if they do not. No Ray; loopback only.
+and killed if they do not. No Ray; loopback only. Between calls a child makes
+no NIXL call at all: what a peer needs from it (serving READs, taking
+notifications) is done by NIXL's progress thread.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -37,12 +38,12 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _serve(conn: Any) -> None:
-    """Run `fn(state, *args)` for each message; progress the agent while idle."""
+    """Run `fn(state, *args)` for each message (the agent is not called in between)."""
     state: dict[str, Any] = {}
     parent = os.getppid()
     try:
         while True:
-            if conn.poll(0.001):
+            if conn.poll(0.2):
                 msg = conn.recv()
                 if msg is None:
                     break
@@ -54,10 +55,6 @@ def _serve(conn: Any) -> None:
                 conn.send(reply)
             elif os.getppid() != parent:  # parent died: do not linger
                 break
-            else:
-                agent = state.get("agent")
-                if agent is not None and not agent.closed:
-                    agent.progress()
     finally:
         agent = state.get("agent")
         if agent is not None:
@@ -138,6 +135,7 @@ def c_read(
     remote_seed: int,
     layout: str,
     notif: bytes,
+    limit: float = 20.0,
 ) -> dict[str, Any]:
     """READ `nbytes` of the peer's buffer into ours by descriptor index; compare with the pattern."""
     agent, buf = state["agent"], state["buf"]
@@ -155,7 +153,7 @@ def c_read(
     t0 = time.perf_counter()
     x = agent.read(lp, lids, rp, rids, notif)
     st = agent.check(x)
-    deadline = time.monotonic() + 20.0
+    deadline = time.monotonic() + limit
     while st == "PROC" and time.monotonic() < deadline:
         time.sleep(0.0002)
         st = agent.check(x)
@@ -197,9 +195,25 @@ def c_release(state: dict, tid: int) -> None:
     state["agent"].release(state["transfers"].pop(tid))
 
 
-def c_stall(state: dict, seconds: float) -> None:
-    """Block without driving UCX progress (a busy engine that never polls)."""
-    threading.Event().wait(seconds)
+def c_busy(state: dict, seconds: float) -> tuple[float, float]:
+    """Compute in Python for `seconds`, holding the GIL and never calling the agent
+    (a prefill step); returns when the spell started and ended (CLOCK_MONOTONIC)."""
+    start = time.monotonic()
+    end, x = start + seconds, 0
+    while time.monotonic() < end:
+        x += 1
+    return start, time.monotonic()
+
+
+def c_reads_timed(state: dict, peer: str, raddr: int, nbytes: int, remote_seed: int, count: int,
+                  limit: float) -> list[dict[str, Any]]:
+    """`count` READs one after another, each polled until DONE/ERR or `limit` seconds."""
+    out = []
+    for i in range(count):
+        res = c_read(state, peer, raddr, nbytes, remote_seed, "shuffled", f"busy-{i}".encode(), limit)
+        res["ended"] = time.monotonic()
+        out.append(res)
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -331,6 +345,21 @@ def test_reads_by_descriptor_index_move_the_right_bytes(shared_pair, layout):
     assert h.call(c_collect_notifs, 2, 10.0) == {"reader": [b"n0", b"n1"]}
 
 
+def test_reads_complete_while_the_owner_thread_computes(shared_pair):
+    """The block owner's one Python thread computes (holding the GIL, no NIXL call)
+    for the whole test: its NIXL progress thread serves the READs and takes their
+    notifications, each READ well within 100 ms (without that thread: never)."""
+    h, r, raddr = shared_pair
+    h.send(c_busy, 4.0)
+    time.sleep(0.3)  # the spell has begun
+    reads = r.call(c_reads_timed, "holder", raddr, SHARED_NBYTES, 1, 5, 2.0)
+    start, end = h.result()
+    assert [(x["state"], x["equal"]) for x in reads] == [("DONE", True)] * 5
+    assert all(start < x["ended"] < end for x in reads), (start, end, [x["ended"] for x in reads])
+    assert max(x["elapsed"] for x in reads) < 0.1, [x["elapsed"] for x in reads]
+    assert h.call(c_collect_notifs, 5, 10.0) == {"reader": [f"busy-{i}".encode() for i in range(5)]}
+
+
 @pytest.mark.parametrize("when", ["before_read", "while_pending"])
 def test_killed_peer_is_err_and_agent_stays_usable(spawn_peer, when):
     nbytes = 1 << 20
@@ -343,9 +372,9 @@ def test_killed_peer_is_err_and_agent_stays_usable(spawn_peer, when):
         h.kill()
         tid, _ = r.call(c_post, "victim", raddr, nbytes, b"after-death")
     else:
-        # The holder stops driving progress; a READ with a notification then
-        # cannot complete, so it is still in flight when the holder dies.
-        h.send(c_stall, 120.0)
+        # Frozen (SIGSTOP: its progress thread too), the holder cannot complete
+        # a READ's final handshake, so one stays in flight until it dies.
+        os.kill(h.proc.pid, signal.SIGSTOP)
         tid = None
         for attempt in range(8):
             t, _ = r.call(c_post, "victim", raddr, nbytes, f"p{attempt}".encode())
@@ -409,7 +438,7 @@ def c_shutdown_scenario(state: dict) -> dict[str, Any]:
             return wrapped
 
     a, b = NixlAgent("a"), NixlAgent("b")
-    a._nixl.agent = Counting(a._nixl.agent)  # before any handle is created
+    a._nixl = Counting(a._nixl)  # before any handle is created
     src = _pattern(1 << 20, 3)
     dst1, dst2 = torch.zeros(1 << 19, dtype=torch.uint8), torch.zeros(1 << 19, dtype=torch.uint8)
     b.register([(src.data_ptr(), src.numel())])
@@ -419,8 +448,8 @@ def c_shutdown_scenario(state: dict) -> dict[str, Any]:
     lp = a.prepare_local(np.concatenate([rows(dst1.data_ptr(), 4096), rows(dst2.data_ptr(), 4096)]))
     rp = a.prepare_remote("b", rows(src.data_ptr(), 4096, count=2))
     done = a.read(lp, [0, 1], rp, [0, 1], b"x")
-    while a.check(done) == "PROC":
-        b.progress()
+    while a.check(done) == "PROC":  # b's progress thread serves the READ
+        time.sleep(0.0002)
     kept = a.read(lp, [0], rp, [1])  # left for shutdown to release
     kept2 = a.read(lp, [1], rp, [0])
     assert len(a._transfers) == 3
@@ -446,7 +475,6 @@ def c_shutdown_scenario(state: dict) -> dict[str, Any]:
         "release": lambda: a.release(kept),
         "send_notif": lambda: a.send_notif("b", b"x"),
         "get_notifs": a.get_notifs,
-        "progress": a.progress,
     }
     for name, probe in probes.items():
         try:
