@@ -3,8 +3,16 @@
 A tiny random DeepSeek-V2 (2 layers, kv_lora_rank 512 + rope 64 = the 576-wide
 latent the CPU MLA kernel supports, block size 16) whose checkpoint says 4 KV
 heads: vLLM builds the connector's topology with that count, while the cache
-holds one latent row per token. The decode pulls the prompt's latent KV over
-NIXL and must produce the colocated engine's tokens.
+holds one latent row per token.
+
+On the product's path the decode engine replays the first token: it pulls all
+but the last prompt token and computes that one itself, in vLLM CPU's MLA
+decode kernel (weight-absorbed), where a colocated engine computes it in its
+SDPA prefill. On this random model the two differ enough to change the greedy
+tokens from the second on (the replay draws another token), so the bytes are
+checked with a decode request that carries the first token as prompt: the
+engine pulls the whole prompt's latent KV and runs only decode steps, exactly
+like the colocated engine after its prefill.
 """
 
 import asyncio
@@ -14,7 +22,7 @@ import random
 import pytest
 import ray
 
-from engine_calls import pd, request, token_ids
+from engine_calls import collect, pd, request, token_ids
 from test_vllm_pd import local, make_engine, wait_free
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -62,17 +70,27 @@ def engines(coordinator, tmp_path_factory):
 
 
 @pytest.mark.parametrize("length", sorted(PROMPTS))
-def test_mla_pd_equals_colocated_token_for_token(engines, length):
+def test_mla_latent_kv_pulled_over_nixl_gives_the_colocated_answer(engines, length):
     async def go():
         base = {k: (await e.stats.remote())["num_blocks"] for k, e in engines.items()}
-        pre, chunks = await pd(engines["P"], engines["D"], request(f"mla-{length}", token_ids=PROMPTS[length],
-                                                                   max_tokens=12))
-        # the latent KV came over the wire; the engine computes the last prompt token itself
-        # (it replays the prefill's first token: vllm_backend)
-        assert chunks[0].num_cached_tokens == length - 1
-        assert not any(c.recomputed for c in chunks)
+        req = request(f"mla-{length}", token_ids=PROMPTS[length], max_tokens=12)
+        pre = await engines["P"].prefill.remote(req)
+        whole_prompt = pre.continuation(req).replace(num_resumed_tokens=0)  # no replay: pull every prompt token
+        chunks = await collect(engines["D"], whole_prompt)
+        assert (chunks[0].num_cached_tokens, any(c.recomputed for c in chunks)) == (length, False)
         assert token_ids(pre, chunks) == await local(engines["D"], PROMPTS[length])
         for k in ("P", "D"):
             assert (await wait_free(engines[k], base[k]))["free_blocks"] == base[k], k
+
+    asyncio.run(go())
+
+
+def test_mla_pd_replay_pulls_all_but_the_last_prompt_token(engines):
+    """The product's continuation: the prompt's latent KV but its last token comes over NIXL."""
+    async def go():
+        length = max(PROMPTS)
+        _, chunks = await pd(engines["P"], engines["D"], request("mla-replay", token_ids=PROMPTS[length],
+                                                                 max_tokens=12))
+        assert (chunks[0].num_cached_tokens, any(c.recomputed for c in chunks)) == (length - 1, False)
 
     asyncio.run(go())
