@@ -22,9 +22,22 @@ Prompts arrive as token ids (the front renders and tokenizes); the sampling
 parameters arrive as the `vllm.SamplingParams` the front derived the way vLLM's
 OpenAI server does (`SamplingSpec.vllm_params`, pickled).
 
+  either          abort(req_id) a running request is aborted in vLLM; a
+                  prefill nobody will read (its blocks held under a lease) is
+                  released through vLLM's rejection hook
+                  (`notify_kv_transfer_request_rejected`): the connector's
+                  scheduler side puts it on the release list of the next step's
+                  metadata and the workers free the lease in that step.
+
+Requests vLLM refuses because of the request itself (`VLLMClientError`, or a
+ValueError raised while vLLM admits it: vocabulary, length, sampling params)
+become `EngineRequestError`: a 400 for the client, never an engine failure.
+
 The engine core and workers are child processes of this actor (vLLM on CPU
 always runs AsyncLLM's core in a subprocess); their ranks publish handshake
 payloads into a per-engine folder this backend collects for the coordinator.
+Their pids are recorded, so a restarted actor reaps what its killed
+predecessor left behind (`actors.orphans`).
 """
 
 from __future__ import annotations
@@ -39,9 +52,12 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import ray
 
 from actors.engine_config import EngineConfig
+from actors.kv.errors import HandshakeError
 from actors.kv.handshake import decode_handshake
 from actors.kv.topology import TransferTopology
 from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, SamplingSpec, TokenChunk
@@ -81,8 +97,10 @@ class VllmBackend:
         self._peer_payloads: dict[str, dict[int, list[str]]] = {}  # engine -> pp -> payloads
         self._own: Any = None  # decoded handshake of our rank 0
         self.handshake_dir = tempfile.mkdtemp(prefix=f"raypd-{engine_id}-")
-        self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0, "replay_mismatches": 0}
+        self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0, "replay_mismatches": 0, "released": 0}
         self._aliases: dict[str, str] = {}  # request id -> the id of its continuation after a replay mismatch
+        # prefills whose blocks are held for a reader: request id -> (vLLM's id, lease expiry)
+        self._unread: dict[str, tuple[str, float]] = {}
         self._usage: dict[str, Any] = {"num_blocks": 0, "kv_cache_usage": 0.0, "running": 0, "waiting": 0}
 
     # ---------------------------------------------------------------- start
@@ -102,16 +120,19 @@ class VllmBackend:
             logger.warning("%s: %s", self.engine_id, note)
         return build_engine_args(cfg, model_path, kv)
 
-    async def start(self, coordinator: Any) -> None:
+    async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]] | None = None) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from actors.engine_args import EffectiveEngineConfig
         from actors.models import resolve_model
+        from actors.orphans import record_children, reap_previous
 
         self.coordinator = coordinator
+        await asyncio.to_thread(reap_previous, self.engine_id)  # a killed predecessor's engine core
         model_path = str(await asyncio.to_thread(resolve_model, self.cfg.model))
         engine_args = self._engine_args(model_path)  # refuses a bad engine_kwargs key before any process starts
         self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=self._stat_loggers())
+        record_children(self.engine_id)
         self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
         if self.cfg.kv_connector:
             self._handshakes = await self._collect_handshakes()
@@ -141,11 +162,19 @@ class VllmBackend:
             await asyncio.sleep(0.05)
         return [f.read_bytes() for f in expected]
 
-    def handshakes(self) -> list[bytes]:
+    async def handshakes(self) -> list[bytes]:
         return list(self._handshakes)
 
     def liveness_handles(self) -> list[Any]:
-        return []
+        return []  # the engine core is our child: its death is vLLM's EngineDeadError, seen here
+
+    def coordinator_changed(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+
+    def dead_reason(self) -> str | None:
+        if self.llm is not None and self.llm.errored:
+            return "vLLM's engine core died"
+        return None
 
     # ------------------------------------------------------------- requests
     def model_info(self) -> ModelInfo:
@@ -179,9 +208,12 @@ class VllmBackend:
         if spec.vllm_params is not None:
             sp = pickle.loads(spec.vllm_params)
         else:  # a direct caller (tests, benchmarks) that only set the plain fields
-            sp = SamplingParams(temperature=0.0 if spec.temperature is None else spec.temperature,
-                                top_p=1.0 if spec.top_p is None else spec.top_p, seed=spec.seed,
-                                stop=list(spec.stop) or None, ignore_eos=spec.ignore_eos)
+            try:
+                sp = SamplingParams(temperature=0.0 if spec.temperature is None else spec.temperature,
+                                    top_p=1.0 if spec.top_p is None else spec.top_p, seed=spec.seed,
+                                    stop=list(spec.stop) or None, ignore_eos=spec.ignore_eos)
+            except (ValueError, TypeError) as exc:  # vLLM refuses the sampling parameters
+                raise EngineRequestError(str(exc)) from None
         sp.max_tokens = max_tokens
         sp.min_tokens = min(max(0, sp.min_tokens - already), max_tokens)
         sp.output_kind = RequestOutputKind.DELTA
@@ -192,14 +224,24 @@ class VllmBackend:
         return sp
 
     async def _outputs(self, ids: list[int], sp: Any, request_id: str) -> AsyncIterator[Any]:
-        """AsyncLLM.generate; vLLM refusing the request (bad sampling parameters) is the client's fault."""
+        """AsyncLLM.generate; what vLLM refuses while admitting the request (vocabulary, length,
+        sampling parameters) is the client's fault. vLLM wraps admission errors other than its
+        client errors in EngineGenerateError."""
         from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineGenerateError
 
+        admitted = False
         try:
             async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=request_id):
+                admitted = True
                 yield out
-        except (VLLMClientError, ValueError) as exc:
+        except VLLMClientError as exc:
             raise EngineRequestError(str(exc)) from None
+        except (EngineGenerateError, ValueError, TypeError) as exc:
+            cause = exc.__cause__ if isinstance(exc, EngineGenerateError) else exc
+            if not admitted and isinstance(cause, (ValueError, TypeError)):
+                raise EngineRequestError(str(cause)) from None
+            raise
 
     async def prefill(self, req: EngineRequest) -> PrefillResult:
         """Prefill for remote decode: first token + transfer params."""
@@ -216,12 +258,24 @@ class VllmBackend:
             text += o.text
             if out.finished:
                 finish, params = o.finish_reason, out.kv_transfer_params
+        if params and params.get("remote_request_id"):
+            self._remember_unread(req.request_id, params["remote_request_id"], ttl)
         return PrefillResult(prompt_token_ids=tuple(ids), first_token_ids=tuple(first_ids), first_text=text,
                              finish_reason=str(finish) if finish is not None else None,
                              kv_transfer_params=params)
 
+    def _remember_unread(self, req_id: str, vllm_id: str, ttl: float) -> None:
+        now = time.monotonic()
+        for old in [r for r, (_, expiry) in self._unread.items() if expiry <= now]:
+            del self._unread[old]  # its lease expired: nothing left to release
+        self._unread[req_id] = (vllm_id, now + ttl)
+
     async def _with_handshakes(self, params: dict) -> dict:
-        """Attach the payloads of exactly the producer ranks our ranks read from."""
+        """Attach the payloads of exactly the producer ranks our ranks read from.
+
+        Raises HandshakeError when the producer cannot be met: not registered (dead, or
+        restarted under new agents), or a payload that is malformed or incompatible.
+        """
         p = TransferParams.parse(params)
         payloads: list[str] = []
         for pp_rank in range(p.pp_size):
@@ -233,7 +287,13 @@ class VllmBackend:
                     topo = TransferTopology(rank, self.cfg.tp_size, own.block_size, self.engine_id,
                                             own.compat.is_mla, False, own.compat.num_kv_heads)
                     targets.update(topo.handshake_target_ranks(p.tp_size, p.dcp_size))
-                raw = await self.coordinator.handshake_payloads.remote(p.remote_engine_id, pp_rank, sorted(targets))
+                try:
+                    raw = await self.coordinator.handshake_payloads.remote(
+                        p.remote_engine_id, pp_rank, sorted(targets))
+                except ray.exceptions.RayError as exc:
+                    raise HandshakeError("engine_id", str(getattr(exc, "cause", None) or exc)) from None
+                for data in raw:  # bad payload or incompatible peer: refused before any worker sees it
+                    decode_handshake(data, expect_compat_hash=own.compat.compat_hash())
                 cached = [base64.b64encode(b).decode() for b in raw]
                 self._peer_payloads.setdefault(p.remote_engine_id, {})[pp_rank] = cached
             payloads.extend(cached)
@@ -248,18 +308,32 @@ class VllmBackend:
         # original prompt and the first delta must be that token, which is not streamed again.
         replay = tuple(ids[-1:]) if req.num_resumed_tokens == 1 and len(ids) > 1 else ()
         engine_ids = ids[:len(ids) - len(replay)]
+        req_id = req.request_id
+        num_prompt = len(ids) - req.num_resumed_tokens
         expected_external = 0
+        handshake_failed = False
         if params:
             try:
                 params = await self._with_handshakes(params)
             except TransferParamsError as exc:
                 raise EngineRequestError(str(exc)) from None
-            expected_external = min(int(params["num_tokens"]), len(engine_ids) - 1)
-            self.counters["kv_pulls"] += 1
+            except HandshakeError as exc:
+                # the pull cannot even start: the ledger hears it as this pair's handshake failure,
+                # and the policy decides as for any failed pull
+                producer = str(params.get("remote_engine_id"))
+                logger.warning("%s: handshake with %s failed: %s", req_id, producer, exc)
+                if self.coordinator is not None:
+                    self.coordinator.handshake_failed.remote(self.engine_id, producer, str(exc), req_id)
+                self.counters["kv_failures"] += 1
+                if self.cfg.kv_load_failure_policy == "fail":
+                    yield TokenChunk.error_chunk(req_id, f"KV transfer failed: {exc}", num_prompt)
+                    return
+                params, handshake_failed = None, True
+            else:
+                expected_external = min(int(params["num_tokens"]), len(engine_ids) - 1)
+                self.counters["kv_pulls"] += 1
         sp = self._sampling(req.sampling, req.max_tokens + len(replay), params,
                             already=req.num_resumed_tokens - len(replay))
-        req_id = req.request_id
-        num_prompt = len(ids) - req.num_resumed_tokens
         verdict: dict[str, Any] | None = None
         async for out in self._outputs(engine_ids, sp, req_id):
             o = out.outputs[0]
@@ -269,7 +343,7 @@ class VllmBackend:
                 # vLLM reports cached tokens on the first delta: fewer than we pulled means
                 # the pull failed and the prompt was recomputed (kv_load_failure_policy=recompute).
                 cached = out.num_cached_tokens or 0
-                recomputed = bool(params and cached < expected_external and o.token_ids)
+                recomputed = handshake_failed or bool(params and cached < expected_external and o.token_ids)
                 verdict = {"num_cached_tokens": cached, "recomputed": recomputed}
                 if recomputed:
                     self.counters["recomputed"] += 1
@@ -326,8 +400,19 @@ class VllmBackend:
         self.coordinator.report_outcomes.remote(self.engine_id, [out])
 
     async def abort(self, req_id: str) -> None:
-        if self.llm is not None:
+        """Abort a running request; release a finished prefill's held blocks (nobody will read them)."""
+        if self.llm is None:
+            return
+        unread = self._unread.pop(req_id, None)
+        if unread is None:
             await self.llm.abort(list({req_id, self._aliases.get(req_id, req_id)}))
+            return
+        # The prefill finished: vLLM's abort would not find it. Its rejection hook submits an
+        # aborted request whose params name the held one; our scheduler side releases it.
+        from actors.connector.scheduler import RELEASE_KEY
+
+        self.counters["released"] += 1
+        await self.llm.notify_kv_transfer_request_rejected(f"{unread[0]}-release", {RELEASE_KEY: unread[0]})
 
     async def drop_engine(self, engine_id: str) -> None:
         # The next request to that engine fetches fresh payloads; workers replace
@@ -340,7 +425,7 @@ class VllmBackend:
         total = int(u["num_blocks"])
         return {"backend": "vllm", **self.counters, "num_blocks": total,
                 "free_blocks": round((1.0 - float(u["kv_cache_usage"])) * total),
-                "engine_running": u["running"], "engine_waiting": u["waiting"]}
+                "engine_running": u["running"], "engine_waiting": u["waiting"], "child_pids": _child_pids()}
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -348,6 +433,16 @@ class VllmBackend:
             self.llm = None
         await asyncio.to_thread(_reap_children)
         shutil.rmtree(self.handshake_dir, ignore_errors=True)
+        from actors.orphans import forget
+
+        forget(self.engine_id)
+
+
+def _child_pids() -> list[int]:
+    """vLLM's engine core (and workers): what a kill of this engine's process tree must include."""
+    import psutil
+
+    return [c.pid for c in psutil.Process().children(recursive=True)]
 
 
 def _reap_children(grace_s: float = 3.0) -> None:

@@ -113,10 +113,14 @@ class RaypdIngress:
         return {"health": health, "engines": engines, "router": self.router.snapshot()}
 
     async def check_health(self) -> None:
-        """Serve's replica health check: the replica is fine even when the engines are not
-        (/health says so); only a broken router fails it."""
-        if self.router is None:
-            raise RuntimeError("router not built")
+        """Serve's replica health check, the same verdict as `/health`: unhealthy while no
+        P/D path and no permitted fallback exists (no live decode engine, or only prefill
+        engines with open breakers and `no_prefill_fallback: reject`). It recovers by itself:
+        engines restart and re-register, breakers probe again, and a replica Serve replaced
+        finds (or recreates) the engines by name."""
+        health = await self.router.health()
+        if not health["healthy"]:
+            raise RuntimeError(f"raypd cannot serve: {health['reason']}")
 
 
 def build_app(config: dict[str, Any] | None = None) -> serve.Application:

@@ -75,11 +75,15 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
     from actors.coordinator import COORDINATOR_NAME, NAMESPACE
     from serving.launcher import find_engines
 
-    out: dict[str, Any] = {"deployment": name, "engines": {}, "coordinator": None, "serve": None}
+    out: dict[str, Any] = {"deployment": name, "engines": {}, "coordinator": None, "serve": None, "breakers": {}}
     try:
         coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
         registered = {e["engine_id"]: e for e in ray.get(coordinator.engines.remote(), timeout=timeout_s)}
         out["coordinator"] = "up"
+        ledger = ray.get(coordinator.transfers.remote(), timeout=timeout_s)  # the one owner of the breakers
+        out["handoffs_in_flight"], out["verdicts"] = ledger.in_flight, ledger.verdicts
+        out["handoffs_awaiting_units"] = ledger.awaiting_units
+        out["breakers"] = {b.pair: dataclasses.asdict(b) for b in ledger.breakers}
     except (ValueError, ray.exceptions.RayError) as exc:
         registered = {}
         out["coordinator"] = f"unavailable: {exc}"
@@ -135,12 +139,14 @@ def print_status(status: dict, url: str | None) -> None:
               + (f"  error: {e['error']}" if e.get("error") else ""))
         if e.get("vllm_config"):
             print(f"          vllm: {vllm_summary(e['vllm_config'])}")
-    breakers = router.get("breakers") or {}
-    print("breakers (prefill->decode):" + ("" if breakers else " none yet"))
+    breakers = status.get("breakers") or router.get("breakers") or {}
+    print("breakers (prefill->decode, held by the coordinator's ledger):" + ("" if breakers else " none yet"))
     for pair, b in sorted(breakers.items()):
-        print(f"  {pair:<50} {b['state']:<9} failures={b['consecutive_failures']} opened={b['opened_count']}")
+        last = f"  last: {b['last_reason']}" if b.get("last_reason") else ""
+        print(f"  {pair:<50} {b['state']:<9} failures={b.get('failures', 0)} opened={b['opened_count']}{last}")
     if router.get("counters"):
         print("router: " + " ".join(f"{k}={v}" for k, v in sorted(router["counters"].items()))
-              + "".join(f" fallback[{k}]={v}" for k, v in sorted((router.get("fallbacks") or {}).items())))
+              + "".join(f" fallback[{k}]={v}" for k, v in sorted((router.get("fallbacks") or {}).items()))
+              + "".join(f" migrated[{k}]={v}" for k, v in sorted((router.get("migrations") or {}).items())))
     print("metrics (Prometheus, one URL per node; ray_raypd_* and ray_vllm_*): "
           + (" ".join(status.get("metrics_urls") or []) or "no node exports metrics"))

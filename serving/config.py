@@ -31,6 +31,7 @@ from actors.engine_config import (
     SyntheticModelConfig,
     lift_owned_kwargs,
 )
+from actors.ledger import BreakerConfig
 
 ROLES = ("prefill", "decode")
 
@@ -65,6 +66,8 @@ class RouterConfig(_Strict):
     short_prompt_tokens: int = Field(0, ge=0)  # prompts shorter than this prefill on the decode engine
     no_prefill_fallback: Literal["decode_local", "reject"] = "decode_local"
     prefill_retries: int = Field(1, ge=0, le=3)
+    # a stream whose decode engine died waits this long for one to take it (another, or the restarted one)
+    migration_wait_s: float = Field(30.0, ge=0)
 
 
 class TransferConfig(_Strict):
@@ -75,10 +78,10 @@ class TransferConfig(_Strict):
     fault_rate: float = Field(0.0, ge=0.0, le=1.0)  # test knob: fail this fraction of KV pulls on purpose
 
 
-class BreakerConfig(_Strict):
-    failure_threshold: int = Field(3, ge=1)
-    cooldown_s: float = Field(10.0, gt=0)
-    probe_window_s: float = Field(5.0, gt=0)
+class RestartConfig(_Strict):
+    """Ray restarts crashed engines, their rank actors and the coordinator, at most this often."""
+
+    max_restarts: int = Field(5, ge=0, le=1000)
 
 
 class HttpConfig(_Strict):
@@ -123,6 +126,7 @@ class DeploymentConfig(_Strict):
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
     breaker: BreakerConfig = BreakerConfig()
+    restarts: RestartConfig = RestartConfig()
     http: HttpConfig = HttpConfig()
     ray: RayConfig = RayConfig()
 

@@ -49,6 +49,11 @@ def engine_id(deployment: str, role: str, index: int) -> str:
     return f"{deployment}-{role}-{index}"
 
 
+def actor_name_of(deployment: str, engine: str) -> str:
+    """The actor name of engine id `engine` (`<deployment>-<role>-<i>`)."""
+    return f"raypd-{engine}"
+
+
 @dataclass
 class Deployment:
     """Handles of one deployment's actors."""
@@ -154,7 +159,9 @@ def _engine_handle(cfg: DeploymentConfig, role: str, index: int) -> Any:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     ecfg = cfg.engine_config(role, index, engine_id(cfg.name, role, index))
-    opts = {k: v for k, v in engine_actor_options(ecfg).items() if v is not None}
+    # Ray restarts a crashed engine (bounded) in the same placement group: the group is the
+    # engine's, not the process's, so a restart reuses it and strands nothing.
+    opts = {k: v for k, v in engine_actor_options(ecfg, cfg.restarts.max_restarts).items() if v is not None}
     opts["num_cpus"] = max(ecfg.num_cpus, 0.01)
     opts.pop("resources", None)  # they are in the bundle
     pg = engine_placement_group(cfg, role, index)
@@ -176,8 +183,10 @@ def launch(cfg: DeploymentConfig, timeout_s: float | None = None,
 
     `on_phase` is called once per engine per start-up phase while the engines start.
     """
-    coordinator = start_coordinator(detached=True, on_head_node=True)
-    ray.get(coordinator.ping.remote(), timeout=60)
+    coordinator = start_coordinator(detached=True, on_head_node=True, max_restarts=cfg.restarts.max_restarts,
+                                    breaker=cfg.breaker.model_dump(),
+                                    handoff_deadline_s=cfg.transfer.handoff_deadline_s)
+    ray.get(coordinator.configure.remote(cfg.breaker.model_dump(), cfg.transfer.handoff_deadline_s), timeout=60)
     dep = Deployment(cfg.name, coordinator)
     pgs = [engine_placement_group(cfg, role, i) for role in ROLES for i in range(getattr(cfg, role).count)]
     try:

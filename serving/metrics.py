@@ -5,10 +5,12 @@ endpoint and status, time to first token and inter-token latency per P/D path
 (pd | short | fallback), the P/D handoff (prefill's token -> decode engine's
 first token: KV pull + one decode step), end-to-end latency, tokens.
 Read from the router at scrape time (a custom collector, so nothing is copied
-on the hot path): prefill / decode queue depths, breaker state per (prefill,
-decode) pair, KV transfer failures by peer, prefill failures, retries,
-fallbacks taken, and the engines' own stats (free blocks, leases held,
-running requests, transfer bytes and handshakes when the backend reports them).
+on the hot path): prefill / decode queue depths, the breaker of every
+(prefill, decode) pair as the coordinator's ledger holds it (the one owner of
+breakers; the router reads it with its routes), KV transfer failures the
+router saw, prefill failures, retries, fallbacks, stream migrations, and the
+engines' own stats (free blocks, leases held, running requests, transfer
+bytes and handshakes when the backend reports them).
 
 Two exports of the same events:
   - the front's `GET /metrics`: this replica's registry (one per app, so tests
@@ -75,16 +77,25 @@ class RouterCollector(Collector):
         yield dq
         yield dt
         bs = GaugeMetricFamily("raypd_breaker_state",
-                               "circuit breaker per (prefill, decode) pair: 0 closed, 1 half-open, 2 open",
+                               "circuit breaker per (prefill, decode) pair, as the coordinator's ledger holds it: "
+                               "0 closed, 1 half-open, 2 open", labels=["prefill", "decode"])
+        bf = GaugeMetricFamily("raypd_breaker_failures", "consecutive failures of the pair (ledger)",
                                labels=["prefill", "decode"])
-        bo = CounterMetricFamily("raypd_breaker_opened", "times the pair's breaker opened",
+        bo = CounterMetricFamily("raypd_breaker_opened", "times the pair's breaker opened (ledger)",
                                  labels=["prefill", "decode"])
         for pair, b in snap["breakers"].items():
             p, d = pair.split("->", 1)
             bs.add_metric([p, d], BREAKER_STATES.get(b["state"], -1))
+            bf.add_metric([p, d], b.get("failures", 0))
             bo.add_metric([p, d], b["opened_count"])
         yield bs
+        yield bf
         yield bo
+        mg = CounterMetricFamily("raypd_migrations", "streams moved to another decode engine after theirs failed",
+                                 labels=["reason"])
+        for reason, n in (snap.get("migrations") or {}).items():
+            mg.add_metric([reason], n)
+        yield mg
         tf = CounterMetricFamily("raypd_kv_transfer_failures", "KV transfers that failed (error or recompute)",
                                  labels=["prefill", "decode"])
         for pair, n in snap["transfer_failures"].items():

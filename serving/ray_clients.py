@@ -1,8 +1,13 @@
 """Ray actor handles behind the router's small interfaces (`EngineClient`, `Directory`).
 
 The only place where Ray errors are translated: an `EngineRequestError` raised
-by an engine (bad prompt, too long) becomes `RequestRejected` (HTTP 400);
-anything else Ray raises (actor died, task failed) becomes `EngineUnavailable`.
+by an engine (bad prompt, out-of-vocabulary ids, too long) becomes
+`RequestRejected` (HTTP 400); anything else Ray raises (actor died, task
+failed) becomes `EngineUnavailable`, with `died` set when the actor is gone.
+
+Handles are resolved by name: Ray restarts a crashed engine behind the same
+handle, but an engine that was recreated (its restarts used up, then launched
+again) is a new actor under the same name, found again after a death.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from typing import Any
 
 import ray
 
+from actors.coordinator import COORDINATOR_NAME, NAMESPACE
+from actors.ledger import RouteTable
 from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
-from serving.router import EngineUnavailable, RequestRejected, Router, RouterSettings
+from serving.router import EngineUnavailable, RequestRejected, Router
 
 logger = logging.getLogger("raypd.router")
 
@@ -27,39 +34,70 @@ def translate(exc: BaseException) -> Exception:
         return RequestRejected(str(exc))
     if isinstance(cause, EngineRequestError):
         return RequestRejected(str(cause))
+    died = isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
     if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
-        return EngineUnavailable(f"{type(cause).__name__}: {cause}")
-    return EngineUnavailable(f"{type(exc).__name__}: {exc}")
+        return EngineUnavailable(f"{type(cause).__name__}: {cause}", died=died)
+    return EngineUnavailable(f"{type(exc).__name__}: {exc}", died=died)
+
+
+class NamedActor:
+    """An actor handle that is looked up again by name after its actor died for good."""
+
+    def __init__(self, name: str | None, handle: Any):
+        self.name, self._handle, self._stale = name, handle, False
+
+    @property
+    def handle(self) -> Any:
+        if self._stale and self.name is not None:
+            try:
+                self._handle = ray.get_actor(self.name, namespace=NAMESPACE)
+                self._stale = False
+            except ValueError:
+                pass  # not there (yet): keep the old handle, calls fail fast
+        return self._handle
+
+    def failed(self, exc: BaseException) -> None:
+        if isinstance(exc, ray.exceptions.ActorDiedError):
+            self._stale = True
 
 
 class RayEngineClient:
     """One EngineActor handle."""
 
-    def __init__(self, engine_id: str, handle: Any):
-        self.engine_id, self.handle = engine_id, handle
+    def __init__(self, engine_id: str, handle: Any, actor_name: str | None = None):
+        self.engine_id = engine_id
+        self.actor = NamedActor(actor_name, handle)
+
+    @property
+    def handle(self) -> Any:
+        return self.actor.handle
+
+    def _error(self, exc: BaseException) -> Exception:
+        self.actor.failed(exc)
+        return translate(exc)
 
     async def prefill(self, req: EngineRequest) -> PrefillResult:
         try:
             return await self.handle.prefill.remote(req)
         except (ray.exceptions.RayError, EngineRequestError) as exc:
-            raise translate(exc) from None
+            raise self._error(exc) from None
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
         try:
             gen = self.handle.generate.options(num_returns="streaming").remote(req)
         except ray.exceptions.RayError as exc:
-            raise translate(exc) from None
+            raise self._error(exc) from None
         finished = False
         try:
             async for ref in gen:
                 try:
                     chunk = await ref
                 except (ray.exceptions.RayError, EngineRequestError) as exc:
-                    raise translate(exc) from None
+                    raise self._error(exc) from None
                 finished = chunk.finished
                 yield chunk
         except ray.exceptions.RayError as exc:
-            raise translate(exc) from None
+            raise self._error(exc) from None
         finally:
             if not finished:
                 try:
@@ -71,38 +109,48 @@ class RayEngineClient:
         try:
             await self.handle.abort.remote(request_id)
         except ray.exceptions.RayError as exc:
+            self.actor.failed(exc)
             logger.info("abort of %s on %s failed: %s", request_id, self.engine_id, exc)
 
     async def stats(self) -> dict:
         try:
             return await self.handle.stats.remote()
         except ray.exceptions.RayError as exc:
-            raise translate(exc) from None
+            raise self._error(exc) from None
 
     async def check_health(self) -> bool:
         return bool(await self.handle.check_health.remote())
 
 
 class RayDirectory:
-    """The coordinator as the router's directory."""
+    """The coordinator as the router's directory (routes, probes, prefill failures)."""
 
-    def __init__(self, coordinator: Any, timeout_s: float = 5.0):
-        self.coordinator, self.timeout_s = coordinator, timeout_s
+    def __init__(self, coordinator: Any, timeout_s: float = 5.0, name: str | None = COORDINATOR_NAME):
+        self.coordinator = NamedActor(name, coordinator)
+        self.timeout_s = timeout_s
 
-    async def routes(self) -> dict[str, list[str]]:
-        engines = await asyncio.wait_for(self.coordinator.engines.remote(), self.timeout_s)
-        decodes = [e["engine_id"] for e in engines if e["role"] in ("decode", "both")]
-        compat = await asyncio.wait_for(
-            asyncio.gather(*(self.coordinator.compatible_prefills.remote(d) for d in decodes)), self.timeout_s
-        )
-        return dict(zip(decodes, (list(c) for c in compat)))
+    async def routes(self) -> RouteTable:
+        try:
+            return await asyncio.wait_for(self.coordinator.handle.routes.remote(), self.timeout_s)
+        except ray.exceptions.RayError as exc:
+            self.coordinator.failed(exc)
+            raise
+
+    async def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
+        return await asyncio.wait_for(self.coordinator.handle.admit_probe.remote(decode_id, prefill_id),
+                                      self.timeout_s)
+
+    def prefill_failed(self, decode_id: str, prefill_id: str, reason: str) -> None:
+        self.coordinator.handle.prefill_failed.remote(decode_id, prefill_id, reason)
 
 
 def build_router(cfg: Any, deployment: Any) -> Router:
     """A Router over a launched deployment (`serving.launcher.Deployment`)."""
+    from serving.launcher import actor_name_of
+
     return Router(
-        prefills={eid: RayEngineClient(eid, h) for eid, h in deployment.prefills.items()},
-        decodes={eid: RayEngineClient(eid, h) for eid, h in deployment.decodes.items()},
+        prefills={eid: RayEngineClient(eid, h, actor_name_of(cfg.name, eid)) for eid, h in deployment.prefills.items()},
+        decodes={eid: RayEngineClient(eid, h, actor_name_of(cfg.name, eid)) for eid, h in deployment.decodes.items()},
         directory=RayDirectory(deployment.coordinator),
-        settings=RouterSettings.from_config(cfg),
+        config=cfg.router,
     )

@@ -7,17 +7,22 @@ Life cycle of one request (`Router.open`):
      decode engines the directory (the coordinator) lists as alive; it is
      charged for the request until its stream ends (`DecodeCharge`);
   2. remote attempts: unless the prompt is short (`short_prompt_tokens`), a
-     prefill engine is chosen among those the directory judged compatible
-     with that decode engine and whose (decode, prefill) breaker allows
-     traffic, least loaded first; it runs the prompt and returns a
-     `PrefillResult`: the first token, streamed to the client at once, and
-     the transfer params the decode engine pulls the KV with; the decode
-     engine continues from token two. A failed prefill is retried once on
-     another prefill engine (`prefill_retries`);
+     prefill engine is chosen among those the directory lists as usable with
+     that decode engine (compatible, pair breaker not open: the coordinator's
+     ledger owns the breakers; a half-open pair is used only if this router
+     wins its one probe), least loaded first; it runs the prompt and returns a
+     `PrefillResult`: the first token, streamed to the client at once, and the
+     transfer params the decode engine pulls the KV with; the decode engine
+     continues from token two and applies the transfer failure policy itself.
+     A prefill that fails because of the engine is reported to the ledger and
+     retried once on another prefill engine (`prefill_retries`); one refused
+     because of the request is a 400, never retried, never reported;
   3. local fallback: a short prompt, or no (more) usable prefill engine: the
      decode engine prefills itself (`decode_local`) or the request is refused
      (`reject`, 503);
-  4. the caller iterates the returned `RoutedStream`; closing it early (client
+  4. the caller iterates the returned `RoutedStream`; if its decode engine
+     dies mid-stream, the stream migrates to another live decode engine (or
+     the restarted one, within `migration_wait_s`); closing it early (client
      disconnect) aborts the request on the decode and on the prefill engine.
 
 Pure asyncio: engines are `EngineClient`s and the coordinator a `Directory`, so
@@ -33,11 +38,12 @@ import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, replace
 from typing import Any, Protocol
 
-from actors.kv.breaker import CircuitBreaker
+from actors.ledger import RouteTable
 from actors.protocol import EngineRequest, PrefillResult, TokenChunk
+from serving.config import RouterConfig
 from serving.routed_stream import (
     DecodeCharge,
     EngineUnavailable,
@@ -48,7 +54,7 @@ from serving.routed_stream import (
     no_more_chunks,
 )
 
-__all__ = ["EngineUnavailable", "RequestRejected", "RouteError", "Router", "RouterSettings", "RoutedStream"]
+__all__ = ["EngineUnavailable", "RequestRejected", "RouteError", "Router", "RoutedStream"]
 
 logger = logging.getLogger("raypd.router")
 
@@ -73,72 +79,60 @@ class EngineClient(Protocol):
 
 
 class Directory(Protocol):
-    async def routes(self) -> dict[str, list[str]]:
-        """Every live decode engine -> the live prefill engines judged compatible with it."""
+    async def routes(self) -> RouteTable:
+        """Live decode engines -> usable prefill engines, and every pair's breaker."""
         ...
 
+    async def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
+        """Win the half-open pair's probe (granted once, cluster-wide)."""
+        ...
 
-# ------------------------------------------------------------------ settings
-@dataclass(frozen=True)
-class RouterSettings:
-    short_prompt_tokens: int = 0
-    no_prefill_fallback: str = "decode_local"  # or "reject"
-    prefill_retries: int = 1
-    breaker_failure_threshold: int = 3
-    breaker_cooldown_s: float = 10.0
-    breaker_probe_window_s: float = 5.0
-    directory_ttl_s: float = 1.0
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "RouterSettings":
-        """From a `serving.config.DeploymentConfig`."""
-        return cls(
-            short_prompt_tokens=cfg.router.short_prompt_tokens,
-            no_prefill_fallback=cfg.router.no_prefill_fallback,
-            prefill_retries=cfg.router.prefill_retries,
-            breaker_failure_threshold=cfg.breaker.failure_threshold,
-            breaker_cooldown_s=cfg.breaker.cooldown_s,
-            breaker_probe_window_s=cfg.breaker.probe_window_s,
-        )
+    def prefill_failed(self, decode_id: str, prefill_id: str, reason: str) -> None:
+        """Report an engine-caused prefill failure to the ledger (fire and forget)."""
+        ...
 
 
 # -------------------------------------------------------------------- router
 class Router:
     def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
-                 directory: Directory, settings: RouterSettings | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 directory: Directory, config: RouterConfig | None = None,
+                 directory_ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
         if not decodes:
             raise ValueError("a router needs at least one decode engine")
         self.prefills, self.decodes = dict(prefills), dict(decodes)
         self.directory = directory
-        self.settings = settings or RouterSettings()
+        self.config = config or RouterConfig()
+        self.directory_ttl_s = directory_ttl_s
         self.clock = clock
-        self.breakers: dict[tuple[str, str], CircuitBreaker] = {}
         self.decode_load: dict[str, Load] = {d: Load() for d in self.decodes}
         self.prefill_load: dict[str, Load] = {p: Load() for p in self.prefills}
-        self.counters: Counter[str] = Counter()  # requests, fallbacks, retries, aborted...
+        self.counters: Counter[str] = Counter()  # requests, retries, aborted, recomputed...
         self.fallbacks: Counter[str] = Counter()  # reason -> count
-        self.transfer_failures: Counter[tuple[str, str]] = Counter()  # (decode, prefill)
+        self.migrations: Counter[str] = Counter()  # reason -> streams moved to another decode engine
+        self.transfer_failures: Counter[tuple[str, str]] = Counter()  # (decode, prefill), as observed
         self.prefill_failures: Counter[str] = Counter()  # prefill id
         self.engine_stats: dict[str, dict] = {}
-        self._routes: dict[str, list[str]] | None = None
+        self._routes: RouteTable | None = None
         self._routes_at = -math.inf
         self._routes_error: str | None = None
         self._refreshing = False
+        self._stale = False  # an outcome that may move a breaker was reported since the last view
         self._rr = itertools.count()
         self._tasks: set[asyncio.Task] = set()
 
     # ----------------------------------------------------------- directory
-    async def routes(self, force: bool = False) -> dict[str, list[str]]:
+    async def routes(self, force: bool = False) -> RouteTable:
         """The directory's view, cached for `directory_ttl_s`; a failing directory keeps the last view.
 
-        Only the first lookup (or `force`) waits for the directory: an expired view is served
+        Only the first lookup, `force`, or the first lookup after a reported failure (which may
+        have moved a breaker in the ledger) waits for the directory: an expired view is served
         as is while one refresh runs in the background, so no request pays the coordinator's
         round trips on its way to the first token.
         """
-        if force or self._routes is None:
+        if force or self._routes is None or self._stale:
+            self._stale = False
             await self._refresh_routes()
-        elif self.clock() - self._routes_at >= self.settings.directory_ttl_s and not self._refreshing:
+        elif self.clock() - self._routes_at >= self.directory_ttl_s and not self._refreshing:
             self._refreshing = True
             self._spawn(self._refresh_routes())
         return self._routes
@@ -146,42 +140,34 @@ class Router:
     async def _refresh_routes(self) -> None:
         try:
             fresh = await self.directory.routes()
-            self._routes = {d: list(ps) for d, ps in fresh.items()}
+            if fresh.settling and self._routes is not None:
+                # a restarted coordinator, engines still registering: keep those we knew
+                kept = {d: ps for d, ps in self._routes.decodes.items() if d not in fresh.decodes}
+                fresh = replace(fresh, decodes={**kept, **fresh.decodes},
+                                generations={**self._routes.generations, **fresh.generations})
+            self._routes = fresh
             self._routes_error = None
         except Exception as exc:  # noqa: BLE001 - the directory being away must not crash routing
             self._routes_error = f"{type(exc).__name__}: {exc}"
             logger.warning("directory unavailable, keeping the last view: %s", self._routes_error)
             if self._routes is None:
-                self._routes = {}
+                self._routes = RouteTable({})
         finally:
             self._routes_at = self.clock()
             self._refreshing = False
 
-    def breaker(self, decode_id: str, prefill_id: str) -> CircuitBreaker:
-        key = (decode_id, prefill_id)
-        b = self.breakers.get(key)
-        if b is None:
-            s = self.settings
-            b = self.breakers[key] = CircuitBreaker(
-                f"{prefill_id}->{decode_id}", cooldown_s=s.breaker_cooldown_s,
-                failure_threshold=s.breaker_failure_threshold, probe_window_s=s.breaker_probe_window_s,
-                clock=self.clock,
-            )
-        return b
-
     # ----------------------------------------------------------- selection
-    def live_decodes(self, routes: dict[str, list[str]]) -> list[str]:
-        return [d for d in self.decodes if d in routes]
+    def live_decodes(self, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
+        return [d for d in self.decodes if d in routes.decodes and d not in exclude]
 
-    def usable_prefills(self, decode_id: str, routes: dict[str, list[str]],
-                        exclude: set[str] = frozenset()) -> list[str]:
-        """Compatible, known, not excluded, breaker not open; least loaded first."""
-        ids = [p for p in routes.get(decode_id, []) if p in self.prefills and p not in exclude
-               and not self.breaker(decode_id, p).is_open]
+    def usable_prefills(self, decode_id: str, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
+        """Usable per the ledger, known here, not excluded; least loaded first."""
+        ids = [r.prefill_id for r in routes.decodes.get(decode_id, ())
+               if r.prefill_id in self.prefills and r.prefill_id not in exclude]
         return sorted(ids, key=lambda p: (self.prefill_load[p].requests, self.prefill_load[p].tokens))
 
-    def pick_decode(self, routes: dict[str, list[str]]) -> str | None:
-        live = self.live_decodes(routes)
+    def pick_decode(self, routes: RouteTable, exclude: set[str] = frozenset()) -> str | None:
+        live = self.live_decodes(routes, exclude)
         if not live:
             return None
         turn = next(self._rr)
@@ -189,10 +175,16 @@ class Router:
         return min(live, key=lambda d: (self.decode_load[d].tokens, self.decode_load[d].requests,
                                         (list(self.decodes).index(d) - turn) % len(self.decodes)))
 
-    def pick_prefill(self, decode_id: str, routes: dict[str, list[str]], exclude: set[str]) -> str | None:
+    async def pick_prefill(self, decode_id: str, routes: RouteTable, exclude: set[str]) -> str | None:
+        states = {r.prefill_id: r.state for r in routes.decodes.get(decode_id, ())}
         for p in self.usable_prefills(decode_id, routes, exclude):
-            if self.breaker(decode_id, p).allow():  # admits a half-open probe at most once
+            if states[p] == "closed":
                 return p
+            try:  # half-open: one probe cluster-wide, asked of the ledger
+                if await self.directory.admit_probe(decode_id, p):
+                    return p
+            except Exception as exc:  # noqa: BLE001 - no answer: do not probe
+                logger.info("probe of %s->%s not admitted: %s", p, decode_id, exc)
         return None
 
     # ------------------------------------------------------------- serving
@@ -205,26 +197,34 @@ class Router:
         estimate = req.num_prompt_tokens  # the front tokenized the prompt: a real count
         self.counters["requests"] += 1
         routes = await self.routes()
-        decode_id = self.pick_decode(routes)
-        if decode_id is None:
-            self.counters["rejected_no_decode"] += 1
-            raise RouteError(503, "no decode engine is available" + (
-                f" (directory: {self._routes_error})" if self._routes_error else ""), code="no_decode_engine")
-        route = Route(decode_id)
-        with DecodeCharge(self.decode_load[decode_id], estimate + req.max_tokens) as charge:
-            short = bool(self.settings.short_prompt_tokens) and estimate < self.settings.short_prompt_tokens
-            if not short:
-                stream = await self._remote_attempts(route, req, routes, estimate, charge)
-                if stream is not None:
-                    return stream
-            return await self._local(route, req, short, charge)
+        failed_decodes: set[str] = set()
+        while True:
+            decode_id = self.pick_decode(routes, failed_decodes)
+            if decode_id is None:
+                self.counters["rejected_no_decode"] += 1
+                raise RouteError(503, "no decode engine is available" + (
+                    f" (directory: {self._routes_error})" if self._routes_error else ""), code="no_decode_engine")
+            route = Route(decode_id, decode_generation=routes.generations.get(decode_id))
+            try:
+                with DecodeCharge(self.decode_load[decode_id], estimate + req.max_tokens) as charge:
+                    short = bool(self.config.short_prompt_tokens) and estimate < self.config.short_prompt_tokens
+                    if not short:
+                        stream = await self._remote_attempts(route, req, routes, estimate, charge)
+                        if stream is not None:
+                            return stream
+                    return await self._local(route, req, short, charge)
+            except EngineUnavailable as exc:  # the decode engine died before any output: another one
+                logger.warning("%s: decode engine %s unavailable before the first token: %s",
+                               req.request_id, decode_id, exc)
+                failed_decodes.add(decode_id)
+                routes = await self.routes(force=True)
 
-    async def _remote_attempts(self, route: Route, req: EngineRequest, routes: dict[str, list[str]],
+    async def _remote_attempts(self, route: Route, req: EngineRequest, routes: RouteTable,
                                estimate: int, charge: DecodeCharge) -> RoutedStream | None:
         """Prefill on a usable prefill engine (retried once elsewhere); None when none succeeded."""
         tried: set[str] = set()
-        while route.attempts < 1 + self.settings.prefill_retries:
-            prefill_id = self.pick_prefill(route.decode_id, routes, tried)
+        while route.attempts < 1 + self.config.prefill_retries:
+            prefill_id = await self.pick_prefill(route.decode_id, routes, tried)
             if prefill_id is None:
                 return None
             tried.add(prefill_id)
@@ -235,7 +235,7 @@ class Router:
             route.prefill_id = prefill_id
             out = await self._prefill(route, engine_req, estimate)
             if out is not None:
-                return self._continuation(route, engine_req, out, req.request_id, charge)
+                return self._continuation(route, req, engine_req, out, charge)
         return None
 
     async def _local(self, route: Route, req: EngineRequest, short: bool, charge: DecodeCharge) -> RoutedStream:
@@ -246,7 +246,7 @@ class Router:
             self.counters["short_prompt_local"] += 1
         else:
             reason = "prefill_failed" if route.failures else "no_prefill_engine"
-            if self.settings.no_prefill_fallback != "decode_local":
+            if self.config.no_prefill_fallback != "decode_local":
                 self.counters["rejected_no_prefill"] += 1
                 why = "; ".join(route.failures) or "no compatible prefill engine with a closed breaker"
                 raise RouteError(503, f"no prefill engine is available for decode engine {route.decode_id}: {why}",
@@ -259,21 +259,21 @@ class Router:
         if first.failed_before_output:  # a local run has no transfer to fail: the engine failed
             self.close_gen(gen)
             raise RouteError(503, f"decode engine {route.decode_id} failed: {first.error}", code="engine_error")
-        return RoutedStream(self, req.request_id, engine_req.request_id, route, gen, first, charge)
+        return RoutedStream(self, req, engine_req.request_id, route, gen, first, charge)
 
     @staticmethod
     def _attempt_id(request_id: str, attempt: int) -> str:
         return request_id if attempt == 1 else f"{request_id}-retry{attempt - 1}"
 
     async def _prefill(self, route: Route, req: EngineRequest, estimate: int) -> PrefillResult | None:
-        """Run the prompt on route.prefill_id; its result, or None after a failure (recorded)."""
+        """Run the prompt on route.prefill_id; its result, or None after an engine failure (reported)."""
         p, d = route.prefill_id, route.decode_id
         load = self.prefill_load[p]
         load.requests += 1
         load.tokens += estimate
         try:
             return await self.prefills[p].prefill(req)
-        except RequestRejected as exc:
+        except RequestRejected as exc:  # the client's mistake: no retry, no breaker
             raise RouteError(400, str(exc), type="invalid_request_error", code="invalid_prompt") from None
         except asyncio.CancelledError:
             self.abort_prefill(route, req.request_id)
@@ -283,15 +283,26 @@ class Router:
             logger.warning("%s: %s", req.request_id, msg)
             route.failures.append(msg)
             self.prefill_failures[p] += 1
-            self.breaker(d, p).record_failure()
+            self._report_prefill_failure(d, p, str(exc))
             self.abort_prefill(route, req.request_id)
             return None
         finally:
             load.requests -= 1
             load.tokens -= estimate
 
+    def _report_prefill_failure(self, decode_id: str, prefill_id: str, reason: str) -> None:
+        try:
+            self.directory.prefill_failed(decode_id, prefill_id, reason)
+        except Exception as exc:  # noqa: BLE001 - the ledger being away must not fail the request
+            logger.info("reporting a prefill failure of %s: %s", prefill_id, exc)
+        self.invalidate_routes()
+
+    def invalidate_routes(self) -> None:
+        """An outcome was reported that may move a breaker: the next request asks the directory."""
+        self._stale = True
+
     async def _first_chunk(self, route: Route, req: EngineRequest, gen: AsyncIterator[TokenChunk]) -> TokenChunk:
-        """The decode stream's first chunk; engine errors before it become a `RouteError`."""
+        """The decode stream's first chunk; a refusal is a 400, a dead engine `EngineUnavailable`."""
         try:
             return await gen.__anext__()
         except StopAsyncIteration:
@@ -302,50 +313,48 @@ class Router:
             self.abort_decode(route.decode_id, req.request_id)
             self.close_gen(gen)
             raise
+        except EngineUnavailable:
+            self.close_gen(gen)
+            raise
         except Exception as exc:  # noqa: BLE001
             self.close_gen(gen)
             raise RouteError(503, f"decode engine {route.decode_id} failed: {exc}", code="engine_unavailable") from None
 
-    def _continuation(self, route: Route, req: EngineRequest, out: PrefillResult, client_id: str,
+    def _continuation(self, route: Route, req: EngineRequest, engine_req: EngineRequest, out: PrefillResult,
                       charge: DecodeCharge) -> RoutedStream:
-        """A stream whose first chunk is the prefill engine's token; the decode engine goes on."""
-        first = TokenChunk(req.request_id, out.first_token_ids, out.first_text,
+        """A stream whose first chunk is the prefill engine's token; the decode engine goes on
+        (and answers a failed pull per its `kv_load_failure_policy`)."""
+        first = TokenChunk(engine_req.request_id, out.first_token_ids, out.first_text,
                            num_prompt_tokens=out.num_prompt_tokens)
-        if req.max_tokens <= len(out.first_token_ids) or not out.needs_decode:
+        if engine_req.max_tokens <= len(out.first_token_ids) or not out.needs_decode:
             first = first.replace(finished=True, finish_reason=out.finish_reason or "length")
             if out.kv_transfer_params:  # nobody will read the KV: release the prefill engine's lease now
-                self.abort_prefill(route, req.request_id)
-            return RoutedStream(self, client_id, req.request_id, route, no_more_chunks(), first, charge)
-        gen = self._continue_decode(route, self.decodes[route.decode_id], out.continuation(req))
-        return RoutedStream(self, client_id, req.request_id, route, gen, first, charge)
+                self.abort_prefill(route, engine_req.request_id)
+            return RoutedStream(self, req, engine_req.request_id, route, no_more_chunks(), first, charge)
+        gen = self.decodes[route.decode_id].generate(out.continuation(engine_req))
+        return RoutedStream(self, req, engine_req.request_id, route, gen, first, charge,
+                            awaiting_transfer=True)
 
-    async def _continue_decode(self, route: Route, decode: EngineClient, dreq: EngineRequest
-                               ) -> AsyncIterator[TokenChunk]:
-        """Decode after a streamed first token; a failed pull continues locally (nothing is lost
-        or repeated: the decode engine recomputes the prompt and goes on from token two)."""
-        gen = decode.generate(dreq)
-        first = await gen.__anext__()
-        self._record_transfer(route, ok=not (first.failed_before_output or first.recomputed))
-        if first.failed_before_output:
-            self.fallbacks["transfer_failed"] += 1
-            route.failures.append(first.error or "KV transfer failed")
-            self.abort_prefill(route, dreq.request_id)
-            async for chunk in decode.generate(dreq.replace(kv_transfer_params=None)):
-                yield chunk
-            return
-        yield first
-        async for chunk in gen:
-            yield chunk
+    # ----------------------------------------------------------- migration
+    def generation_of(self, decode_id: str) -> int | None:
+        return self._routes.generations.get(decode_id) if self._routes else None
+
+    async def migration_target(self, failed: dict[str, int | None]) -> str | None:
+        """A live decode engine for a stream whose engine failed (`failed`: engine -> the
+        incarnation that failed): another one at once, else a restarted one (a new generation)
+        within `migration_wait_s`; None when none came."""
+        deadline = self.clock() + self.config.migration_wait_s
+        delay = 0.1
+        while True:
+            routes = await self.routes(force=True)
+            same = {d for d, gen in failed.items() if d in routes.decodes and routes.generations.get(d) == gen}
+            target = self.pick_decode(routes, same)
+            if target is not None or self.clock() >= deadline:
+                return target
+            await asyncio.sleep(delay)  # only while no decode engine is up (a failure mode)
+            delay = min(delay * 2, 1.0)
 
     # ------------------------------------------------------------ outcomes
-    def _record_transfer(self, route: Route, ok: bool) -> None:
-        b = self.breaker(route.decode_id, route.prefill_id)
-        if ok:
-            b.record_success()
-        else:
-            self.transfer_failures[(route.decode_id, route.prefill_id)] += 1
-            b.record_failure()
-
     def _spawn(self, coro: Any) -> None:
         try:
             task = asyncio.get_running_loop().create_task(coro)
@@ -382,7 +391,7 @@ class Router:
         routes = await self.routes()
         live = self.live_decodes(routes)
         pd_paths = {d: self.usable_prefills(d, routes) for d in live}
-        local_ok = bool(live) and (self.settings.no_prefill_fallback == "decode_local" or not self.prefills)
+        local_ok = bool(live) and (self.config.no_prefill_fallback == "decode_local" or not self.prefills)
         healthy = any(pd_paths.values()) or local_ok
         reason = None
         if not live:
@@ -390,10 +399,11 @@ class Router:
         elif not healthy:
             reason = "no compatible prefill engine with a closed breaker, and the fallback is reject"
         return {"healthy": healthy, "reason": reason, "decode_engines": live,
-                "pd_paths": {d: ps for d, ps in pd_paths.items()}, "decode_local": local_ok,
-                "directory_error": self._routes_error}
+                "pd_paths": pd_paths, "decode_local": local_ok, "directory_error": self._routes_error}
 
     async def refresh_engine_stats(self, timeout_s: float = 2.0) -> dict[str, dict]:
+        """Every engine's stats, and the routes (breakers) when the cached ones are old."""
+        await self.routes()
         engines = {**self.prefills, **self.decodes}
 
         async def one(eid: str, eng: EngineClient) -> tuple[str, dict]:
@@ -407,14 +417,16 @@ class Router:
         return self.engine_stats
 
     def snapshot(self) -> dict:
-        """Plain-dict view for `raypd status` and the metrics collector."""
+        """Plain-dict view for `raypd status` and the metrics collector (breakers: the ledger's)."""
+        routes = self._routes or RouteTable({})
         return {
             "decode_load": {d: vars(load).copy() for d, load in self.decode_load.items()},
             "prefill_load": {p: vars(load).copy() for p, load in self.prefill_load.items()},
-            "breakers": {f"{p}->{d}": b.snapshot() for (d, p), b in self.breakers.items()},
+            "breakers": {b.pair: asdict(b) for b in routes.breakers},
             "counters": dict(self.counters),
             "fallbacks": dict(self.fallbacks),
+            "migrations": dict(self.migrations),
             "transfer_failures": {f"{p}->{d}": n for (d, p), n in self.transfer_failures.items()},
             "prefill_failures": dict(self.prefill_failures),
-            "routes": self._routes or {},
+            "routes": {d: [r.prefill_id for r in rs] for d, rs in routes.decodes.items()},
         }

@@ -24,7 +24,7 @@ def ray_cluster():
 def coordinator(ray_cluster):
     from actors.coordinator import start_coordinator
 
-    handle = start_coordinator(check_interval_s=0.5, ping_timeout_s=5.0)
+    handle = start_coordinator(max_restarts=5)
     ray_cluster.get(handle.ping.remote())
     yield handle
     ray_cluster.kill(handle)

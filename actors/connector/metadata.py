@@ -4,7 +4,9 @@ Scheduler -> worker, once per engine step (`RayNixlMetadata`):
   recv     decode: requests whose prompt KV must be pulled now;
   send     prefill: requests whose blocks are now held for remote readers;
   abandon  decode: requests that will never pull (aborted before loading);
-           the worker tells their producers so they free at once.
+           the worker tells their producers so they free at once;
+  release  prefill: held requests nobody will read; the worker drops their
+           leases in this step, so vLLM frees the blocks.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class RayNixlMetadata(KVConnectorMetadata):
     recv: dict[str, RecvSpec] = field(default_factory=dict)
     send: dict[str, SendSpec] = field(default_factory=dict)
     abandon: dict[str, TransferParams] = field(default_factory=dict)
+    release: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -6,8 +6,14 @@ Life cycle of a request as this half sees it:
     request_finished     finished normally -> its blocks are held (delay free),
                          the worker gets them under a lease, and the transfer
                          params go back to the caller; aborted -> freed now;
-    worker finished_sending   the readers notified or the lease expired ->
-                         vLLM frees the blocks.
+    release              nobody will read it (the router or the ledger let go):
+                         the EngineActor submits an aborted request through
+                         vLLM's rejection hook whose params name it
+                         (`RELEASE_KEY`); its request_finished puts the id on
+                         the next step's release list, the workers drop the
+                         lease in that step;
+    worker finished_sending   the readers notified, the lease expired or was
+                         released -> vLLM frees the blocks.
   decode engine (params has do_remote_prefill)
     get_num_new_matched_tokens   the remote prompt tokens count as external,
                          loaded asynchronously (never the last token: vLLM
@@ -34,6 +40,9 @@ from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.connector")
 
+# kv_transfer_params of a release request (vLLM's `notify_kv_transfer_request_rejected`):
+# the vLLM id of the held prefill whose blocks must be freed now.
+RELEASE_KEY = "raypd_release"
 
 
 def _flat_block_ids(block_ids: Any) -> list[int]:
@@ -50,9 +59,10 @@ class ConnectorScheduler:
         self.block_size = block_size
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
-        self._pending_params: dict[str, TransferParams] = {}  # decode reqs not yet allocated
+        # decode requests not yet allocated: their params and the local prefix hit (tokens)
+        self._pending_params: dict[str, tuple[TransferParams, int]] = {}
         self._meta = RayNixlMetadata()
-        self.stats = {"held": 0, "loads": 0, "bad_params": 0, "abandoned": 0}
+        self.stats = {"held": 0, "loads": 0, "bad_params": 0, "abandoned": 0, "released": 0}
 
     # ---------------------------------------------------------------- decode
     def _params(self, request: Any) -> TransferParams | None:
@@ -78,15 +88,17 @@ class ConnectorScheduler:
         count = usable - num_computed_tokens
         if count <= 0:
             return 0, False
-        self._pending_params[request.request_id] = params
+        # vLLM calls update_state_after_alloc before it sets request.num_computed_tokens: keep
+        # the local prefix hit now, or cached blocks would be overwritten and later ones left unread
+        self._pending_params[request.request_id] = (params, num_computed_tokens)
         return count, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        params = self._pending_params.pop(request.request_id, None)
-        if params is None or num_external_tokens <= 0:
+        pending = self._pending_params.pop(request.request_id, None)
+        if pending is None or num_external_tokens <= 0:
             return
+        params, computed = pending  # tokens the local prefix cache already holds
         local_ids = list(blocks.get_block_ids()[0])
-        computed = request.num_computed_tokens
         end = computed + num_external_tokens
         # With DCP a block id covers block_size tokens on each of dcp ranks.
         local_span, remote_span = self.block_size * self.dcp_size, params.block_size * params.dcp_size
@@ -114,9 +126,15 @@ class ConnectorScheduler:
         if not raw:
             return False, None
         req_id = request.request_id
+        release = raw.get(RELEASE_KEY)
+        if release:
+            self._meta.release.add(str(release))
+            self.stats["released"] += 1
+            return False, None
         if raw.get("do_remote_prefill"):
             # Finished (aborted) before it ever pulled: let the producer free now.
-            params = self._pending_params.pop(req_id, None)
+            pending = self._pending_params.pop(req_id, None)
+            params = pending[0] if pending is not None else None
             if params is None:
                 try:
                     params = TransferParams.parse(raw)

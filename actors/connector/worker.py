@@ -14,7 +14,8 @@ the synthetic engine drives:
                        the coordinator (no Ray client in vLLM processes);
   start_load_kv        metadata of this step: hold sent blocks under leases,
                        start the pulls of new loads (`TransferParams.pull_request`),
-                       notify producers of abandoned loads;
+                       notify producers of abandoned loads, free the leases of
+                       the release list (prefills nobody will read);
   get_transfer_results one `RankTransfer.step()`: finished and failed pulls,
                        released and expired leases. Peers' READs of this
                        rank's KV do not wait for it: NIXL's progress thread
@@ -226,6 +227,8 @@ class ConnectorWorker:
             return
         for req_id, send in meta.send.items():
             self.xfer.hold(req_id, send.block_ids, send.ttl_s)
+        for req_id in meta.release:  # unread prefills: freed now, reported sent by this step's results
+            self.xfer.release(req_id)
         for req_id, recv in meta.recv.items():
             self._start(req_id, recv)
         for req_id, params in meta.abandon.items():

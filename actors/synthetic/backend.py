@@ -9,7 +9,7 @@ is an error, never an answer.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from actors.engine_config import EngineConfig
 from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
@@ -32,14 +32,16 @@ class SyntheticBackend:
         self.engine: SyntheticEngine | None = None
         self._decoding: set[str] = set()
 
-    async def start(self, coordinator: Any) -> None:
+    async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]] | None = None) -> None:
         # Registration is done by the EngineActor (it adds itself as a liveness handle).
         self.engine = SyntheticEngine(self.engine_id, self.cfg.role, self.model, self.shape, coordinator,
                                       lease_ttl_s=self.cfg.lease_ttl_s, read_timeout_s=self.cfg.read_timeout_s,
-                                      register=False, fault_rate=self.cfg.fault_rate)
+                                      register=False, fault_rate=self.cfg.fault_rate,
+                                      on_new_incarnation=on_new_incarnation)
         await self.engine.start()
 
-    def handshakes(self) -> list[bytes]:
+    async def handshakes(self) -> list[bytes]:
+        await self.engine.ready()  # not while a rank is being replaced
         return list(self.engine.handshakes)
 
     def liveness_handles(self) -> list[Any]:
@@ -49,10 +51,19 @@ class SyntheticBackend:
         return ModelInfo(backend="synthetic", max_model_len=self.cfg.max_model_len,
                          vocab_size=self.model.vocab_size)
 
+    def coordinator_changed(self, coordinator: Any) -> None:
+        self.engine.coordinator = coordinator
+
+    def dead_reason(self) -> str | None:
+        return self.engine.dead if self.engine is not None else None
+
     def _tokens(self, req: EngineRequest) -> list[int]:
         tokens = list(req.prompt_token_ids)
         if not tokens:
             raise EngineRequestError("the prompt is empty")
+        bad = next((t for t in tokens if not 0 <= t < self.model.vocab_size), None)
+        if bad is not None:
+            raise EngineRequestError(f"token id {bad} is out of vocabulary (size {self.model.vocab_size})")
         if len(tokens) + req.max_tokens > self.cfg.max_model_len:
             raise EngineRequestError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds "
@@ -134,7 +145,8 @@ class SyntheticBackend:
         return {"free_blocks": s["free_blocks"], "num_blocks": s["num_blocks"],
                 "held_leases": s["held_requests"], "decoding": len(self._decoding),
                 "transfer_bytes": sum(r.get("bytes_posted", 0) for r in ranks),
-                "handshakes": sum(r.get("handshakes", 0) for r in ranks)}
+                "handshakes": sum(r.get("handshakes", 0) for r in ranks),
+                "child_pids": s["rank_pids"], "rank_incarnation": s["incarnation"]}
 
     async def shutdown(self) -> None:
         if self.engine is not None:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import ray
 
+from actors.protocol import EngineRequestError
 from serving.front import create_app
 from serving.config import DeploymentConfig
 from serving.launcher import launch, shutdown_deployment
@@ -94,18 +95,22 @@ def test_client_supplied_transfer_params_never_reach_an_engine(service):
     assert (r.status_code, r.json()["error"]["param"]) == (400, "kv_transfer_params"), r.text
 
 
+# (case, the forged fields, what happens: "refused" by the decode engine's validation before anything
+# moves, a 400 for a client; "failed": valid in form, the pull fails and the `fail` policy ends the
+# request with an error chunk and no token)
 FORGED = [
-    ("unknown engine id", {"remote_engine_id": "no-such-engine"}),
-    ("out-of-range block ids", {"remote_block_ids": [10**6] * 3}),
-    ("negative token count", {"num_tokens": -4}),
-    ("wrong tp size", {"tp_size": 3}),
-    ("dcp without tp", {"dcp_size": 2}),
-    ("block ids of the wrong type", {"remote_block_ids": "1,2,3"}),
+    ("unknown engine id", {"remote_engine_id": "no-such-engine"}, "failed"),
+    ("too few block ids for the tokens", {"remote_block_ids": [10**6] * 3}, "refused"),
+    ("out-of-range block ids", {"remote_block_ids": [10**6] * 8}, "failed"),
+    ("negative token count", {"num_tokens": -4}, "refused"),
+    ("wrong tp size", {"tp_size": 3}, "failed"),
+    ("dcp without tp", {"dcp_size": 2}, "refused"),
+    ("block ids of the wrong type", {"remote_block_ids": "1,2,3"}, "refused"),
 ]
 
 
-@pytest.mark.parametrize("name, change", FORGED, ids=[c[0] for c in FORGED])
-def test_forged_transfer_params_at_the_actor_api_never_produce_an_answer(service, name, change):
+@pytest.mark.parametrize("name, change, outcome", FORGED, ids=[c[0] for c in FORGED])
+def test_forged_transfer_params_at_the_actor_api_never_produce_an_answer(service, name, change, outcome):
     dep = service["dep"]
     (prefill,) = dep.prefills.values()
     (decode,) = dep.decodes.values()
@@ -116,17 +121,17 @@ def test_forged_transfer_params_at_the_actor_api_never_produce_an_answer(service
         pre = await prefill.prefill.remote(req)
         forged = pre.continuation(req).replace(request_id=f"forge-{name}-d",
                                                kv_transfer_params={**pre.kv_transfer_params, **change})
-        chunks = []
         try:
-            chunks = await collect(decode, forged)
-        except ray.exceptions.RayTaskError as exc:
-            assert "EngineRequestError" in str(exc) or "kv_transfer_params" in str(exc)
+            if outcome == "refused":
+                with pytest.raises(ray.exceptions.RayTaskError, match="invalid kv_transfer_params") as err:
+                    await collect(decode, forged)
+                assert isinstance(err.value.cause, EngineRequestError)  # a 400 at the front, never a 5xx
+            else:
+                chunks = await collect(decode, forged)
+                assert chunks[-1].finish_reason == "error" and chunks[-1].error, chunks[-1]
+                assert not any(c.token_ids for c in chunks)  # never tokens from KV it could not verify
+        finally:
             await prefill.abort.remote(f"forge-{name}")
-            return
-        # accepted at the boundary, then the transfer itself failed: an error, never tokens
-        assert chunks[-1].finish_reason == "error" and chunks[-1].error, chunks[-1]
-        assert not any(c.token_ids for c in chunks)
-        await prefill.abort.remote(f"forge-{name}")
 
     asyncio.run(go())
     assert httpx.get(service["url"] + "/health").status_code == 200

@@ -68,36 +68,38 @@ def test_killed_prefill_rank_fails_its_transfer_in_bounded_time_and_others_keep_
     asyncio.run(go())
 
 
-def test_dead_engine_is_unregistered_and_a_restart_gets_a_fresh_handshake(coordinator):
+def test_a_killed_rank_restarts_and_its_engine_rejoins_with_a_fresh_handshake(coordinator):
     async def go():
         p, d = await engines(coordinator, ("rs-P", "prefill", 1), ("rs-D", "decode", 1))
         try:
             out = await d.decode("a", await p.prefill("a", PROMPT), PROMPT)
             assert out["mismatches"] == 0
             old_agent = (await p.rank_stats())[0]["agent"]
-            ray.kill(p.ranks[0])
-            deadline = time.monotonic() + 15
+            old_generation = {e["engine_id"]: e for e in await coordinator.engines.remote()}["rs-P"]["generation"]
+            held = await p.prefill("held", PROMPT)  # blocks held for a reader when the rank dies
+            assert p.pool.num_free < p.pool.num_blocks
+            os.kill(await p.ranks[0].pid.remote(), signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            now = {}
             while time.monotonic() < deadline:
-                ids = {e["engine_id"] for e in await coordinator.engines.remote()}
-                if "rs-P" not in ids:
+                now = {e["engine_id"]: e for e in await coordinator.engines.remote()}
+                if now.get("rs-P", {}).get("generation", old_generation) != old_generation:
                     break
-                await asyncio.sleep(0.2)
-            assert "rs-P" not in ids, "the coordinator must notice a dead engine"
-            events = await coordinator.recent_events.remote()
-            assert any(e["event"] == "removed" and e["engine_id"] == "rs-P" for e in events)
-            await asyncio.sleep(0.5)  # the drop notice reaches the decode ranks
-            assert (await d.rank_stats())[0]["peers"] == 0, "decode ranks must drop the dead engine's agents"
-            (p_new,) = await engines(coordinator, ("rs-P", "prefill", 1))  # same id, new process
-            try:
-                out = await d.decode("b", await p_new.prefill("b", PROMPT), PROMPT)
-                assert out["mismatches"] == 0
-                assert (await p_new.rank_stats())[0]["agent"] != old_agent
-                assert await settle(p_new)
-            finally:
-                await p_new.shutdown()
+                await asyncio.sleep(0.1)
+            assert now["rs-P"]["generation"] > old_generation, "the engine must rejoin as a new incarnation"
+            events = [e for e in await coordinator.recent_events.remote() if e["engine_id"] == "rs-P"]
+            assert any(e["event"] == "removed" and "died" in e["reason"] for e in events), events
+            assert p.pool.num_free == p.pool.num_blocks  # the dead rank's held blocks were freed
+            assert (await d.rank_stats())[0]["peers"] == 0, "decode ranks must drop the dead incarnation's agents"
+            with pytest.raises(TransferFailed):  # the old params name the dead incarnation's blocks
+                await d.decode("stale", held, PROMPT, timeout_s=15)
+            out = await d.decode("b", await p.prefill("b", PROMPT), PROMPT)  # a fresh handshake
+            assert out["mismatches"] == 0
+            assert (await p.rank_stats())[0]["agent"] != old_agent
+            assert await settle(p)
         finally:
-            p.closed = True  # its rank is dead; only the decode side needs a clean shutdown
-            await d.shutdown()
+            for e in (p, d):
+                await e.shutdown()
 
     asyncio.run(go())
 
@@ -141,11 +143,56 @@ def test_failed_transfers_open_the_pair_breaker_in_the_ledger(coordinator):
             while "br-P" in await coordinator.compatible_prefills.remote("br-D") and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             assert "br-P" not in await coordinator.compatible_prefills.remote("br-D")
-            state = (await coordinator.transfers.remote())["breakers"]["br-P->br-D"]
-            assert state["state"] == "open"
+            state = {b.pair: b for b in (await coordinator.transfers.remote()).breakers}["br-P->br-D"]
+            assert state.state == "open" and state.last_reason == "KV pull failed"
             assert p.pool.num_free == p.pool.num_blocks and d.pool.num_free == d.pool.num_blocks
         finally:
             for e in (p, d):
                 await e.shutdown()
 
     asyncio.run(go())
+
+
+def test_a_decode_rank_killed_between_reporting_and_the_verdict_yields_exactly_one_verdict(coordinator):
+    """Decode rank 0 has read (and reported) its share, rank 1's READ is still in flight when
+    rank 0 is killed: the step is salvaged (`unit_died`), the verdict completes at once, once."""
+
+    async def go():
+        p, d = await engines(coordinator, ("sv-P", "prefill", 2), ("sv-D", "decode", 2))
+        try:
+            out = await d.decode("warm", await p.prefill("warm", PROMPT), PROMPT)  # handshakes done
+            assert out["mismatches"] == 0
+            await p.wait_released("warm")
+            p.pump_interval_s = 3600  # P's ranks stop progressing: READs from them stay in flight
+            await asyncio.sleep(0.05)
+            params = await p.prefill("r", PROMPT)
+            await coordinator.open_handoff.remote("r", "sv-P", "sv-D")
+            before = (await coordinator.transfers.remote()).verdicts
+            pull = asyncio.ensure_future(d.decode("r", params, PROMPT, timeout_s=60))
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # let only P's rank 0 progress: D's rank 0 finishes
+                await p.ranks[0].poll.remote()
+                if (await coordinator.transfers.remote()).awaiting_units.get("r") == 1:
+                    break  # one of D's two ranks reported; the verdict waits for the other
+                await asyncio.sleep(0.01)
+            assert not pull.done(), "rank 1's read must still be in flight"
+            t0 = time.monotonic()
+            os.kill(await d.ranks[0].pid.remote(), signal.SIGKILL)  # the rank that reported
+            with pytest.raises(TransferFailed, match="died mid-pull"):
+                await pull
+            took = time.monotonic() - t0
+            ledger = await coordinator.transfers.remote()
+            events = [e["event"] for e in await coordinator.recent_events.remote() if e["engine_id"] == "sv-D"]
+            return took, before, ledger, events
+        finally:
+            await p.abort("r")
+            for e in (p, d):
+                await e.shutdown()
+
+    took, before, ledger, events = asyncio.run(go())
+    assert took < 5.0  # no waiting for a read timeout or the handoff deadline
+    assert "unit_died" in events
+    assert ledger.in_flight == 0  # nothing left to expire later
+    assert ledger.verdicts["failed"] - before["failed"] == 1 and ledger.verdicts["ok"] == before["ok"]
+    assert ledger.verdicts["expired"] == before["expired"]
+

@@ -86,8 +86,10 @@ async def reference(url: str) -> dict[str, str]:
 
 def test_soak_concurrent_streams(service):
     url, dep = service["url"], service["dep"]
-    pids = ray.get([h.pid.remote() for h in dep.engines.values()]) if all(
-        hasattr(h, "pid") for h in dep.engines.values()) else []
+    # every process of every engine: the engine actors and their rank actors
+    pids = [pid for s in ray.get([h.stats.remote() for h in dep.engines.values()])
+            for pid in (s["pid"], *s["child_pids"])]
+    assert len(pids) == len(dep.engines) + 1 + 2  # prefill TP=1 + decode TP=2 rank actors
     want = asyncio.run(reference(url))
 
     async def round_():
@@ -111,5 +113,4 @@ def test_soak_concurrent_streams(service):
             assert s["held_leases"] == 0, (eid, s)
         rss.append(sum(rss_mb(p) for p in pids))
         print(f"soak round: {CONCURRENCY} streams in {elapsed:.1f}s, engine RSS {rss[-1]:.0f} MB")
-    if pids:
-        assert rss[1] < rss[0] * 1.15 + 50, f"engine memory grew: {rss}"
+    assert rss[1] < rss[0] * 1.15 + 50, f"engine memory (actors and rank actors) grew: {rss}"

@@ -67,7 +67,8 @@ def main(backend: str) -> int:
             prefill_ranks=len(p_place["rank_nodes"]),
         )
         port = free_port()
-        with UvicornThread(create_app(cfg, build_router(cfg, dep), served_model_of(dep)), port):
+        router = build_router(cfg, dep)
+        with UvicornThread(create_app(cfg, router, served_model_of(dep)), port):
             model = cfg.served_model_name
             body = ({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                      "max_tokens": 16, "temperature": 0})
@@ -77,6 +78,11 @@ def main(backend: str) -> int:
             stats = ray.get(d.stats.remote())
             result["decode_pulls"] = stats.get("kv_pulls", None)
             result["recomputed"] = stats.get("recomputed", 0)
+            # the P/D path, not the decode-local fallback: the prefill engine ran the prompt, the
+            # decode engine continued, and no transfer failed
+            result["prefill_requests"] = ray.get(p.stats.remote())["requests"]
+            result["fallbacks"] = dict(router.fallbacks)
+            result["transfer_failures"] = sum(router.transfer_failures.values())
         shutdown_deployment(cfg.name)
         time.sleep(1)
         result["placement_groups_left"] = [

@@ -25,6 +25,8 @@ def check(result: dict) -> None:
     assert result["prefill_ranks_on_a"] and result["decode_ranks_on_b"], result
     assert result["coordinator_on_head"], result
     assert result["status"] == 200, result
+    assert result["prefill_requests"] == 1 and result["fallbacks"] == {}, result  # P/D, not the fallback
+    assert result["transfer_failures"] == 0 and result["recomputed"] == 0, result
     assert result["placement_groups_left"] == [], result
 
 

@@ -158,3 +158,16 @@ def test_a_refused_ray_token_is_recognised_through_ray_inits_wrapping():
     assert _refused_token(wrapped(RuntimeError("Failed to connect to GCS. Last connection error: ... "
                                                "AuthenticationError: RPC error: InvalidAuthToken: ...")))
     assert not _refused_token(wrapped(RuntimeError("Failed to connect to GCS: connection refused")))
+
+
+def test_status_prints_the_ledgers_breakers(capsys):
+    from serving.cli_status import print_status
+
+    status = {"deployment": "d", "coordinator": "up", "engines": {}, "serve": None,
+              "breakers": {"d-prefill-0->d-decode-0": {"state": "open", "failures": 3, "opened_count": 2,
+                                                       "last_reason": "engine d-prefill-0 died: actor died"}}}
+    print_status(status, None)
+    out = capsys.readouterr().out
+    assert "held by the coordinator's ledger" in out
+    assert "d-prefill-0->d-decode-0" in out and "open" in out and "failures=3" in out and "opened=2" in out
+    assert "last: engine d-prefill-0 died: actor died" in out

@@ -28,8 +28,9 @@ class EveryFamilyRouter:
 
     def snapshot(self) -> dict:
         return {"prefill_load": {"p0": {"requests": 0, "tokens": 0}}, "decode_load": {"d0": {"requests": 0, "tokens": 0}},
-                "breakers": {"p0->d0": {"state": "closed", "opened_count": 1}}, "transfer_failures": {"p0->d0": 1},
-                "prefill_failures": {"p0": 1}, "fallbacks": {"no_prefill_engine": 1},
+                "breakers": {"p0->d0": {"state": "closed", "failures": 1, "opened_count": 1}},
+                "transfer_failures": {"p0->d0": 1}, "prefill_failures": {"p0": 1},
+                "fallbacks": {"no_prefill_engine": 1}, "migrations": {"decode_died": 1},
                 "counters": {"prefill_retries": 1, "aborted": 1}}
 
 

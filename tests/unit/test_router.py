@@ -1,4 +1,5 @@
-"""Router: engine selection, breakers, fallbacks, retry-once, no retry after streaming, aborts (fakes, no Ray)."""
+"""Router: engine selection, the ledger's breakers, fallbacks, retry-once, client errors, migration,
+policies, aborts (fakes, no Ray; the directory fake wraps a real TransferLedger like the coordinator)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import asyncio
 
 import pytest
 
+from actors.kv.aggregator import KVConnectorOutput
+from actors.ledger import BreakerConfig, PrefillRoute, RouteTable, TransferLedger
 from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
+from serving.config import RouterConfig
 from serving.router import (
     EngineUnavailable,
     RequestRejected,
     RouteError,
     Router,
-    RouterSettings,
 )
 
 
@@ -28,7 +31,12 @@ ERROR = TokenChunk("x", finished=True, finish_reason="error", error="KV transfer
 
 
 class FakeEngine:
-    """A prefill/decode engine; behaviour is set per instance (or per call via queues)."""
+    """A prefill/decode engine; behaviour is set per instance.
+
+    Decode tokens are their positions in the answer ("t<pos>"; the prefill engine's first
+    token is position 0), so a resumed stream (`num_resumed_tokens`) continues exactly
+    where the uninterrupted one would be, as a greedy model does.
+    """
 
     def __init__(self, engine_id, tokens=None, prefill_error=None, first_chunk=None, fail_after=None,
                  recomputed=False, gate=None):
@@ -36,9 +44,10 @@ class FakeEngine:
         self.tokens = tokens  # None: as many as max_tokens asks
         self.prefill_error = prefill_error  # exception raised by prefill()
         self.first_chunk = first_chunk  # a TokenChunk replacing the first chunk (e.g. an error chunk)
-        self.fail_after = fail_after  # raise EngineUnavailable after this many tokens
+        self.fail_after = fail_after  # raise EngineUnavailable(died) after this many tokens
         self.recomputed = recomputed
         self.gate = gate  # asyncio.Event awaited before answering
+        self.ledger = None  # set by make(): decode engines report transfer verdicts like real ones
         self.prefills: list[EngineRequest] = []
         self.generates: list[EngineRequest] = []
         self.aborted: list[str] = []
@@ -50,23 +59,33 @@ class FakeEngine:
         if self.prefill_error is not None:
             raise self.prefill_error
         params = {"remote_engine_id": self.engine_id, "remote_block_ids": [1]} if req.max_tokens > 1 else None
-        return PrefillResult((7, 8, 9), (42,), " first", "length", params)
+        return PrefillResult(req.prompt_token_ids, (0,), " first", "length", params)
 
     async def generate(self, req):
         self.generates.append(req)
         if self.gate is not None:
             await self.gate.wait()
         rid = req.request_id
+        params = req.kv_transfer_params
+        if params and self.ledger is not None:
+            self.ledger.open(rid, params["remote_engine_id"], self.engine_id)
+            failed = self.recomputed or (self.first_chunk is not None and self.first_chunk.failed)
+            self.ledger.report(self.engine_id, [KVConnectorOutput(finished_recving={rid},
+                                                                  failed_recving={rid} if failed else set(),
+                                                                  expected_finished_count=1)])
         if self.first_chunk is not None:
             yield self.first_chunk.replace(request_id=rid)
             return
+        prompt = req.prompt_token_ids or (1, 2, 3)
         n = req.max_tokens if self.tokens is None else self.tokens
         for i in range(n):
             if self.fail_after is not None and i == self.fail_after:
-                raise EngineUnavailable("actor died")
+                raise EngineUnavailable("actor died", died=True)
+            pos = req.num_resumed_tokens + i
             last = i == n - 1
-            yield TokenChunk(rid, (i,), f" t{i}", finished=last, finish_reason="length" if last else None,
-                             recomputed=self.recomputed and i == 0, num_prompt_tokens=5)
+            yield TokenChunk(rid, (pos,), f" t{pos}", finished=last, finish_reason="length" if last else None,
+                             recomputed=self.recomputed and i == 0,
+                             num_prompt_tokens=len(prompt) - req.num_resumed_tokens)
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
@@ -76,16 +95,35 @@ class FakeEngine:
 
 
 class FakeDirectory:
-    def __init__(self, routes):
-        self.routes_value = routes
+    """The coordinator's view: compatible pairs, live engines, and the ledger's breakers."""
+
+    def __init__(self, routes, clock):
+        self.routes_value = routes  # decode -> compatible prefills (live engines only)
+        self.ledger = TransferLedger(BreakerConfig(failure_threshold=2, cooldown_s=10.0, probe_window_s=5.0),
+                                     clock=clock)
+        self.generations: dict[str, int] = {}
         self.calls = 0
+        self.probes = 0
         self.error = None
 
     async def routes(self):
         self.calls += 1
         if self.error:
             raise self.error
-        return self.routes_value
+        led = self.ledger
+        return RouteTable({d: tuple(PrefillRoute(p, led.route_state(d, p)) for p in ps if not led.is_open(d, p))
+                           for d, ps in self.routes_value.items()}, led.pair_states(),
+                          {d: self.generations.get(d, 1) for d in self.routes_value})
+
+    async def admit_probe(self, decode_id, prefill_id):
+        self.probes += 1
+        return self.ledger.admit_probe(decode_id, prefill_id)
+
+    def prefill_failed(self, decode_id, prefill_id, reason):
+        self.ledger.prefill_failed(decode_id, prefill_id, reason)
+
+    def state(self, decode_id, prefill_id):
+        return self.ledger.route_state(decode_id, prefill_id)
 
 
 def make(prefills=("p0", "p1"), decodes=("d0",), routes=None, clock=None, **settings):
@@ -93,10 +131,12 @@ def make(prefills=("p0", "p1"), decodes=("d0",), routes=None, clock=None, **sett
     ds = {d: FakeEngine(d) for d in decodes}
     if routes is None:
         routes = {d: list(prefills) for d in decodes}
-    directory = FakeDirectory(routes)
-    s = RouterSettings(**{"breaker_failure_threshold": 2, "breaker_cooldown_s": 10.0,
-                          "breaker_probe_window_s": 5.0, **settings})
-    router = Router(ps, ds, directory, s, clock=clock or FakeClock())
+    clock = clock or FakeClock()
+    directory = FakeDirectory(routes, clock)
+    for d in ds.values():
+        d.ledger = directory.ledger
+    settings.setdefault("migration_wait_s", 0.0)
+    router = Router(ps, ds, directory, RouterConfig(**settings), clock=clock)
     return router, ps, ds, directory
 
 
@@ -111,6 +151,10 @@ async def collect(stream):
     return chunks
 
 
+def texts(chunks):
+    return [c.text for c in chunks]
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -118,15 +162,15 @@ def run(coro):
 # ------------------------------------------------------------------ selection
 def test_pd_path_passes_transfer_params_and_streams_every_token():
     async def go():
-        router, ps, ds, _ = make()
+        router, ps, ds, directory = make()
         stream = await router.open(req())
         chunks = await collect(stream)
-        assert [c.text for c in chunks] == [" first", " t0", " t1"]
+        assert texts(chunks) == [" first", " t1", " t2"]
         assert stream.prefill_id == "p0" and stream.route.path == "pd"
         sent = ds["d0"].generates[0]
         assert sent.kv_transfer_params["remote_engine_id"] == "p0"
         assert ps["p0"].prefills[0].request_id == "r1"
-        assert router.breaker("d0", "p0").snapshot()["consecutive_failures"] == 0
+        assert directory.state("d0", "p0") == "closed" and directory.ledger.verdicts["ok"] == 1
         await router.drain()
         assert ds["d0"].aborted == [] and ps["p0"].aborted == []  # finished: nothing to abort
         assert router.decode_load["d0"].requests == 0 and router.decode_load["d0"].tokens == 0
@@ -198,59 +242,76 @@ def test_dead_decode_engine_is_not_chosen_and_none_alive_is_503():
     run(go())
 
 
-# ------------------------------------------------------------------ breakers
-def test_open_breaker_is_skipped_then_probed_after_cooldown():
+# ------------------------------------------------------------------ breakers (the ledger's)
+def test_open_breaker_is_skipped_then_one_probe_after_cooldown():
     async def go():
         clock = FakeClock()
-        router, ps, _, _ = make(clock=clock, prefill_retries=0)
+        router, ps, _, directory = make(clock=clock, prefill_retries=0)
         ps["p0"].prefill_error = EngineUnavailable("boom")
-        for i in range(2):  # threshold 2: two failed prefills on p0 open its breaker
+        for i in range(2):  # threshold 2: two failed prefills on p0, reported to the ledger, open it
             s = await router.open(req(f"f{i}"))
             assert s.route.path == "fallback"  # retries=0: straight to the decode-local fallback
             await collect(s)
-        assert router.breaker("d0", "p0").state == "open"
+        assert directory.state("d0", "p0") == "open"
+        assert {b.pair: b for b in directory.ledger.pair_states()}["p0->d0"].last_reason == "prefill failed: boom"
         s = await router.open(req("ok"))
         assert s.prefill_id == "p1"
         await collect(s)
         ps["p0"].prefill_error = None
-        clock.t += 10.0  # cooldown over: the next request probes p0 (least loaded and first)
-        s = await router.open(req("probe"))
-        assert s.prefill_id == "p0"
+        clock.t += 10.0  # cooldown over
+        s = await router.open(req("stale"))  # the expired view is served while it refreshes in the background
+        assert s.prefill_id == "p1"
         await collect(s)
-        assert router.breaker("d0", "p0").state == "closed"
+        await router.drain()
+        s = await router.open(req("probe"))  # the refreshed view: the ledger offers the probe, won once
+        assert s.prefill_id == "p0" and directory.probes == 1
+        await collect(s)  # the decode engine's verdict closes the breaker
+        assert directory.state("d0", "p0") == "closed"
 
     run(go())
 
 
-def test_transfer_failure_feeds_the_breaker_and_the_prefill_blocks_are_released():
+def test_probe_taken_elsewhere_is_not_taken_twice():
     async def go():
-        router, ps, ds, _ = make()
-        orig = ds["d0"].generate
+        clock = FakeClock()
+        router, ps, _, directory = make(clock=clock, prefills=("p0",))
+        for _ in range(2):
+            directory.ledger.prefill_failed("d0", "p0", "x")
+        clock.t += 10.0
+        assert directory.ledger.admit_probe("d0", "p0")  # another router (replica) won the probe
+        await router.routes(force=True)
+        s = await router.open(req())
+        assert s.route.path == "fallback" and ps["p0"].prefills == []
+        await collect(s)
 
-        def flaky(r):  # the pull fails before any decode token
-            ds["d0"].first_chunk = ERROR if r.kv_transfer_params else None
-            return orig(r)
+    run(go())
 
-        ds["d0"].generate = flaky
+
+def test_fail_policy_ends_the_stream_after_the_first_token():
+    async def go():
+        router, ps, ds, directory = make()
+        ds["d0"].first_chunk = ERROR  # the decode engine's pull failed and its policy is `fail`
         s = await router.open(req())
         chunks = await collect(s)
-        assert [c.text for c in chunks] == [" first", " t0", " t1"]  # continued locally
+        assert texts(chunks) == [" first", ""] and chunks[-1].failed and "KV transfer failed" in chunks[-1].error
+        assert len(ds["d0"].generates) == 1  # not continued anywhere: the policy said fail
         assert router.transfer_failures[("d0", "p0")] == 1
-        assert router.breaker("d0", "p0").consecutive_failures == 1
+        assert {b.pair: b for b in directory.ledger.pair_states()}["p0->d0"].failures == 1
         await router.drain()
         assert ps["p0"].aborted == ["r1"]  # the failed pull's leased blocks are released
 
     run(go())
 
 
-def test_recomputed_answer_is_delivered_but_counts_as_a_transfer_failure():
+def test_recompute_policy_answer_is_delivered_but_counts_as_a_transfer_failure():
     async def go():
-        router, _, ds, _ = make()
+        router, _, ds, directory = make()
         ds["d0"].recomputed = True
         s = await router.open(req())
         chunks = await collect(s)
-        assert len(chunks) == 3 and s.route.attempts == 1 and chunks[1].recomputed
-        assert router.transfer_failures[("d0", "p0")] == 1
+        assert texts(chunks) == [" first", " t1", " t2"] and chunks[1].recomputed
+        assert router.transfer_failures[("d0", "p0")] == 1 and router.counters["recomputed"] == 1
+        assert {b.pair: b for b in directory.ledger.pair_states()}["p0->d0"].failures == 1
 
     run(go())
 
@@ -297,12 +358,13 @@ def test_short_prompt_skips_remote_prefill():
 # ------------------------------------------------------------------ retries
 def test_failed_prefill_is_retried_once_on_another_engine():
     async def go():
-        router, ps, _, _ = make()
+        router, ps, _, directory = make()
         ps["p0"].prefill_error = EngineUnavailable("actor died")
         s = await router.open(req())
         await collect(s)
         assert s.prefill_id == "p1" and s.route.attempts == 2
         assert router.prefill_failures["p0"] == 1 and router.counters["prefill_retries"] == 1
+        assert {b.pair: b for b in directory.ledger.pair_states()}["p0->d0"].failures == 1
 
     run(go())
 
@@ -326,30 +388,20 @@ def test_retry_budget_is_one_then_fallback_or_503():
     run(go())
 
 
-def test_bad_request_from_prefill_is_400_and_not_a_breaker_failure():
+def test_client_errors_are_400_never_retried_never_a_breaker_failure():
     async def go():
-        router, ps, _, _ = make()
-        ps["p0"].prefill_error = RequestRejected("the prompt is empty")
-        with pytest.raises(RouteError) as err:
-            await router.open(req())
-        assert err.value.status == 400 and "empty" in err.value.message
-        assert router.breaker("d0", "p0").consecutive_failures == 0
+        router, ps, _, directory = make()
+        ps["p0"].prefill_error = RequestRejected("token id 99999 is out of vocabulary")
+        for i in range(30):
+            with pytest.raises(RouteError) as err:
+                await router.open(req(f"bad{i}"))
+            assert err.value.status == 400 and "vocabulary" in err.value.message
         assert ps["p1"].prefills == []  # a bad request is not retried
-
-    run(go())
-
-
-def test_no_retry_after_tokens_were_streamed():
-    async def go():
-        router, ps, ds, _ = make()
-        ds["d0"].fail_after = 1
-        s = await router.open(req())
-        chunks = await collect(s)
-        assert [c.text for c in chunks[:2]] == [" first", " t0"]
-        assert chunks[-1].finish_reason == "error" and "mid-stream" in chunks[-1].error
-        assert len(ds["d0"].generates) == 1 and ps["p1"].prefills == []
-        await router.drain()
-        assert ps["p0"].aborted == ["r1"]  # the prefill side is told to let go
+        assert directory.ledger.pair_states() == ()  # no breaker ever moved
+        ps["p0"].prefill_error = None
+        s = await router.open(req("good"))
+        assert s.route.path == "pd" and s.prefill_id == "p0"  # P/D still used afterwards
+        await collect(s)
 
     run(go())
 
@@ -363,6 +415,89 @@ def test_decode_engine_unavailable_before_first_token_is_503():
         assert err.value.status == 503
         await router.drain()
         assert router.decode_load["d0"].requests == 0
+
+    run(go())
+
+
+def test_decode_engine_dying_before_first_token_goes_to_another_decode_engine():
+    async def go():
+        router, ps, ds, _ = make(decodes=("d0", "d1"), routes={"d0": [], "d1": []})
+        ds["d0"].fail_after = ds["d1"].fail_after = None
+        ds["d0"].fail_after = 0
+        s = await router.open(req("x"))
+        if s.decode_id == "d0":  # round robin picked the healthy one first: ask again
+            await collect(s)
+            s = await router.open(req("y"))
+        assert s.decode_id == "d1"
+        assert texts(await collect(s)) == [" t0", " t1", " t2"]
+
+    run(go())
+
+
+# ------------------------------------------------------------------ migration
+def test_stream_migrates_to_another_decode_engine_token_for_token():
+    async def go():
+        router, ps, ds, _ = make(decodes=("d0", "d1"))
+        want = texts(await collect(await router.open(req("ref", max_tokens=6))))
+        s = await router.open(req("r", max_tokens=6))
+        ds[s.decode_id].fail_after = 2  # dies after two decode tokens
+        other = ({"d0", "d1"} - {s.decode_id}).pop()
+        chunks = await collect(s)
+        assert texts(chunks) == want == [" first", " t1", " t2", " t3", " t4", " t5"]
+        assert not any(c.failed for c in chunks)
+        moved = ds[other].generates[-1]
+        assert moved.request_id == "r-m1" and moved.kv_transfer_params is None
+        assert moved.prompt_token_ids == tuple(b"hello world") + (0, 1, 2) and moved.num_resumed_tokens == 3
+        assert moved.max_tokens == 3 and router.migrations["engine_died"] == 1
+        assert s.num_prompt_tokens == len(b"hello world") and s.num_generated == 6
+        assert all(load.requests == 0 and load.tokens == 0 for load in router.decode_load.values())
+
+    run(go())
+
+
+def test_local_stream_migrates_with_the_request_prompt_ids_and_what_was_streamed():
+    async def go():
+        router, ps, ds, _ = make(decodes=("d0", "d1"), routes={"d0": [], "d1": []})
+        s = await router.open(req(max_tokens=4))
+        ds[s.decode_id].fail_after = 1
+        chunks = await collect(s)
+        assert texts(chunks) == [" t0", " t1", " t2", " t3"]
+        assert ds[s.decode_id].generates[-1].prompt_token_ids == tuple(b"hello world") + (0,)
+
+    run(go())
+
+
+def test_stream_waits_for_the_restarted_engine_when_it_is_the_only_one():
+    async def go():
+        router, ps, ds, directory = make(prefills=("p0",), migration_wait_s=5.0)
+        s = await router.open(req(max_tokens=5))
+        ds["d0"].fail_after = 1
+        directory.routes_value = {}  # the coordinator evicted the dead incarnation
+
+        async def restart():
+            await asyncio.sleep(0.3)
+            ds["d0"].fail_after = None
+            directory.generations["d0"] = 2  # the restarted incarnation registered
+            directory.routes_value = {"d0": ["p0"]}
+
+        asyncio.ensure_future(restart())
+        chunks = await collect(s)
+        assert texts(chunks) == [" first", " t1", " t2", " t3", " t4"] and not chunks[-1].failed
+
+    run(go())
+
+
+def test_no_engine_to_take_the_stream_ends_it_with_an_error_after_what_was_streamed():
+    async def go():
+        router, ps, ds, _ = make()
+        ds["d0"].fail_after = 1
+        s = await router.open(req())
+        chunks = await collect(s)
+        assert texts(chunks[:2]) == [" first", " t1"]
+        assert chunks[-1].finish_reason == "error" and "no engine could take" in chunks[-1].error
+        assert router.counters["migration_failed"] == 1 and ps["p1"].prefills == []
+        await router.drain()
+        assert ps["p0"].aborted == ["r1"]  # the prefill side is told to let go
 
     run(go())
 
@@ -401,12 +536,12 @@ def test_cancel_during_prefill_aborts_the_prefill_engine():
 # ------------------------------------------------------------------ health / directory
 def test_health_reflects_usable_paths():
     async def go():
-        clock = FakeClock()
-        router, _, _, directory = make(clock=clock, no_prefill_fallback="reject")
+        router, _, _, directory = make(no_prefill_fallback="reject")
         assert (await router.health())["healthy"]
         for _ in range(2):
-            router.breaker("d0", "p0").record_failure()
-            router.breaker("d0", "p1").record_failure()
+            directory.ledger.prefill_failed("d0", "p0", "x")
+            directory.ledger.prefill_failed("d0", "p1", "x")
+        await router.routes(force=True)
         h = await router.health()
         assert not h["healthy"] and "reject" in h["reason"]
         router2, _, _, d2 = make(routes={})
@@ -436,13 +571,14 @@ def test_directory_is_cached_and_its_failure_keeps_the_last_view():
     run(go())
 
 
-def test_snapshot_is_plain_data():
+def test_snapshot_is_plain_data_with_the_ledgers_breakers():
     async def go():
         router, _, _, _ = make()
         await collect(await router.open(req()))
+        await router.routes(force=True)
         snap = router.snapshot()
-        assert snap["breakers"]["p0->d0"]["state"] == "closed"
-        assert snap["counters"]["requests"] == 1
+        assert snap["breakers"]["p0->d0"]["state"] == "closed" and snap["breakers"]["p0->d0"]["failures"] == 0
+        assert snap["counters"]["requests"] == 1 and snap["migrations"] == {}
         stats = await router.refresh_engine_stats()
         assert stats["d0"]["up"] and stats["p0"]["free_blocks"] == 10
 
@@ -452,35 +588,15 @@ def test_snapshot_is_plain_data():
 # ------------------------------------------------------------------ first token from the prefill engine
 def test_first_token_from_prefill_is_streamed_and_decode_continues_from_token_two():
     async def go():
-        router, ps, ds, _ = make(prefills=("p0",))
+        router, ps, ds, directory = make(prefills=("p0",))
         s = await router.open(req(max_tokens=4))
         chunks = await collect(s)
-        assert chunks[0].token_ids == (42,) and chunks[0].text == " first"
+        assert chunks[0].token_ids == (0,) and chunks[0].text == " first"
         sent = ds["d0"].generates[0]
-        assert sent.prompt_token_ids == (7, 8, 9, 42) and sent.max_tokens == 3 and sent.num_resumed_tokens == 1
+        assert sent.prompt_token_ids == tuple(b"hello world") + (0,) and sent.max_tokens == 3 and sent.num_resumed_tokens == 1
         assert sent.kv_transfer_params["remote_engine_id"] == "p0"
-        assert s.num_generated == 1 + 3 and router.breaker("d0", "p0").consecutive_failures == 0
+        assert s.num_generated == 1 + 3 and directory.state("d0", "p0") == "closed"
         assert router.decode_load["d0"].requests == 0 and router.decode_load["d0"].tokens == 0
-
-    run(go())
-
-
-def test_first_token_then_failed_pull_continues_locally():
-    async def go():
-        router, ps, ds, _ = make(prefills=("p0",))
-        orig = ds["d0"].generate
-
-        def flaky(r):
-            ds["d0"].first_chunk = ERROR if r.kv_transfer_params else None
-            return orig(r)
-
-        ds["d0"].generate = flaky
-        s = await router.open(req(max_tokens=4))
-        chunks = await collect(s)
-        assert [c.text for c in chunks] == [" first", " t0", " t1", " t2"]  # nothing lost or repeated
-        assert ds["d0"].generates[1].kv_transfer_params is None
-        assert ds["d0"].generates[1].prompt_token_ids == (7, 8, 9, 42)
-        assert router.transfer_failures[("d0", "p0")] == 1 and router.fallbacks["transfer_failed"] == 1
 
     run(go())
 
@@ -489,7 +605,32 @@ def test_max_tokens_one_is_served_by_the_prefill_engine_alone():
     async def go():
         router, ps, ds, _ = make(prefills=("p0",))
         chunks = await collect(await router.open(req(max_tokens=1)))
-        assert [c.token_ids for c in chunks] == [(42,)] and chunks[-1].finish_reason == "length"
+        assert [c.token_ids for c in chunks] == [(0,)] and chunks[-1].finish_reason == "length"
         assert ds["d0"].generates == []
+
+    run(go())
+
+
+def test_a_restarted_coordinator_that_is_still_settling_does_not_hide_engines():
+    async def go():
+        clock = FakeClock()
+        router, ps, ds, directory = make(clock=clock, decodes=("d0", "d1"))
+        await router.routes(force=True)
+        fresh = directory.routes
+
+        async def restarted():  # d1 registered again already, d0 not yet
+            table = await fresh()
+            return RouteTable({"d1": table.decodes["d1"]}, (), {"d1": 1}, settling=True)
+
+        directory.routes = restarted
+        routes = await router.routes(force=True)
+        assert set(routes.decodes) == {"d0", "d1"}
+
+        async def settled():
+            table = await fresh()
+            return RouteTable({"d1": table.decodes["d1"]}, (), {"d1": 1}, settling=False)
+
+        directory.routes = settled
+        assert set((await router.routes(force=True)).decodes) == {"d1"}  # d0 really is gone
 
     run(go())

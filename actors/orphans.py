@@ -1,0 +1,85 @@
+"""Child processes a killed engine actor leaves behind, reaped by its next incarnation.
+
+vLLM runs its engine core (and, with TP/PP > 1, its workers) as child
+processes of the EngineActor. When the actor is killed (-9, OOM), nothing
+terminates them: they are re-parented to init and keep their memory. Ray's own
+subreaper is off by default, so raypd keeps a small record per engine on the
+node: after start, the engine's child pids (with their start times, so a
+reused pid is never mistaken for one of ours); before the next start on that
+node, the previous incarnation's recorded processes still alive are killed.
+A restarted actor lands on the same node (its placement group bundle), so it
+finds the record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("raypd.orphans")
+
+
+def record_path(engine_id: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"raypd-{engine_id}.children.json"
+
+
+def record_children(engine_id: str) -> int:
+    """Write down this process's descendants; returns how many."""
+    import psutil
+
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            children.append({"pid": child.pid, "create_time": child.create_time()})
+        except psutil.Error:
+            continue
+    path = record_path(engine_id)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"parent": os.getpid(), "children": children}))
+    os.replace(tmp, path)
+    return len(children)
+
+
+def reap_previous(engine_id: str, grace_s: float = 3.0) -> list[int]:
+    """Kill the recorded children of an earlier incarnation that are still alive; their pids."""
+    import psutil
+
+    path = record_path(engine_id)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if record.get("parent") == os.getpid():
+        return []  # our own record (start() called twice in one process)
+    procs = []
+    for entry in record.get("children", []):
+        try:
+            proc = psutil.Process(int(entry["pid"]))
+            if abs(proc.create_time() - float(entry["create_time"])) < 0.01:
+                procs.append(proc)
+        except (psutil.Error, KeyError, TypeError, ValueError):
+            continue
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    path.unlink(missing_ok=True)
+    if procs:
+        logger.warning("%s: reaped %d process(es) of the previous incarnation: %s", engine_id, len(procs),
+                       [p.pid for p in procs])
+    return [p.pid for p in procs]
+
+
+def forget(engine_id: str) -> None:
+    """A clean shutdown reaped its own children: drop the record."""
+    record_path(engine_id).unlink(missing_ok=True)

@@ -1,0 +1,86 @@
+"""Aborts are not failures, and they free blocks (synthetic engines; the vLLM side is in
+test_vllm_faults.py):
+
+- a prefill nobody will read, released by the router, frees its blocks at once (lease TTL 60 s);
+- clients that go away in the middle of the handoff close it in the ledger: no handoff waits for
+  its deadline and no breaker counts them, however many there are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from serving.config import DeploymentConfig
+from serving.launcher import launch, shutdown_deployment
+from serving.ray_clients import build_router
+
+from chaos_helpers import pair_states
+from engine_calls import request
+from service_helpers import SYNTHETIC, engine_stats, wait_blocks_at_baseline
+
+NAME = "aborts"
+LEASE_TTL_S = 60
+
+
+@pytest.fixture(scope="module")
+def service(coordinator):
+    cfg = DeploymentConfig.from_dict({
+        **SYNTHETIC, "name": NAME,
+        "synthetic": {**SYNTHETIC["synthetic"], "token_latency_s": 0.05},
+        "transfer": {"failure_policy": "fail", "lease_ttl_s": LEASE_TTL_S, "read_timeout_s": 5},
+    })
+    dep = launch(cfg)
+    baseline = engine_stats(dep)
+    yield {"dep": dep, "cfg": cfg, "baseline": baseline}
+    after = wait_blocks_at_baseline(dep, baseline)
+    shutdown_deployment(NAME, keep_coordinator=True)
+    for eid, s in after.items():
+        assert s["free_blocks"] == baseline[eid]["free_blocks"] and s["held_leases"] == 0, (eid, s)
+
+
+def test_released_prefill_frees_its_blocks_at_once(service):
+    (pid, prefill), = service["dep"].prefills.items()
+    base = service["baseline"][pid]["free_blocks"]
+
+    async def go():
+        pre = await prefill.prefill.remote(request("unread", "nobody reads this " * 8, max_tokens=8))
+        held = (await prefill.stats.remote())["free_blocks"]
+        t0 = time.monotonic()
+        await prefill.abort.remote("unread")  # what the router does when the client left after token one
+        return pre, held, (await prefill.stats.remote()), time.monotonic() - t0
+
+    pre, held, after, took = asyncio.run(go())
+    assert held == base - len(pre.kv_transfer_params["remote_block_ids"])
+    assert after["free_blocks"] == base and after["held_leases"] == 0 and took < 1.0
+
+
+def test_client_aborts_close_handoffs_and_never_count_against_the_pair(service, coordinator):
+    dep, cfg = service["dep"], service["cfg"]
+    (pid,), (did,) = dep.prefills, dep.decodes
+    router = build_router(cfg, dep)
+    pair = f"{pid}->{did}"
+
+    async def go():
+        before = await coordinator.transfers.remote()
+        for i in range(12):  # more than the breaker threshold (3)
+            stream = await router.open(request(f"gone{i}", "a client that leaves " * 6, max_tokens=40))
+            await stream.__anext__()  # the prefill engine's token
+            if i % 2:
+                await stream.__anext__()  # ... and for half of them, a decode token too
+            stream.close()  # the client disconnects: aborts on both engines
+        await router.drain()
+        deadline = time.monotonic() + 10
+        while (await coordinator.transfers.remote()).in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return before, await coordinator.transfers.remote(), await pair_states(coordinator)
+
+    before, after, states = asyncio.run(go())
+    assert after.in_flight == 0  # closed now, not at their deadline
+    assert after.verdicts["expired"] == before.verdicts["expired"]
+    assert after.verdicts["failed"] == before.verdicts["failed"]
+    assert getattr(states.get(pair), "failures", 0) == 0, states.get(pair)  # no abort counted against it
+    assert router.counters["aborted"] == 12

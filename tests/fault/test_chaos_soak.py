@@ -1,0 +1,152 @@
+"""Chaos soak (synthetic engines, ~5 minutes; `RAYPD_CHAOS_S` changes it): steady mixed load over
+HTTP while a chaos loop kill -9s a random engine's process tree or a random rank actor every few
+seconds and 5 % of KV pulls fail on purpose.
+
+Every completed answer equals the colocated reference, every failure is a clean error (an HTTP
+error body or an SSE error event, never a hang or a silent cut), and at the end every engine is
+back (registered, healthy) and nothing is held: blocks, leases, ledger handoffs, placement groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import httpx
+import pytest
+import ray
+
+from serving.front import create_app
+from serving.config import DeploymentConfig
+from serving.launcher import launch, shutdown_deployment
+from serving.ray_clients import build_router
+
+from chaos_helpers import SteadyLoad, deployment_placement_groups, kill_tree
+from engine_calls import collect, request
+from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port, wait_blocks_at_baseline
+
+pytestmark = pytest.mark.slow
+
+NAME = "chaos"
+MODEL = "synthetic-tiny"
+DURATION_S = float(os.environ.get("RAYPD_CHAOS_S", "300"))
+KILL_EVERY_S = (8.0, 16.0)
+PROMPTS = [f"chaos prompt {i} " * (1 + i % 5) for i in range(10)]
+LENGTHS = (4, 12, 30)
+
+
+class MixedLoad(SteadyLoad):
+    """Streaming and non-streaming requests of several lengths."""
+
+    async def _worker(self, i: int) -> None:
+        rng = random.Random(i)
+        async with httpx.AsyncClient() as client:
+            while not self._stop:
+                prompt, n = rng.choice(self.prompts), rng.choice(LENGTHS)
+                if rng.random() < 0.7:
+                    answer = await self.one(client, prompt, max_tokens=n)
+                else:
+                    answer = await self.whole(client, prompt, n)
+                answer.prompt = (prompt, n)
+
+    async def whole(self, client: httpx.AsyncClient, prompt: str, n: int):
+        from chaos_helpers import Answer
+
+        t0 = time.monotonic()
+        try:
+            r = await client.post(self.url + "/v1/completions", timeout=120,
+                                  json={"model": self.model, "prompt": prompt, "max_tokens": n})
+            body = r.json()
+            if r.status_code == 200:
+                answer = Answer(prompt, body["choices"][0]["text"], None, body["choices"][0]["finish_reason"],
+                                t0, time.monotonic())
+            else:
+                answer = Answer(prompt, "", f"HTTP {r.status_code}: {body['error']['message']}", None,
+                                t0, time.monotonic())
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            answer = Answer(prompt, "", f"unclean: {type(exc).__name__}: {exc}", None, t0, time.monotonic())
+        self.answers.append(answer)
+        return answer
+
+
+def test_chaos_soak(coordinator):
+    cfg = DeploymentConfig.from_dict({
+        **SYNTHETIC, "name": NAME,
+        "synthetic": {**SYNTHETIC["synthetic"], "token_latency_s": 0.01},
+        "prefill": {**SYNTHETIC["prefill"], "count": 2, "tp_size": 2, "block_size": 16, "num_blocks": 1024},
+        "decode": {**SYNTHETIC["decode"], "count": 2, "tp_size": 1, "num_blocks": 1024},
+        "transfer": {"failure_policy": "recompute", "lease_ttl_s": 20, "read_timeout_s": 5, "fault_rate": 0.05},
+        "breaker": {"failure_threshold": 5, "cooldown_s": 3.0, "probe_window_s": 2.0},
+        "router": {"migration_wait_s": 30},
+        "restarts": {"max_restarts": 50},
+    })
+    dep = launch(cfg)
+    baseline = engine_stats(dep)
+    pgs = deployment_placement_groups(NAME)
+    router = build_router(cfg, dep)
+    decode = next(iter(dep.decodes.values()))
+    port = free_port()
+    kills: list[str] = []
+
+    async def references():
+        return {(p, n): "".join(c.text for c in await collect(decode, request(f"ref-{i}-{n}", p, max_tokens=n)))
+                for i, p in enumerate(PROMPTS) for n in LENGTHS}
+
+    async def chaos(rng: random.Random, until: float):
+        while time.monotonic() < until:
+            await asyncio.sleep(rng.uniform(*KILL_EVERY_S))
+            eid = rng.choice(sorted(dep.engines))
+            try:
+                stats = await asyncio.wait_for(dep.engines[eid].stats.remote(), 30)
+            except (ray.exceptions.RayError, asyncio.TimeoutError):
+                continue  # still restarting from an earlier kill
+            ranks = stats["child_pids"]
+            if ranks and rng.random() < 0.5:
+                kill_tree([rng.choice(ranks)])
+                kills.append(f"{eid}:rank")
+            else:
+                kill_tree([stats["pid"], *ranks])
+                kills.append(f"{eid}:tree")
+
+    try:
+        want = asyncio.run(references())
+        with UvicornThread(create_app(cfg, router), port):
+            async def soak():
+                load = MixedLoad(f"http://127.0.0.1:{port}", MODEL, PROMPTS, 8, workers=6).start()
+                await chaos(random.Random(5), time.monotonic() + DURATION_S)
+                await asyncio.sleep(5.0)  # the last kill heals under load too
+                return await load.stop()
+
+            answers = asyncio.run(soak())
+
+            # every engine is back: registered with the coordinator and healthy
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                registered = {e["engine_id"] for e in ray.get(dep.coordinator.engines.remote())}
+                healthy = all(ray.get(h.check_health.remote()) for h in dep.engines.values())
+                if registered >= set(dep.engines) and healthy:
+                    break
+                time.sleep(0.5)
+            after = wait_blocks_at_baseline(dep, baseline, timeout_s=60)
+            ledger = ray.get(dep.coordinator.transfers.remote())
+    finally:
+        left_pgs = deployment_placement_groups(NAME)
+        shutdown_deployment(NAME, keep_coordinator=True)
+
+    done = [a for a in answers if a.error is None]
+    failed = [a for a in answers if a.error is not None]
+    print(f"chaos soak {DURATION_S:.0f} s: {len(kills)} kills ({', '.join(kills)}); {len(answers)} requests, "
+          f"{len(done)} complete, {len(failed)} clean errors; migrations {dict(router.migrations)}, "
+          f"fallbacks {dict(router.fallbacks)}, recomputed {router.counters['recomputed']}")
+    assert len(kills) >= DURATION_S / KILL_EVERY_S[1] - 1 and done
+    wrong = [a for a in done if a.text != want[a.prompt]]
+    assert wrong == [], wrong[:3]  # never a wrong answer
+    unclean = [a for a in failed if not a.error or a.error.startswith("unclean") or "ReadTimeout" in a.error]
+    assert unclean == [], unclean[:3]  # every failure is a clean error
+    assert registered >= set(dep.engines) and healthy  # every engine is back
+    for eid, s in after.items():
+        assert s["free_blocks"] == baseline[eid]["free_blocks"] and s["held_leases"] == 0, (eid, s)
+    assert ledger.in_flight == 0
+    assert left_pgs == pgs  # restarts reused the engines' placement groups

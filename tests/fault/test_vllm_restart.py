@@ -1,0 +1,73 @@
+"""kill -9 a real vLLM engine (SmolLM2): the prefill EngineActor's process dies, its vLLM engine core
+is left orphaned. Ray restarts the actor; the new incarnation reaps the orphan, starts vLLM again,
+registers with the coordinator (a new generation, a fresh handshake) and the deployment serves P/D
+again, with no command from the test."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import psutil
+import pytest
+import ray
+
+from serving.config import DeploymentConfig, load_config
+from serving.launcher import launch, shutdown_deployment
+from serving.ray_clients import build_router
+
+from chaos_helpers import generation, kill_tree, wait_generation
+from engine_calls import request
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+NAME = "vllm-restart"
+
+
+def test_killed_vllm_engine_restarts_rejoins_and_serves_pd(coordinator):
+    base = load_config("configs/local.yaml").model_dump(mode="json")
+    base.update(name=NAME, max_model_len=1024, restarts={"max_restarts": 2})
+    for group in ("prefill", "decode"):
+        base[group]["num_cpus"] = 0
+    cfg = DeploymentConfig.from_dict(base)
+    dep = launch(cfg)
+    try:
+        router = build_router(cfg, dep)
+        (pid_, prefill), (did, decode) = next(iter(dep.prefills.items())), next(iter(dep.decodes.items()))
+
+        async def answer(rid):
+            stream = await router.open(request(rid, "The capital of France is", max_tokens=8))
+            chunks = [c async for c in stream]
+            return stream.route, chunks
+
+        async def go():
+            route, chunks = await answer("before")
+            assert route.path == "pd" and chunks[-1].finish_reason == "length"
+            stats = await prefill.stats.remote()
+            orphans = [psutil.Process(p) for p in stats["child_pids"]]
+            gen = await generation(coordinator, pid_)
+            pulls = (await decode.stats.remote())["kv_pulls"]
+            t0 = time.monotonic()
+            kill_tree([stats["pid"]])  # the actor only: its engine core is orphaned
+            new_gen = await wait_generation(coordinator, pid_, gen, timeout_s=400)
+            back_s = time.monotonic() - t0
+            left = [p.pid for p in orphans if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            new = await prefill.stats.remote()
+            deadline = time.monotonic() + 60  # its pairs reopen through a probe after the cooldown
+            while True:
+                route, chunks = await answer(f"after-{time.monotonic_ns()}")
+                if route.path == "pd" or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(1.0)
+            after = await decode.stats.remote()
+            return back_s, gen, new_gen, left, stats, new, route, chunks, pulls, after
+
+        back_s, gen, new_gen, left, old, new, route, chunks, pulls, after = asyncio.run(go())
+        print(f"SmolLM2 prefill engine back and registered {back_s:.0f} s after kill -9")
+        assert new_gen > gen and new["restarted"] and new["pid"] != old["pid"]
+        assert left == [], f"orphaned engine-core processes of the killed incarnation: {left}"
+        assert route.path == "pd" and route.prefill_id == pid_  # P/D again, through the restarted engine
+        assert chunks[-1].finish_reason == "length" and not any(c.recomputed or c.failed for c in chunks)
+        assert after["kv_pulls"] > pulls and after["recomputed"] == 0
+    finally:
+        shutdown_deployment(NAME, keep_coordinator=True)
