@@ -40,6 +40,7 @@ def service(coordinator, tmp_path_factory):
     model = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-faults", seed=3, progress=None)
     cfg = DeploymentConfig.from_dict({
         "name": NAME, "backend": "vllm", "model": str(model), "max_model_len": 512,
+        "engine_kwargs": {"enforce_eager": True},  # CPU: no torch.compile, short starts
         "prefill": {"count": 1, "num_cpus": 0, "block_size": 32, "cpu_bind": ["0"]},
         "decode": {"count": 2, "num_cpus": 0, "block_size": 32, "cpu_bind": ["1", "1"]},
         "transfer": {"failure_policy": "recompute", "lease_ttl_s": LEASE_TTL_S, "read_timeout_s": 10},
