@@ -192,10 +192,6 @@ class Coordinator:
             return "engine not registered"
         return self._pairs.get((prefill_id, decode_id), "pair never judged")
 
-    async def compatible_prefills(self, decode_id: str) -> list[str]:
-        """Prefill engines that may take `decode_id`'s requests now (compatible, breaker not open)."""
-        return [r.prefill_id for r in self._usable(decode_id)]
-
     def _usable(self, decode_id: str) -> tuple[PrefillRoute, ...]:
         return tuple(PrefillRoute(p, self.ledger.route_state(decode_id, p))
                      for (p, d), problem in sorted(self._pairs.items())
@@ -269,10 +265,6 @@ class Coordinator:
 
     async def ping(self) -> str:
         return "pong"
-
-    async def watch(self) -> None:
-        """Never returns: a caller's pending call fails when the coordinator dies."""
-        await asyncio.Event().wait()
 
     async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -25,6 +25,11 @@ async def engines(coordinator, *specs, **kw):
     return out
 
 
+async def usable(coordinator, decode_id):
+    """Prefill engines the routers may pair with `decode_id` now (compatible, breaker not open)."""
+    return [r.prefill_id for r in (await coordinator.routes.remote()).decodes.get(decode_id, ())]
+
+
 async def settle(engine, timeout=10.0):
     deadline = time.monotonic() + timeout
     while engine._held and time.monotonic() < deadline:
@@ -118,7 +123,7 @@ def test_incompatible_engines_are_refused_or_never_paired(coordinator):
                 await other.start()
             verdicts = await odd.start()  # another model: registered, but never paired with ic-D
             assert "different model" in verdicts["ic-P3->ic-D"]
-            assert "ic-P3" not in await coordinator.compatible_prefills.remote("ic-D")
+            assert "ic-P3" not in await usable(coordinator, "ic-D")
             assert await coordinator.pair_verdict.remote("ic-P3", "ic-D")
         finally:
             for e in (d, other, odd):
@@ -131,7 +136,7 @@ def test_failed_transfers_open_the_pair_breaker_in_the_ledger(coordinator):
     async def go():
         p, d = await engines(coordinator, ("br-P", "prefill", 1), ("br-D", "decode", 1))
         try:
-            assert "br-P" in await coordinator.compatible_prefills.remote("br-D")
+            assert "br-P" in await usable(coordinator, "br-D")
             for i in range(3):  # the default threshold
                 params = await p.prefill(f"f{i}", PROMPT)
                 await coordinator.open_handoff.remote(f"f{i}", "br-P", "br-D")
@@ -140,9 +145,9 @@ def test_failed_transfers_open_the_pair_breaker_in_the_ledger(coordinator):
                     await d.decode(f"f{i}", params, PROMPT)
                 await p.abort(f"f{i}")
             deadline = time.monotonic() + 5
-            while "br-P" in await coordinator.compatible_prefills.remote("br-D") and time.monotonic() < deadline:
+            while "br-P" in await usable(coordinator, "br-D") and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            assert "br-P" not in await coordinator.compatible_prefills.remote("br-D")
+            assert "br-P" not in await usable(coordinator, "br-D")
             state = {b.pair: b for b in (await coordinator.transfers.remote()).breakers}["br-P->br-D"]
             assert state.state == "open" and state.last_reason == "KV pull failed"
             assert p.pool.num_free == p.pool.num_blocks and d.pool.num_free == d.pool.num_blocks
