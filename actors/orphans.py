@@ -8,7 +8,8 @@ node: after start, the engine's child pids (with their start times, so a
 reused pid is never mistaken for one of ours); before the next start on that
 node, the previous incarnation's recorded processes still alive are killed.
 A restarted actor lands on the same node (its placement group bundle), so it
-finds the record.
+finds the record. A live engine's own shutdown reaps its children directly
+(`reap_children`).
 """
 
 from __future__ import annotations
@@ -83,3 +84,35 @@ def reap_previous(engine_id: str, grace_s: float = 3.0) -> list[int]:
 def forget(engine_id: str) -> None:
     """A clean shutdown reaped its own children: drop the record."""
     record_path(engine_id).unlink(missing_ok=True)
+
+
+def child_pids() -> list[int]:
+    """vLLM's engine core (and workers): what a kill of this engine's process tree must include."""
+    import psutil
+
+    return [c.pid for c in psutil.Process().children(recursive=True)]
+
+
+def reap_children(grace_s: float = 3.0) -> None:
+    """vLLM's engine core and workers are our child processes: make sure none outlives the engine
+    (a slow shutdown on a loaded machine must not strand them once the actor is killed)."""
+    import psutil
+
+    def is_vllm(proc: "psutil.Process") -> bool:
+        try:
+            return "resource_tracker" not in " ".join(proc.cmdline() or [])
+        except psutil.Error:
+            return False
+
+    children = [c for c in psutil.Process().children(recursive=True) if is_vllm(c)]
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass

@@ -60,6 +60,7 @@ from actors.engine_config import EngineConfig
 from actors.kv.errors import HandshakeError
 from actors.kv.handshake import decode_handshake
 from actors.kv.topology import TransferTopology
+from actors.orphans import child_pids, forget, reap_children, reap_previous, record_children
 from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, SamplingSpec, TokenChunk
 from actors.transfer_params import TransferParams, TransferParamsError
 
@@ -125,7 +126,6 @@ class VllmBackend:
 
         from actors.engine_args import EffectiveEngineConfig
         from actors.models import resolve_model
-        from actors.orphans import record_children, reap_previous
 
         self.coordinator = coordinator
         await asyncio.to_thread(reap_previous, self.engine_id)  # a killed predecessor's engine core
@@ -425,46 +425,13 @@ class VllmBackend:
         total = int(u["num_blocks"])
         return {"backend": "vllm", **self.counters, "num_blocks": total,
                 "free_blocks": round((1.0 - float(u["kv_cache_usage"])) * total),
-                "engine_running": u["running"], "engine_waiting": u["waiting"], "child_pids": _child_pids()}
+                "engine_running": u["running"], "engine_waiting": u["waiting"], "child_pids": child_pids()}
 
     async def shutdown(self) -> None:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
-        await asyncio.to_thread(_reap_children)
+        await asyncio.to_thread(reap_children)
         shutil.rmtree(self.handshake_dir, ignore_errors=True)
-        from actors.orphans import forget
-
         forget(self.engine_id)
 
-
-def _child_pids() -> list[int]:
-    """vLLM's engine core (and workers): what a kill of this engine's process tree must include."""
-    import psutil
-
-    return [c.pid for c in psutil.Process().children(recursive=True)]
-
-
-def _reap_children(grace_s: float = 3.0) -> None:
-    """vLLM's engine core and workers are our child processes: make sure none outlives the engine
-    (a slow shutdown on a loaded machine must not strand them once the actor is killed)."""
-    import psutil
-
-    def is_vllm(proc: "psutil.Process") -> bool:
-        try:
-            return "resource_tracker" not in " ".join(proc.cmdline() or [])
-        except psutil.Error:
-            return False
-
-    children = [c for c in psutil.Process().children(recursive=True) if is_vllm(c)]
-    for child in children:
-        try:
-            child.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=grace_s)
-    for child in alive:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
