@@ -23,6 +23,11 @@ class TransferParamsError(ValueError):
     """kv_transfer_params are malformed or inconsistent."""
 
 
+def agent_incarnation(agent_name: str) -> str:
+    """The incarnation suffix of a rank's NIXL agent name (`<engine>-pp<i>-tp<j>-<incarnation>`)."""
+    return agent_name.rsplit("-", 1)[-1]
+
+
 class TransferParams(BaseModel):
     # vLLM adds keys of its own (remote_prefill_cached_tokens, ...): ignore them.
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -38,6 +43,9 @@ class TransferParams(BaseModel):
     lease_expiry: float = 0.0
     remote_request_id: str | None = Field(None, max_length=512)  # the producer's id (names its lease)
     handshakes: list[str] = Field(default_factory=list, max_length=4096)  # base64 rank payloads
+    # the producer incarnation that holds the blocks (the suffix of its ranks' agent names): a
+    # reader refuses to pull these block ids from a later incarnation (its memory holds other KV)
+    remote_incarnation: str | None = Field(None, pattern=r"^[0-9a-f]{8,32}$")
 
     @model_validator(mode="after")
     def _consistent(self) -> "TransferParams":

@@ -62,7 +62,7 @@ from actors.kv.handshake import decode_handshake
 from actors.kv.topology import TransferTopology
 from actors.orphans import child_pids, forget, reap_children, reap_previous, record_children
 from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, SamplingSpec, TokenChunk
-from actors.transfer_params import TransferParams, TransferParamsError
+from actors.transfer_params import TransferParams, TransferParamsError, agent_incarnation
 
 logger = logging.getLogger("raypd.vllm")
 
@@ -97,6 +97,8 @@ class VllmBackend:
         self._handshakes: list[bytes] = []
         self._peer_payloads: dict[str, dict[int, list[str]]] = {}  # engine -> pp -> payloads
         self._own: Any = None  # decoded handshake of our rank 0
+        self.incarnation = uuid.uuid4().hex[:12]  # suffix of our ranks' agent names, stamped on our params
+        self._peer_incarnation: dict[str, str] = {}  # engine -> incarnation its cached payloads belong to
         self.handshake_dir = tempfile.mkdtemp(prefix=f"raypd-{engine_id}-")
         self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0, "replay_mismatches": 0, "released": 0}
         self._aliases: dict[str, str] = {}  # request id -> the id of its continuation after a replay mismatch
@@ -116,6 +118,7 @@ class VllmBackend:
             "lease_ttl_s": cfg.lease_ttl_s,
             "read_timeout_s": cfg.read_timeout_s,
             "fault_rate": cfg.fault_rate,
+            "incarnation": self.incarnation,
         }) if cfg.kv_connector else None  # None: plain vLLM (baseline)
         for note in pd_overrides(cfg):
             logger.warning("%s: %s", self.engine_id, note)
@@ -260,6 +263,7 @@ class VllmBackend:
                 finish, params = o.finish_reason, out.kv_transfer_params
         if params and params.get("remote_request_id"):
             self._remember_unread(req.request_id, params["remote_request_id"], ttl)
+            params = {**params, "remote_incarnation": self.incarnation}
         return PrefillResult(prompt_token_ids=tuple(ids), first_token_ids=tuple(first_ids), first_text=text,
                              finish_reason=str(finish) if finish is not None else None,
                              kv_transfer_params=params)
@@ -277,6 +281,9 @@ class VllmBackend:
         restarted under new agents), or a payload that is malformed or incompatible.
         """
         p = TransferParams.parse(params)
+        engine = p.remote_engine_id
+        if p.remote_incarnation and self._peer_incarnation.get(engine, p.remote_incarnation) != p.remote_incarnation:
+            self._peer_payloads.pop(engine, None)  # cached before the producer restarted: fetch again
         payloads: list[str] = []
         for pp_rank in range(p.pp_size):
             cached = self._peer_payloads.get(p.remote_engine_id, {}).get(pp_rank)
@@ -293,10 +300,16 @@ class VllmBackend:
                 except ray.exceptions.RayError as exc:
                     raise HandshakeError("engine_id", str(getattr(exc, "cause", None) or exc)) from None
                 for data in raw:  # bad payload or incompatible peer: refused before any worker sees it
-                    decode_handshake(data, expect_compat_hash=own.compat.compat_hash())
+                    hs = decode_handshake(data, expect_compat_hash=own.compat.compat_hash())
+                    self._peer_incarnation[engine] = agent_incarnation(hs.agent_name)
                 cached = [base64.b64encode(b).decode() for b in raw]
                 self._peer_payloads.setdefault(p.remote_engine_id, {})[pp_rank] = cached
             payloads.extend(cached)
+        if p.remote_incarnation and self._peer_incarnation.get(engine) != p.remote_incarnation:
+            # the producer restarted after this prefill: the block ids name memory of its old
+            # process; reading them from the new one would give another request's KV
+            raise HandshakeError("remote_incarnation", f"{engine} restarted since this prefill "
+                                 f"({p.remote_incarnation} -> {self._peer_incarnation.get(engine)})")
         params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
         # (vLLM would report the producer's prefix hits instead of what we pulled.)
         return {**params, "do_remote_prefill": True, "handshakes": payloads}
@@ -418,6 +431,7 @@ class VllmBackend:
         # The next request to that engine fetches fresh payloads; workers replace
         # agents whose name changed (a restarted engine never meets stale metadata).
         self._peer_payloads.pop(engine_id, None)
+        self._peer_incarnation.pop(engine_id, None)
 
     async def stats(self) -> dict:
         """Counters plus the scheduler's view as of its last step (vLLM reports per step)."""

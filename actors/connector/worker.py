@@ -206,7 +206,9 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         identity = self._identity()
         geometry, planes = geometry_from_vllm(kv_caches, identity.block_size, self.use_mla)
-        name = f"{self.engine_id}-pp{identity.pp_rank}-tp{identity.tp_rank}-{uuid.uuid4().hex[:8]}"
+        # every rank of one engine incarnation shares the suffix (transfer params name it)
+        incarnation = str(self.extra.get("incarnation") or uuid.uuid4().hex[:8])
+        name = f"{self.engine_id}-pp{identity.pp_rank}-tp{identity.tp_rank}-{incarnation}"
         mem = "VRAM" if next(iter(kv_caches.values())).is_cuda else "DRAM"
         transport = NixlTransport(name, geometry, read_timeout_s=float(self.extra.get("read_timeout_s", 10.0)),
                                   mem=mem)

@@ -17,7 +17,7 @@ from serving.launcher import launch, shutdown_deployment
 from serving.ray_clients import build_router
 
 from chaos_helpers import generation, kill_tree, wait_generation
-from engine_calls import request
+from engine_calls import collect, request
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -43,6 +43,8 @@ def test_killed_vllm_engine_restarts_rejoins_and_serves_pd(coordinator):
         async def go():
             route, chunks = await answer("before")
             assert route.path == "pd" and chunks[-1].finish_reason == "length"
+            stale_req = request("stale", "The capital of France is", max_tokens=8)
+            stale = await prefill.prefill.remote(stale_req)  # a handoff the kill leaves unread
             stats = await prefill.stats.remote()
             orphans = [psutil.Process(p) for p in stats["child_pids"]]
             gen = await generation(coordinator, pid_)
@@ -60,14 +62,18 @@ def test_killed_vllm_engine_restarts_rejoins_and_serves_pd(coordinator):
                     break
                 await asyncio.sleep(1.0)
             after = await decode.stats.remote()
-            return back_s, gen, new_gen, left, stats, new, route, chunks, pulls, after
+            # its block ids name the killed incarnation's memory: never read from the new one
+            stale_chunks = await collect(decode, stale.continuation(stale_req))
+            return back_s, gen, new_gen, left, stats, new, route, chunks, pulls, after, stale_chunks
 
-        back_s, gen, new_gen, left, old, new, route, chunks, pulls, after = asyncio.run(go())
+        back_s, gen, new_gen, left, old, new, route, chunks, pulls, after, stale_chunks = asyncio.run(go())
         print(f"SmolLM2 prefill engine back and registered {back_s:.0f} s after kill -9")
         assert new_gen > gen and new["restarted"] and new["pid"] != old["pid"]
         assert left == [], f"orphaned engine-core processes of the killed incarnation: {left}"
         assert route.path == "pd" and route.prefill_id == pid_  # P/D again, through the restarted engine
         assert chunks[-1].finish_reason == "length" and not any(c.recomputed or c.failed for c in chunks)
         assert after["kv_pulls"] > pulls and after["recomputed"] == 0
+        # refused before any READ (remote_incarnation), the prompt recomputed (policy: recompute)
+        assert stale_chunks[0].recomputed and stale_chunks[-1].finish_reason == "length"
     finally:
         shutdown_deployment(NAME, keep_coordinator=True)

@@ -1,6 +1,6 @@
 import pytest
 
-from actors.transfer_params import TransferParams, TransferParamsError
+from actors.transfer_params import TransferParams, TransferParamsError, agent_incarnation
 
 GOOD = dict(remote_engine_id="prefill-1", remote_block_ids=[3, 4], num_tokens=20, tp_size=1, block_size=16)
 
@@ -20,6 +20,7 @@ def test_good_params_parse_and_ignore_vllm_extras():
         (dict(tp_size=2, dcp_size=3), "dcp_size"),
         (dict(remote_engine_id="../etc"), "remote_engine_id"),
         (dict(remote_block_ids="1,2"), "remote_block_ids"),
+        (dict(remote_incarnation="../x"), "remote_incarnation"),
     ],
 )
 def test_forged_params_are_refused(change, message):
@@ -46,3 +47,8 @@ def test_fault_injection_is_not_a_wire_field():
     assert "inject_fault" not in TransferParams.model_fields
     p = TransferParams.parse({**GOOD, "inject_fault": True})  # ignored like any unknown key
     assert "inject_fault" not in p.model_dump()
+
+
+def test_the_incarnation_is_the_suffix_every_rank_agent_of_one_engine_shares():
+    p = TransferParams.parse({**GOOD, "remote_incarnation": "0a1b2c3d4e5f"})
+    assert p.remote_incarnation == agent_incarnation("prefill-1-pp0-tp3-0a1b2c3d4e5f")
