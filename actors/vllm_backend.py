@@ -43,15 +43,12 @@ predecessor left behind (`actors.orphans`).
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
-import os
 import pickle
 import shutil
 import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import ray
@@ -59,10 +56,10 @@ import ray
 from actors.engine_config import EngineConfig
 from actors.kv.errors import HandshakeError
 from actors.kv.handshake import decode_handshake
-from actors.kv.topology import TransferTopology
 from actors.orphans import child_pids, forget, reap_children, reap_previous, record_children
 from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, SamplingSpec, TokenChunk
-from actors.transfer_params import TransferParams, TransferParamsError, agent_incarnation
+from actors.peer_payloads import PeerPayloads
+from actors.transfer_params import TransferParamsError
 
 logger = logging.getLogger("raypd.vllm")
 
@@ -95,10 +92,8 @@ class VllmBackend:
         self.llm: Any = None
         self.coordinator: Any = None
         self._handshakes: list[bytes] = []
-        self._peer_payloads: dict[str, dict[int, list[str]]] = {}  # engine -> pp -> payloads
-        self._own: Any = None  # decoded handshake of our rank 0
+        self.peers = PeerPayloads(engine_id, cfg.tp_size)  # producers' payloads our requests carry
         self.incarnation = uuid.uuid4().hex[:12]  # suffix of our ranks' agent names, stamped on our params
-        self._peer_incarnation: dict[str, str] = {}  # engine -> incarnation its cached payloads belong to
         self.handshake_dir = tempfile.mkdtemp(prefix=f"raypd-{engine_id}-")
         self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0, "replay_mismatches": 0, "released": 0}
         self._aliases: dict[str, str] = {}  # request id -> the id of its continuation after a replay mismatch
@@ -139,7 +134,7 @@ class VllmBackend:
         self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
         if self.cfg.kv_connector:
             self._handshakes = await self._collect_handshakes()
-            self._own = decode_handshake(self._handshakes[0])
+            self.peers.own = decode_handshake(self._handshakes[0])
 
     def _stat_loggers(self) -> list[Any]:
         """Our scheduler-stats sink, and vLLM's Prometheus metrics through Ray's metrics agent
@@ -274,46 +269,6 @@ class VllmBackend:
             del self._unread[old]  # its lease expired: nothing left to release
         self._unread[req_id] = (vllm_id, now + ttl)
 
-    async def _with_handshakes(self, params: dict) -> dict:
-        """Attach the payloads of exactly the producer ranks our ranks read from.
-
-        Raises HandshakeError when the producer cannot be met: not registered (dead, or
-        restarted under new agents), or a payload that is malformed or incompatible.
-        """
-        p = TransferParams.parse(params)
-        engine = p.remote_engine_id
-        if p.remote_incarnation and self._peer_incarnation.get(engine, p.remote_incarnation) != p.remote_incarnation:
-            self._peer_payloads.pop(engine, None)  # cached before the producer restarted: fetch again
-        payloads: list[str] = []
-        for pp_rank in range(p.pp_size):
-            cached = self._peer_payloads.get(p.remote_engine_id, {}).get(pp_rank)
-            if cached is None:
-                targets: set[int] = set()
-                own = self._own
-                for rank in range(self.cfg.tp_size):
-                    topo = TransferTopology(rank, self.cfg.tp_size, own.block_size, self.engine_id,
-                                            own.compat.is_mla, False, own.compat.num_kv_heads)
-                    targets.update(topo.handshake_target_ranks(p.tp_size, p.dcp_size))
-                try:
-                    raw = await self.coordinator.handshake_payloads.remote(
-                        p.remote_engine_id, pp_rank, sorted(targets))
-                except ray.exceptions.RayError as exc:
-                    raise HandshakeError("engine_id", str(getattr(exc, "cause", None) or exc)) from None
-                for data in raw:  # bad payload or incompatible peer: refused before any worker sees it
-                    hs = decode_handshake(data, expect_compat_hash=own.compat.compat_hash())
-                    self._peer_incarnation[engine] = agent_incarnation(hs.agent_name)
-                cached = [base64.b64encode(b).decode() for b in raw]
-                self._peer_payloads.setdefault(p.remote_engine_id, {})[pp_rank] = cached
-            payloads.extend(cached)
-        if p.remote_incarnation and self._peer_incarnation.get(engine) != p.remote_incarnation:
-            # the producer restarted after this prefill: the block ids name memory of its old
-            # process; reading them from the new one would give another request's KV
-            raise HandshakeError("remote_incarnation", f"{engine} restarted since this prefill "
-                                 f"({p.remote_incarnation} -> {self._peer_incarnation.get(engine)})")
-        params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
-        # (vLLM would report the producer's prefix hits instead of what we pulled.)
-        return {**params, "do_remote_prefill": True, "handshakes": payloads}
-
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
         ids = self._prompt(req)
         params = req.kv_transfer_params
@@ -327,7 +282,7 @@ class VllmBackend:
         handshake_failed = False
         if params:
             try:
-                params = await self._with_handshakes(params)
+                params = await self.peers.attach(params, self.coordinator)
             except TransferParamsError as exc:
                 raise EngineRequestError(str(exc)) from None
             except HandshakeError as exc:
@@ -430,8 +385,7 @@ class VllmBackend:
     async def drop_engine(self, engine_id: str) -> None:
         # The next request to that engine fetches fresh payloads; workers replace
         # agents whose name changed (a restarted engine never meets stale metadata).
-        self._peer_payloads.pop(engine_id, None)
-        self._peer_incarnation.pop(engine_id, None)
+        self.peers.drop(engine_id)
 
     async def stats(self) -> dict:
         """Counters plus the scheduler's view as of its last step (vLLM reports per step)."""
