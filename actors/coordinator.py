@@ -22,6 +22,14 @@ Life cycle of an engine incarnation as the coordinator sees it:
   routes              routers fetch live decode engines -> usable prefill engines
                       with every pair's breaker (the ledger owns the breakers).
 
+Routing state it owns besides the directory:
+
+  kv_events           a registered engine's relayed KV cache events feed the
+                      prefix index (one owner); routers replicate it with
+                      `prefix_index_updates`; an engine's entries go with it;
+  set_draining        routers stop choosing the engine (`routes()` leaves it
+                      out); the autoscaler stops it once idle.
+
 If the coordinator itself restarts (Ray restarts it), engines see their
 `watch_registration` call fail and register again with the new incarnation.
 """
@@ -39,6 +47,7 @@ import ray
 from actors.kv.aggregator import KVConnectorOutput
 from actors.kv.compat import pair_problem
 from actors.ledger import BreakerConfig, LedgerSnapshot, PrefillRoute, RouteTable, TransferLedger, Verdict
+from actors.prefix_index import IndexCursor, IndexUpdate, KVEventsBatch, PrefixIndex
 from actors.registry import ROLES, EngineEntry, Registration, RegistrationError, decode_registration
 
 logger = logging.getLogger("raypd.coordinator")
@@ -60,6 +69,7 @@ class Coordinator:
         self._timers: list[asyncio.Task] = []
         self._handoff_opened: asyncio.Event | None = None
         self.events: list[dict[str, Any]] = []
+        self.prefix_index = PrefixIndex()
         # a restarted coordinator starts empty; engines register again within ~1 s of its return
         self._started_at = time.monotonic()
         self._restarted = _reconstructed()
@@ -143,6 +153,7 @@ class Coordinator:
         entry = self._engines.pop(engine_id)
         pairs = [(d, p) for (p, d) in self._pairs if engine_id in (p, d)]
         self._pairs = {k: v for k, v in self._pairs.items() if engine_id not in k}
+        self.prefix_index.drop_engine(engine_id)
         gone = self.ledger.engine_died(engine_id, reason, pairs) if died else self.ledger.engine_left(engine_id)
         for handoff in gone:
             self._release_prefill(handoff.prefill_id, handoff.req_id)
@@ -195,11 +206,13 @@ class Coordinator:
     def _usable(self, decode_id: str) -> tuple[PrefillRoute, ...]:
         return tuple(PrefillRoute(p, self.ledger.route_state(decode_id, p))
                      for (p, d), problem in sorted(self._pairs.items())
-                     if d == decode_id and problem is None and not self.ledger.is_open(decode_id, p))
+                     if d == decode_id and problem is None and not self.ledger.is_open(decode_id, p)
+                     and not self._engines[p].draining)
 
     async def routes(self) -> RouteTable:
         """Every live decode engine -> its usable prefill engines, and every pair's breaker."""
-        decodes = {e.engine_id: self._usable(e.engine_id) for e in self._engines.values() if e.serves_decode}
+        decodes = {e.engine_id: self._usable(e.engine_id) for e in self._engines.values()
+                   if e.serves_decode and not e.draining}
         settling = self._restarted and time.monotonic() - self._started_at < self.settle_s
         return RouteTable(decodes, self.ledger.pair_states(),
                           {e.engine_id: e.generation for e in self._engines.values()}, settling)
@@ -207,6 +220,32 @@ class Coordinator:
     async def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
         """A half-open pair's probe is admitted once, cluster-wide."""
         return self.ledger.admit_probe(decode_id, prefill_id)
+
+    # ------------------------------------------------------- prefix index
+    async def kv_events(self, engine_id: str, batch: KVEventsBatch) -> bool:
+        """A registered engine's KV cache events (in its order); False: not registered, ignored."""
+        if engine_id not in self._engines:
+            return False
+        self.prefix_index.apply(engine_id, batch)
+        return True
+
+    async def prefix_index_updates(self, cursor: IndexCursor | None) -> IndexUpdate:
+        """What a router's replica of the prefix index lacks since `cursor`."""
+        return self.prefix_index.updates_since(cursor)
+
+    # ------------------------------------------------------------- draining
+    async def handoffs_in_flight(self, engine_id: str) -> int:
+        """KV handoffs from or to the engine that have no verdict yet."""
+        return sum(1 for h in self.ledger.in_flight() if engine_id in (h.prefill_id, h.decode_id))
+
+    async def set_draining(self, engine_id: str, draining: bool = True) -> bool:
+        """Routers stop choosing a draining engine (`routes()` leaves it out)."""
+        entry = self._engines.get(engine_id)
+        if entry is None:
+            return False
+        entry.draining = draining
+        self._event("draining" if draining else "undrained", engine_id)
+        return True
 
     # ---------------------------------------------------------------- ledger
     async def open_handoff(self, req_id: str, prefill_id: str, decode_id: str) -> None:

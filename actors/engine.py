@@ -41,11 +41,14 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import asdict
 from typing import Any, AsyncIterator
 
 import ray
 
 from actors.engine_config import EngineConfig
+from actors.kv_events import relay_for
+from actors.load_meter import EngineLoad, LoadMeter
 from actors.protocol import Backend, EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
 from actors.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
 from actors.transfer_params import TransferParams, TransferParamsError
@@ -80,6 +83,8 @@ class EngineActor:
         self._generation: int | None = None
         self._handshakes: list[bytes] = []
         self._register_lock = asyncio.Lock()
+        self._kv_relay: Any = None  # actors.kv_events.KVEventsRelay: KV cache events -> coordinator
+        self.meter = LoadMeter()  # queues and latencies for the autoscaler
         self._start_lock = asyncio.Lock()
         self._start_info: dict | None = None
         self._watcher: asyncio.Task | None = None
@@ -131,6 +136,7 @@ class EngineActor:
             await self.backend.start(self._coordinator, on_new_incarnation=self._register)
             self.startup.reached(KV_REGISTERED)
             if self._coordinator is not None:
+                self._kv_relay = relay_for(self.backend, self.engine_id, self._relay_kv_events)
                 reg = await self._register()
                 pairs = reg.pairs if reg is not None else {}
                 self.startup.reached(HANDSHAKE_PUBLISHED)
@@ -170,6 +176,9 @@ class EngineActor:
             )
             self._generation, self._handshakes = reg.generation, handshakes
             return reg
+
+    def _relay_kv_events(self, batch: Any) -> Any:
+        return self._coordinator.kv_events.remote(self.engine_id, batch)
 
     async def _watch_coordinator(self) -> None:
         """One pending call at the coordinator; re-register when it returns or fails."""
@@ -227,6 +236,7 @@ class EngineActor:
         """Run the prompt for remote decode: the first token and the transfer params."""
         self._check_role("prefill", "both")
         self.counters["requests"] += 1
+        started = self.meter.prefill_started(req)
         try:
             return await self.backend.prefill(req)
         except EngineRequestError:
@@ -234,6 +244,8 @@ class EngineActor:
         except Exception as exc:
             self._check_alive(exc)
             raise
+        finally:
+            self.meter.prefill_done(started)
 
     @ray.method(max_task_retries=0)
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
@@ -248,12 +260,14 @@ class EngineActor:
                 raise EngineRequestError(str(exc)) from None
         self.counters["requests"] += 1
         self._running[req_id] = time.monotonic()
+        track = self.meter.decode_started(req)
         handoff = self._coordinator is not None and params is not None
         if handoff:
             # the ledger watches this handoff until the transfer outcome is reported
             self._coordinator.open_handoff.remote(req_id, params.remote_engine_id, self.engine_id)
         try:
             async for chunk in self.backend.generate(req):
+                track.observe(chunk)
                 if chunk.recomputed:
                     self.counters["recomputed"] += 1
                 if chunk.failed:
@@ -274,6 +288,7 @@ class EngineActor:
             self._check_alive(exc)
             raise
         finally:
+            track.done()
             self._running.pop(req_id, None)
 
     async def abort(self, req_id: str) -> None:
@@ -286,7 +301,14 @@ class EngineActor:
             "running": len(self._running), "generation": self._generation, "restarted": self.restarted,
             "pid": os.getpid(),
             **self.counters, **(await self.backend.stats()),
+            "load": asdict(self.meter.snapshot()),
+            **({"kv_events": self._kv_relay.snapshot()} if self._kv_relay is not None else {}),
         }
+
+    async def load(self) -> EngineLoad:
+        """Queues, latencies, KV usage and leases, for the autoscaler."""
+        return EngineLoad.of(self.engine_id, self.cfg.role, len(self._running), await self.backend.stats(),
+                             self.meter.snapshot())
 
     async def check_health(self) -> bool:
         return self.started and self.backend.dead_reason() is None
@@ -325,6 +347,8 @@ class EngineActor:
         self.closed = True
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._kv_relay is not None:
+            await self._kv_relay.stop()
         if self._coordinator is not None:
             try:
                 await self._coordinator.unregister_engine.remote(self.engine_id, "shutdown", self._generation)

@@ -116,6 +116,9 @@ class EngineConfig(_Strict):
     # colocated baseline of benchmarks/pd_vs_vllm.py; such an engine cannot take part
     # in P/D (it publishes no handshake payload).
     kv_connector: bool = True
+    # vLLM publishes its KV cache events (kv_events_config) and the engine relays them to the
+    # coordinator's prefix index: on when the deployment routes cache-aware (router.policy).
+    kv_events: bool = True
     # Test knob: this fraction of KV pulls fails on purpose (fault-injection suites only).
     fault_rate: float = Field(0.0, ge=0.0, le=1.0)
 

@@ -83,6 +83,7 @@ class PrefillResult:
     first_text: str
     finish_reason: str | None  # "length": the decode engine continues; "stop": the answer is complete
     kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int | None = None  # vLLM: prompt tokens the prefill engine's prefix cache held
 
     @property
     def num_prompt_tokens(self) -> int:

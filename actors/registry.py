@@ -41,6 +41,7 @@ class EngineEntry:
     evicted: asyncio.Event = field(default_factory=asyncio.Event)
     eviction_reason: str = ""
     watchers: list[asyncio.Task] = field(default_factory=list)
+    draining: bool = False  # routers stop choosing it (the autoscaler is removing it)
 
     @property
     def head(self) -> RankHandshake:
@@ -56,7 +57,7 @@ class EngineEntry:
             "engine_id": self.engine_id, "role": self.role, "model_id": h.compat.model_id,
             "compat_hash": h.compat.compat_hash(), "tp_size": h.tp_size, "pp_size": h.pp_size,
             "dcp_size": h.dcp_size, "block_size": h.block_size, "ranks": len(self.ranks),
-            "generation": self.generation, **self.info,
+            "generation": self.generation, "draining": self.draining, **self.info,
         }
 
 

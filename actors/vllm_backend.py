@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
 import shutil
 import tempfile
@@ -56,6 +57,8 @@ import ray
 from actors.engine_config import EngineConfig
 from actors.kv.errors import HandshakeError
 from actors.kv.handshake import decode_handshake
+from actors.kv_events import KVEventsSource, endpoint_in, vllm_kv_events_config
+from actors.prefix_index import DEFAULT_SEED, HashScheme
 from actors.orphans import child_pids, forget, reap_children, reap_previous, record_children
 from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, SamplingSpec, TokenChunk
 from actors.peer_payloads import PeerPayloads
@@ -99,6 +102,7 @@ class VllmBackend:
         self._aliases: dict[str, str] = {}  # request id -> the id of its continuation after a replay mismatch
         # prefills whose blocks are held for a reader: request id -> (vLLM's id, lease expiry)
         self._unread: dict[str, tuple[str, float]] = {}
+        self.kv_events_endpoint = endpoint_in(self.handshake_dir)  # the engine core publishes its KV events here
         self._usage: dict[str, Any] = {"num_blocks": 0, "kv_cache_usage": 0.0, "running": 0, "waiting": 0}
 
     # ---------------------------------------------------------------- start
@@ -117,7 +121,14 @@ class VllmBackend:
         }) if cfg.kv_connector else None  # None: plain vLLM (baseline)
         for note in pd_overrides(cfg):
             logger.warning("%s: %s", self.engine_id, note)
-        return build_engine_args(cfg, model_path, kv)
+        args = build_engine_args(cfg, model_path, kv)
+        if not cfg.kv_events:  # router.policy least_outstanding: nobody reads the events
+            return args
+        if args.kv_events_config is not None:
+            logger.warning("%s: engine_kwargs.kv_events_config is replaced: raypd relays the engine's KV cache "
+                           "events to its routers", self.engine_id)
+        args.kv_events_config = vllm_kv_events_config(self.kv_events_endpoint)  # feeds the prefix index
+        return args
 
     async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]] | None = None) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -173,6 +184,15 @@ class VllmBackend:
         if self.llm is not None and self.llm.errored:
             return "vLLM's engine core died"
         return None
+
+    def kv_events_source(self) -> KVEventsSource | None:
+        """Where the engine core publishes its KV events and how it hashes blocks (as vLLM resolved it)."""
+        cache = self.llm.vllm_config.cache_config
+        if not self.cfg.kv_events or not cache.enable_prefix_caching:
+            return None
+        seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED  # the engine core inherits our environment
+        return KVEventsSource(self.kv_events_endpoint,
+                              HashScheme(cache.block_size, cache.prefix_caching_hash_algo, seed))
 
     # ------------------------------------------------------------- requests
     def model_info(self) -> ModelInfo:
@@ -249,8 +269,9 @@ class VllmBackend:
         remote = req.max_tokens > 1
         sp = self._sampling(req.sampling, 1, {"do_remote_decode": True, "lease_ttl_s": ttl} if remote else None)
         first_ids: list[int] = []
-        text, finish, params = "", None, None
+        text, finish, params, cached = "", None, None, None
         async for out in self._outputs(ids, sp, req.request_id):
+            cached = out.num_cached_tokens if cached is None else cached
             o = out.outputs[0]
             first_ids.extend(o.token_ids)
             text += o.text
@@ -261,7 +282,7 @@ class VllmBackend:
             params = {**params, "remote_incarnation": self.incarnation}
         return PrefillResult(prompt_token_ids=tuple(ids), first_token_ids=tuple(first_ids), first_text=text,
                              finish_reason=str(finish) if finish is not None else None,
-                             kv_transfer_params=params)
+                             kv_transfer_params=params, num_cached_tokens=cached)
 
     def _remember_unread(self, req_id: str, vllm_id: str, ttl: float) -> None:
         now = time.monotonic()

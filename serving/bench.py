@@ -12,6 +12,9 @@ p50/p90/p99 of each, request and output-token throughput, and goodput (requests
 per second that met both `--slo-ttft-ms` and `--slo-itl-ms`, the mean ITL of the
 request). `--plot` writes a PNG (matplotlib, Agg).
 
+Chat mode (`--workload chat`): multi-turn conversations sharing system prompts,
+see serving/bench_chat.py.
+
 Overhead mode (`--overhead`): see `serving.bench_overhead`.
 """
 
@@ -52,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead-concurrency", type=int, default=16, help="--overhead: concurrency of the rps runs")
     p.add_argument("--results", default="benchmarks/results/front_overhead.json",
                    help="--overhead: write the results here (JSON, and the printed table as .txt); '' for none")
+    from serving.bench_chat import add_chat_arguments
+
+    add_chat_arguments(p)
 
 
 # ---------------------------------------------------------------- statistics
@@ -258,6 +264,10 @@ def run(args: argparse.Namespace) -> int:
         from serving.bench_overhead import run_overhead
 
         return run_overhead(args)
+    if args.workload == "chat":
+        from serving.bench_chat import run_chat
+
+        return run_chat(args)
     results = asyncio.run(run_load(args))
     if args.json_out:
         with open(args.json_out, "w") as fh:

@@ -279,6 +279,12 @@ def _connect(args: argparse.Namespace, state: runstate.UpState | None) -> bool:
     return ray.is_initialized()
 
 
+def _jsonable(obj: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else str(obj)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import ray
 
@@ -300,7 +306,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         name = state.name if state else _load(args).name
         status = collect_status(name)
         if args.json:
-            print(json.dumps(status, indent=2, default=str))
+            print(json.dumps(status, indent=2, default=_jsonable))
         else:
             print_status(status, state.url if state else None)
         return 0 if status["engines"] else 1

@@ -100,6 +100,14 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
         entry["registered"] = eid in registered
         entry["summary"] = registered.get(eid)
         out["engines"][eid] = entry
+    from serving.autoscaler import find_autoscaler
+
+    scaler = find_autoscaler(name)
+    if scaler is not None:
+        try:
+            out["autoscaler"] = ray.get(scaler.status.remote(), timeout=timeout_s)
+        except ray.exceptions.RayError as exc:
+            out["autoscaler_error"] = f"{type(exc).__name__}: {exc}"
     try:
         from ray import serve
 
@@ -139,6 +147,10 @@ def print_status(status: dict, url: str | None) -> None:
               + (f"  error: {e['error']}" if e.get("error") else ""))
         if e.get("vllm_config"):
             print(f"          vllm: {vllm_summary(e['vllm_config'])}")
+    if status.get("autoscaler") is not None:
+        from serving.autoscaler import status_lines
+
+        print("\n".join(status_lines(status["autoscaler"])))
     breakers = status.get("breakers") or router.get("breakers") or {}
     print("breakers (prefill->decode, held by the coordinator's ledger):" + ("" if breakers else " none yet"))
     for pair, b in sorted(breakers.items()):
@@ -148,5 +160,13 @@ def print_status(status: dict, url: str | None) -> None:
         print("router: " + " ".join(f"{k}={v}" for k, v in sorted(router["counters"].items()))
               + "".join(f" fallback[{k}]={v}" for k, v in sorted((router.get("fallbacks") or {}).items()))
               + "".join(f" migrated[{k}]={v}" for k, v in sorted((router.get("migrations") or {}).items())))
+    if router.get("disagg_decisions"):
+        print("prefill decisions (this replica): " + " ".join(
+            f"{k}={v}" for k, v in sorted(router["disagg_decisions"].items())))
+    index = router.get("prefix_index")
+    if index is not None:
+        print("prefix index (blocks per engine): " + (" ".join(
+            f"{e}={n}" for e, n in sorted(index["engines"].items())) or "empty")
+            + (f"  error: {index['error']}" if index.get("error") else ""))
     print("metrics (Prometheus, one URL per node; ray_raypd_* and ray_vllm_*): "
           + (" ".join(status.get("metrics_urls") or []) or "no node exports metrics"))

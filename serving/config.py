@@ -32,6 +32,7 @@ from actors.engine_config import (
     lift_owned_kwargs,
 )
 from actors.ledger import BreakerConfig
+from serving.autoscale_policy import AutoscalerConfig
 
 ROLES = ("prefill", "decode")
 
@@ -62,8 +63,16 @@ class EngineGroupConfig(_Strict):
 
 
 class RouterConfig(_Strict):
-    policy: Literal["least_outstanding"] = "least_outstanding"
-    short_prompt_tokens: int = Field(0, ge=0)  # prompts shorter than this prefill on the decode engine
+    """Engine choice and remote-vs-local prefill; formula and rules: serving/routing_policy.py."""
+
+    # cache_aware: engines publish vLLM's KV cache events and the router scores cached prefix + load;
+    # least_outstanding: load alone, and engines run without KV events
+    policy: Literal["least_outstanding", "cache_aware"] = "cache_aware"
+    cache_weight: float = Field(1.0, ge=0)  # cost of one uncached prompt token vs one token of queued work
+    short_prompt_tokens: int = Field(0, ge=0)  # uncached prompt tokens below this: the decode engine prefills
+    prefill_saturation_tokens: int = Field(0, ge=0)  # prefill queue that makes decode prefill itself (0: off)
+    decode_headroom_tokens: int = Field(4096, ge=0)  # ...only while the decode engine owes fewer tokens
+    index_refresh_s: float = Field(0.1, gt=0)  # how stale the router's copy of the prefix index may get
     no_prefill_fallback: Literal["decode_local", "reject"] = "decode_local"
     prefill_retries: int = Field(1, ge=0, le=3)
     # a stream whose decode engine died waits this long for one to take it (another, or the restarted one)
@@ -129,6 +138,7 @@ class DeploymentConfig(_Strict):
     restarts: RestartConfig = RestartConfig()
     http: HttpConfig = HttpConfig()
     ray: RayConfig = RayConfig()
+    autoscaler: AutoscalerConfig = AutoscalerConfig()  # P:D pool sizes (serving/autoscale_policy.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -176,6 +186,10 @@ class DeploymentConfig(_Strict):
             if db % pb:
                 raise ValueError(f"prefill block_size {pb} must divide decode block_size {db}")
         for role, group in (("prefill", p), ("decode", d)):
+            bounds = getattr(self.autoscaler, role)
+            if self.autoscaler.enabled and not bounds.min <= group.count <= bounds.max:
+                raise ValueError(f"{role}.count {group.count} must lie within autoscaler.{role} "
+                                 f"min {bounds.min} .. max {bounds.max}")
             if group.cpu_bind is not None and len(group.cpu_bind) != group.count:
                 raise ValueError(f"{role}.cpu_bind needs one entry per engine ({group.count})")
         for role in ("prefill", "decode"):
@@ -195,8 +209,9 @@ class DeploymentConfig(_Strict):
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
             kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
             read_timeout_s=self.transfer.read_timeout_s, fault_rate=self.transfer.fault_rate,
-            num_cpus=group.num_cpus,
-            resources=group.resources, cpu_bind=group.cpu_bind[index] if group.cpu_bind else None,
+            num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
+            resources=group.resources,
+            cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,
         )
 
     @property

@@ -15,6 +15,7 @@ needs RAY_AUTH_MODE=token, as for any Ray client).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -187,6 +188,12 @@ def launch(cfg: DeploymentConfig, timeout_s: float | None = None,
                                     breaker=cfg.breaker.model_dump(),
                                     handoff_deadline_s=cfg.transfer.handoff_deadline_s)
     ray.get(coordinator.configure.remote(cfg.breaker.model_dump(), cfg.transfer.handoff_deadline_s), timeout=60)
+    if cfg.autoscaler.enabled:
+        from serving.autoscaler import attach
+
+        joined = attach(cfg, coordinator)
+        if joined is not None:
+            return joined
     dep = Deployment(cfg.name, coordinator)
     pgs = [engine_placement_group(cfg, role, i) for role in ROLES for i in range(getattr(cfg, role).count)]
     try:
@@ -212,6 +219,10 @@ def launch(cfg: DeploymentConfig, timeout_s: float | None = None,
         raise TimeoutError(f"engines of {cfg.name!r} did not start within {timeout_s:.0f}s") from None
     dep.start_info = dict(zip(refs, infos))
     logger.info("deployment %s: %d engines up in %.1fs", cfg.name, len(refs), time.monotonic() - t0)
+    if cfg.autoscaler.enabled:
+        from serving.autoscaler import start_autoscaler
+
+        start_autoscaler(cfg)
     return dep
 
 
@@ -274,6 +285,9 @@ def shutdown_deployment(name: str, keep_coordinator: bool = False, timeout_s: fl
 
     Returns the actor names that were stopped.
     """
+    from serving.autoscaler import stop_autoscaler
+
+    stop_autoscaler(name)  # first: it must not start or drain engines while they go
     engines = find_engines(name)
     refs = {n: h.shutdown.remote() for n, h in engines.items()}
     if refs:
@@ -306,3 +320,49 @@ def shutdown_deployment(name: str, keep_coordinator: bool = False, timeout_s: fl
             else:
                 ray.kill(coordinator)
     return sorted(engines)
+
+
+# ------------------------------------------------- one engine at a time (the autoscaler)
+class Unschedulable(RuntimeError):
+    """No node offers the resources of one more engine of this role."""
+
+
+async def start_engine(cfg: DeploymentConfig, role: str, index: int, timeout_s: float,
+                       place_timeout_s: float = 60.0) -> Any:
+    """Create and start engine `index` of `role` in its own placement group; nothing is left behind
+    when it cannot be placed (within `place_timeout_s`) or does not start (within `timeout_s`)."""
+    from ray.util.placement_group import remove_placement_group
+
+    pg = engine_placement_group(cfg, role, index)
+    try:
+        await asyncio.wait_for(pg.ready(), place_timeout_s)
+    except asyncio.TimeoutError:
+        remove_placement_group(pg)
+        raise Unschedulable(f"no node offers {pg.bundle_specs} for {role} engine {index}") from None
+    handle = _engine_handle(cfg, role, index)
+    try:
+        await asyncio.wait_for(handle.start.remote(), timeout_s)
+    except BaseException:
+        ray.kill(handle)
+        remove_placement_group(pg)
+        raise
+    return handle
+
+
+async def stop_engine(cfg: DeploymentConfig, engine: str, handle: Any | None, timeout_s: float = 30.0) -> None:
+    """Shut engine `engine` down (it unregisters), kill its actor and remove its placement group."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    if handle is not None:
+        try:
+            await asyncio.wait_for(handle.shutdown.remote(), timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as exc:
+            logger.warning("engine %s did not shut down cleanly: %s", engine, exc)
+        try:
+            ray.kill(handle)
+        except Exception as exc:  # noqa: BLE001 - already gone
+            logger.info("kill %s: %s", engine, exc)
+    try:
+        remove_placement_group(get_placement_group(f"{actor_name_of(cfg.name, engine)}-pg"))  # = placement_group_name
+    except ValueError:
+        pass

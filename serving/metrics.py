@@ -2,7 +2,7 @@
 
 Recorded by the front as requests flow (`ServiceMetrics`): request counts by
 endpoint and status, time to first token and inter-token latency per P/D path
-(pd | short | fallback), the P/D handoff (prefill's token -> decode engine's
+(pd | local | fallback), the P/D handoff (prefill's token -> decode engine's
 first token: KV pull + one decode step), end-to-end latency, tokens.
 Read from the router at scrape time (a custom collector, so nothing is copied
 on the hot path): prefill / decode queue depths, the breaker of every
@@ -106,19 +106,31 @@ class RouterCollector(Collector):
         for p, n in snap["prefill_failures"].items():
             pf.add_metric([p], n)
         yield pf
-        fb = CounterMetricFamily("raypd_fallbacks", "requests prefilled on their decode engine",
+        fb = CounterMetricFamily("raypd_fallbacks", "requests prefilled on their decode engine after a failed "
+                                 "or impossible remote prefill",
                                  labels=["reason"])
         for reason, n in snap["fallbacks"].items():
             fb.add_metric([reason], n)
-        n_short = snap["counters"].get("short_prompt_local", 0)
-        if n_short:
-            fb.add_metric(["short_prompt"], n_short)
         yield fb
+        dd = CounterMetricFamily("raypd_disagg_decisions", "remote or local prefill per request, with the reason "
+                                 "(serving/routing_policy.py)", labels=["decision", "reason"])
+        for key, n in (snap.get("disagg_decisions") or {}).items():
+            decision, reason = key.split("/", 1)
+            dd.add_metric([decision, reason], n)
+        yield dd
+        index = snap.get("prefix_index")
+        if index is not None:
+            blocks = GaugeMetricFamily("raypd_prefix_index_blocks", "KV blocks the router's prefix index holds "
+                                       "per engine", labels=["engine"])
+            for eid, n in index["engines"].items():
+                blocks.add_metric([eid], n)
+            yield blocks
         counters = snap["counters"]
         yield CounterMetricFamily("raypd_prefill_retries", "prefills retried on another engine",
                                   value=counters.get("prefill_retries", 0))
         yield CounterMetricFamily("raypd_aborts", "requests aborted on the engines (client went away)",
                                   value=counters.get("aborted", 0))
+        yield from pool_metrics(snap.get("pools"))
         stats = getattr(router, "engine_stats", {}) or {}
         up = GaugeMetricFamily("raypd_engine_up", "1 when the engine answered its last stats call",
                                labels=["engine"])
@@ -155,6 +167,28 @@ E2E = MetricSpec("raypd_e2e_request_latency_seconds", "request latency, arrival 
 PROMPT_TOKENS = MetricSpec("raypd_prompt_tokens", "prompt tokens processed")
 GENERATION_TOKENS = MetricSpec("raypd_generation_tokens", "tokens generated")
 FRONT_METRICS = (REQUESTS, TTFT, ITL, HANDOFF, E2E, PROMPT_TOKENS, GENERATION_TOKENS)
+
+
+def pool_metrics(pools: dict | None) -> Iterator[Metric]:
+    """The autoscaler's view (`serving.autoscaler.AutoscalerStatus`), when it runs."""
+    if not pools:
+        return
+    engines = GaugeMetricFamily("raypd_pool_engines", "engines per role: serving, starting, draining",
+                                labels=["role", "state"])
+    bounds = GaugeMetricFamily("raypd_pool_bounds", "autoscaler bounds per role", labels=["role", "bound"])
+    for role, st in pools["roles"].items():
+        for state in ("serving", "starting", "draining"):
+            engines.add_metric([role, state], len(st[state]))
+        bounds.add_metric([role, "min"], st["min"])
+        bounds.add_metric([role, "max"], st["max"])
+    yield engines
+    yield bounds
+    events = CounterMetricFamily("raypd_autoscaler_events", "scale-ups, scale-downs, unschedulable, "
+                                 "failed starts and drain timeouts, per role", labels=["role", "event"])
+    for key, n in pools["counters"].items():
+        role, _, event = key.partition("_")
+        events.add_metric([role, event], n)
+    yield events
 
 
 class ServiceMetrics:

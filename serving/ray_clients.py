@@ -21,7 +21,10 @@ import ray
 
 from actors.coordinator import COORDINATOR_NAME, NAMESPACE
 from actors.ledger import RouteTable
+from actors.prefix_index import IndexCursor, IndexUpdate
 from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
+from serving.prefix_view import PrefixCacheView
+from serving.route_planner import planner_for
 from serving.router import EngineUnavailable, RequestRejected, Router
 
 logger = logging.getLogger("raypd.router")
@@ -144,13 +147,55 @@ class RayDirectory:
         self.coordinator.handle.prefill_failed.remote(decode_id, prefill_id, reason)
 
 
+def resolve_engine(deployment: str) -> Any:
+    """Looks up the engines the directory names by actor name (engines started after the router
+    was built: scaled up by the autoscaler); None when no such actor exists."""
+    from serving.launcher import actor_name_of
+
+    def resolve(engine_id: str) -> RayEngineClient | None:
+        name = actor_name_of(deployment, engine_id)
+        try:
+            return RayEngineClient(engine_id, ray.get_actor(name, namespace=NAMESPACE), name)
+        except ValueError:
+            return None
+
+    return resolve
+
+
+class AutoscalerClient:
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+    async def status(self) -> Any:
+        return await self.handle.status.remote()
+
+
+def prefix_index_view(directory: RayDirectory, refresh_s: float) -> PrefixCacheView:
+    """The router's copy of the coordinator's prefix index (follows the coordinator across restarts)."""
+
+    async def fetch(cursor: IndexCursor | None) -> IndexUpdate:
+        return await asyncio.wait_for(directory.coordinator.handle.prefix_index_updates.remote(cursor),
+                                      directory.timeout_s)
+
+    return PrefixCacheView(fetch, refresh_s)
+
+
 def build_router(cfg: Any, deployment: Any) -> Router:
     """A Router over a launched deployment (`serving.launcher.Deployment`)."""
     from serving.launcher import actor_name_of
 
-    return Router(
+    directory = RayDirectory(deployment.coordinator)
+    router = Router(
         prefills={eid: RayEngineClient(eid, h, actor_name_of(cfg.name, eid)) for eid, h in deployment.prefills.items()},
         decodes={eid: RayEngineClient(eid, h, actor_name_of(cfg.name, eid)) for eid, h in deployment.decodes.items()},
-        directory=RayDirectory(deployment.coordinator),
+        directory=directory,
         config=cfg.router,
+        resolve_engine=resolve_engine(cfg.name),
+        planner=planner_for(cfg.router, prefix_index_view(directory, cfg.router.index_refresh_s)),
     )
+    if cfg.autoscaler.enabled:
+        from serving.autoscaler import find_autoscaler
+
+        handle = find_autoscaler(cfg.name)
+        router.autoscaler = AutoscalerClient(handle) if handle is not None else None
+    return router

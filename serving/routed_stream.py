@@ -125,6 +125,9 @@ class RoutedStream:
         self._charge = charge.hand_over()
         self.token_ids: list[int] = []  # every token streamed so far
         self.num_prompt_tokens = first.num_prompt_tokens
+        # prompt tokens the engine that ran the prompt found in its prefix cache (vLLM; the first chunk
+        # comes from that engine: the prefill engine's token, or the decode engine's local prefill)
+        self.num_cached_tokens = first.num_cached_tokens
         self.num_generated = 0
         self.migrations = 0
         self._awaiting_transfer = awaiting_transfer  # the next decode chunk carries the transfer verdict

@@ -2,24 +2,25 @@
 
 Life cycle of one request (`Router.open`):
 
-  1. select: the decode engine with the least outstanding work (tokens still
-     owed by the requests this router sent it, then request count) among the
-     decode engines the directory (the coordinator) lists as alive; it is
-     charged for the request until its stream ends (`DecodeCharge`);
-  2. remote attempts: unless the prompt is short (`short_prompt_tokens`), a
-     prefill engine is chosen among those the directory lists as usable with
-     that decode engine (compatible, pair breaker not open: the coordinator's
-     ledger owns the breakers; a half-open pair is used only if this router
-     wins its one probe), least loaded first; it runs the prompt and returns a
+  1. plan (`serving.route_planner`): among the decode engines the directory
+     (the coordinator) lists as alive, the one with the lowest score (prompt
+     tokens its prefix cache lacks + tokens still owed by the requests this
+     router sent it; `serving.routing_policy`), its usable prefill engines
+     best first, and remote or local prefill (counted with its reason); the
+     decode engine is charged for the request until its stream ends (`DecodeCharge`);
+  2. remote attempts (a remote decision): the first of those prefill engines
+     the directory lists as usable with that decode engine (compatible, pair
+     breaker not open: the coordinator's ledger owns the breakers; a half-open
+     pair is used only if this router wins its one probe) runs the prompt and returns a
      `PrefillResult`: the first token, streamed to the client at once, and the
      transfer params the decode engine pulls the KV with; the decode engine
      continues from token two and applies the transfer failure policy itself.
      A prefill that fails because of the engine is reported to the ledger and
      retried once on another prefill engine (`prefill_retries`); one refused
      because of the request is a 400, never retried, never reported;
-  3. local fallback: a short prompt, or no (more) usable prefill engine: the
-     decode engine prefills itself (`decode_local`) or the request is refused
-     (`reject`, 503);
+  3. local: a local decision (the uncached prompt is short, the prefill pool
+     is saturated), or no (more) usable prefill engine: the decode engine
+     prefills itself (`decode_local`) or the request is refused (`reject`, 503);
   4. the caller iterates the returned `RoutedStream`; if its decode engine
      dies mid-stream, the stream migrates to another live decode engine (or
      the restarted one, within `migration_wait_s`); closing it early (client
@@ -44,6 +45,7 @@ from typing import Any, Protocol
 from actors.ledger import RouteTable
 from actors.protocol import EngineRequest, PrefillResult, TokenChunk
 from serving.config import RouterConfig
+from serving.route_planner import RoutePlan, RoutePlanner, planner_for
 from serving.routed_stream import (
     DecodeCharge,
     EngineUnavailable,
@@ -96,7 +98,9 @@ class Directory(Protocol):
 class Router:
     def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
                  directory: Directory, config: RouterConfig | None = None,
-                 directory_ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+                 directory_ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 resolve_engine: Callable[[str], EngineClient | None] | None = None,
+                 planner: RoutePlanner | None = None):
         if not decodes:
             raise ValueError("a router needs at least one decode engine")
         self.prefills, self.decodes = dict(prefills), dict(decodes)
@@ -119,6 +123,11 @@ class Router:
         self._stale = False  # an outcome that may move a breaker was reported since the last view
         self._rr = itertools.count()
         self._tasks: set[asyncio.Task] = set()
+        # engines the directory lists that this router has no client for yet (scaled up, restarted)
+        self.resolve_engine = resolve_engine
+        self.autoscaler: Any = None  # its status() is shown with the engine stats (serving.autoscaler)
+        self.pool_status: Any = None
+        self.planner = planner or planner_for(self.config)
 
     # ----------------------------------------------------------- directory
     async def routes(self, force: bool = False) -> RouteTable:
@@ -147,6 +156,7 @@ class Router:
                                 generations={**self._routes.generations, **fresh.generations})
             self._routes = fresh
             self._routes_error = None
+            self._sync_members(fresh)
         except Exception as exc:  # noqa: BLE001 - the directory being away must not crash routing
             self._routes_error = f"{type(exc).__name__}: {exc}"
             logger.warning("directory unavailable, keeping the last view: %s", self._routes_error)
@@ -155,6 +165,25 @@ class Router:
         finally:
             self._routes_at = self.clock()
             self._refreshing = False
+
+    def _sync_members(self, routes: RouteTable) -> None:
+        """Adopt the engines the directory lists; forget departed ones once nothing of ours runs there
+        and their actor is gone (a dead engine that is still there stays, shown as down)."""
+        if self.resolve_engine is None:
+            return
+        listed = {d: (self.decodes, self.decode_load) for d in routes.decodes}
+        listed.update({r.prefill_id: (self.prefills, self.prefill_load) for rs in routes.decodes.values() for r in rs})
+        for eid, (pool, loads) in listed.items():
+            if eid not in pool:
+                client = self.resolve_engine(eid)
+                if client is not None:
+                    pool[eid] = client
+                    loads.setdefault(eid, Load())
+        for pool, loads in ((self.decodes, self.decode_load), (self.prefills, self.prefill_load)):
+            for eid in [e for e in pool if e not in listed and not loads[e].requests
+                        and self.resolve_engine(e) is None]:
+                del pool[eid], loads[eid]
+                self.engine_stats.pop(eid, None)
 
     # ----------------------------------------------------------- selection
     def live_decodes(self, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
@@ -175,9 +204,14 @@ class Router:
         return min(live, key=lambda d: (self.decode_load[d].tokens, self.decode_load[d].requests,
                                         (list(self.decodes).index(d) - turn) % len(self.decodes)))
 
-    async def pick_prefill(self, decode_id: str, routes: RouteTable, exclude: set[str]) -> str | None:
+    async def pick_prefill(self, decode_id: str, routes: RouteTable, ranked: tuple[str, ...],
+                           exclude: set[str]) -> str | None:
+        """The first of `ranked` (the plan's order) that is usable and not excluded; a half-open
+        pair only if this router wins its probe."""
         states = {r.prefill_id: r.state for r in routes.decodes.get(decode_id, ())}
-        for p in self.usable_prefills(decode_id, routes, exclude):
+        for p in ranked:
+            if p not in states or p not in self.prefills or p in exclude:
+                continue
             if states[p] == "closed":
                 return p
             try:  # half-open: one probe cluster-wide, asked of the ledger
@@ -199,32 +233,32 @@ class Router:
         routes = await self.routes()
         failed_decodes: set[str] = set()
         while True:
-            decode_id = self.pick_decode(routes, failed_decodes)
-            if decode_id is None:
+            plan = self.planner.plan(self, req, routes, next(self._rr), failed_decodes)
+            if plan is None:
                 self.counters["rejected_no_decode"] += 1
                 raise RouteError(503, "no decode engine is available" + (
                     f" (directory: {self._routes_error})" if self._routes_error else ""), code="no_decode_engine")
+            decode_id = plan.decode_id
             route = Route(decode_id, decode_generation=routes.generations.get(decode_id))
             try:
                 with DecodeCharge(self.decode_load[decode_id], estimate + req.max_tokens) as charge:
-                    short = bool(self.config.short_prompt_tokens) and estimate < self.config.short_prompt_tokens
-                    if not short:
-                        stream = await self._remote_attempts(route, req, routes, estimate, charge)
+                    if plan.decision.remote:
+                        stream = await self._remote_attempts(route, req, routes, plan, estimate, charge)
                         if stream is not None:
                             return stream
-                    return await self._local(route, req, short, charge)
+                    return await self._local(route, req, plan, charge)
             except EngineUnavailable as exc:  # the decode engine died before any output: another one
                 logger.warning("%s: decode engine %s unavailable before the first token: %s",
                                req.request_id, decode_id, exc)
                 failed_decodes.add(decode_id)
                 routes = await self.routes(force=True)
 
-    async def _remote_attempts(self, route: Route, req: EngineRequest, routes: RouteTable,
+    async def _remote_attempts(self, route: Route, req: EngineRequest, routes: RouteTable, plan: RoutePlan,
                                estimate: int, charge: DecodeCharge) -> RoutedStream | None:
         """Prefill on a usable prefill engine (retried once elsewhere); None when none succeeded."""
         tried: set[str] = set()
         while route.attempts < 1 + self.config.prefill_retries:
-            prefill_id = await self.pick_prefill(route.decode_id, routes, tried)
+            prefill_id = await self.pick_prefill(route.decode_id, routes, plan.prefill_ids, tried)
             if prefill_id is None:
                 return None
             tried.add(prefill_id)
@@ -238,12 +272,11 @@ class Router:
                 return self._continuation(route, req, engine_req, out, charge)
         return None
 
-    async def _local(self, route: Route, req: EngineRequest, short: bool, charge: DecodeCharge) -> RoutedStream:
-        """The decode engine prefills itself: a short prompt, or the fallback."""
+    async def _local(self, route: Route, req: EngineRequest, plan: RoutePlan, charge: DecodeCharge) -> RoutedStream:
+        """The decode engine prefills itself: a local decision, or the fallback."""
         route.prefill_id = None
-        if short:
-            route.path = "short"
-            self.counters["short_prompt_local"] += 1
+        if plan.decision.decision == "local" and plan.decision.reason != "no_prefill_engine":
+            route.path = "local"
         else:
             reason = "prefill_failed" if route.failures else "no_prefill_engine"
             if self.config.no_prefill_fallback != "decode_local":
@@ -325,7 +358,7 @@ class Router:
         """A stream whose first chunk is the prefill engine's token; the decode engine goes on
         (and answers a failed pull per its `kv_load_failure_policy`)."""
         first = TokenChunk(engine_req.request_id, out.first_token_ids, out.first_text,
-                           num_prompt_tokens=out.num_prompt_tokens)
+                           num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
         if engine_req.max_tokens <= len(out.first_token_ids) or not out.needs_decode:
             first = first.replace(finished=True, finish_reason=out.finish_reason or "length")
             if out.kv_transfer_params:  # nobody will read the KV: release the prefill engine's lease now
@@ -370,10 +403,11 @@ class Router:
             logger.info("background abort failed: %s", task.exception())
 
     def abort_decode(self, decode_id: str, engine_req_id: str) -> None:
-        self._spawn(self.decodes[decode_id].abort(engine_req_id))
+        if decode_id in self.decodes:  # else it left the pool: nothing of the request is left there
+            self._spawn(self.decodes[decode_id].abort(engine_req_id))
 
     def abort_prefill(self, route: Route, engine_req_id: str) -> None:
-        if route.prefill_id is not None:
+        if route.prefill_id in self.prefills:
             self._spawn(self.prefills[route.prefill_id].abort(engine_req_id))
 
     def close_gen(self, gen: Any) -> None:
@@ -414,6 +448,12 @@ class Router:
 
         results = await asyncio.gather(*(one(e, h) for e, h in engines.items()))
         self.engine_stats = dict(results)
+        if self.autoscaler is not None:
+            try:
+                self.pool_status = await asyncio.wait_for(self.autoscaler.status(), timeout_s)
+            except Exception as exc:  # noqa: BLE001 - shown as unavailable, routing goes on
+                self.pool_status = None
+                logger.info("autoscaler status unavailable: %s", exc)
         return self.engine_stats
 
     def snapshot(self) -> dict:
@@ -429,4 +469,6 @@ class Router:
             "transfer_failures": {f"{p}->{d}": n for (d, p), n in self.transfer_failures.items()},
             "prefill_failures": dict(self.prefill_failures),
             "routes": {d: [r.prefill_id for r in rs] for d, rs in routes.decodes.items()},
+            "pools": asdict(self.pool_status) if self.pool_status is not None else None,
+            **self.planner.snapshot(),
         }

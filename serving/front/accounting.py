@@ -38,7 +38,7 @@ class RequestTicket:
         self.settled = False
         self.last_token_at: float | None = None
         self.num_token_chunks = 0
-        self.path = "unknown"  # the P/D path the router took: pd | short | fallback
+        self.path = "unknown"  # the P/D path the router took: pd | local | fallback
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.stream: Any = None  # the RoutedStream, once routed: closed on settle
@@ -74,10 +74,14 @@ class RequestTicket:
     def completed(self) -> bool:
         return self.finish_reason is not None and self.error is None
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         p = self.stream.num_prompt_tokens if self.stream is not None else 0
         c = self.stream.num_generated if self.stream is not None else 0
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = self.stream.num_cached_tokens if self.stream is not None else None
+        if cached is not None:  # as OpenAI / vLLM (--enable-prompt-tokens-details) report it
+            out["prompt_tokens_details"] = {"cached_tokens": cached}
+        return out
 
     def settle(self, status: str | None = None) -> None:
         """Once: close the stream (aborting it if unfinished), free the slot, count.

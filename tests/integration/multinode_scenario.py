@@ -46,6 +46,28 @@ def deployment(backend: str) -> DeploymentConfig:
     })
 
 
+def scale_up(cfg: DeploymentConfig, cluster: Cluster) -> dict:
+    """The autoscaler's way to add an engine respects the pool's node resources: a second prefill
+    engine has no node until one with `prefill: 1` joins, and an unplaceable attempt leaves nothing."""
+    import asyncio
+
+    from serving.launcher import Unschedulable, start_engine
+
+    out: dict = {}
+    try:
+        asyncio.run(start_engine(cfg, "prefill", 1, timeout_s=120, place_timeout_s=3))
+        out["scale_unschedulable"] = False
+    except Unschedulable:
+        out["scale_unschedulable"] = True
+    out["scale_pg_left_after_refusal"] = [
+        i["name"] for i in ray.util.placement_group_table().values()
+        if i.get("state") != "REMOVED" and (i.get("name") or "").endswith("prefill-1-pg")]
+    node_c = cluster.add_node(num_cpus=1, resources={"prefill": 1})
+    handle = asyncio.run(start_engine(cfg, "prefill", 1, timeout_s=120, place_timeout_s=60))
+    out["scaled_prefill_on_c"] = ray.get(handle.placement.remote())["node_id"] == node_c.node_id
+    return out
+
+
 def main(backend: str) -> int:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     node_a = cluster.add_node(num_cpus=1, resources={"prefill": 1})
@@ -83,6 +105,8 @@ def main(backend: str) -> int:
             result["prefill_requests"] = ray.get(p.stats.remote())["requests"]
             result["fallbacks"] = dict(router.fallbacks)
             result["transfer_failures"] = sum(router.transfer_failures.values())
+        if backend == "synthetic":
+            result.update(scale_up(cfg, cluster))
         shutdown_deployment(cfg.name)
         time.sleep(1)
         result["placement_groups_left"] = [

@@ -1,6 +1,6 @@
 """Metrics cluster-wide: `raypd up` (SmolLM2, 1 prefill + 1 decode, two ingress replicas), traffic,
 then a scrape of the URLs `raypd status` prints: vLLM's metrics of both engines, and raypd's
-request total equal to the requests sent (summed over the replicas that served them)."""
+request total and prefill decisions equal to the requests sent (summed over the replicas that served them)."""
 
 from __future__ import annotations
 
@@ -79,10 +79,17 @@ def test_status_urls_show_both_engines_vllm_metrics_and_raypd_totals(tmp_path):
                         and s.labels.get("status") == "200")
             vllm_engines = {s.labels.get("engine_id") for s in samples
                             if s.name == "ray_vllm_time_to_first_token_seconds_count" and s.value > 0}
-            if (total, vllm_engines) == (REQUESTS, engines) or time.monotonic() > deadline:
+            decisions = {}
+            for s in samples:
+                if s.name == "ray_raypd_disagg_decisions_total":
+                    key = (s.labels["decision"], s.labels["reason"])
+                    decisions[key] = decisions.get(key, 0) + s.value
+            seen = (total, vllm_engines, decisions)
+            want = (REQUESTS, engines, {("remote", "uncached_prompt"): REQUESTS})  # short_prompt_tokens 0
+            if seen == want or time.monotonic() > deadline:
                 break
             time.sleep(3)
-        assert (total, vllm_engines) == (REQUESTS, engines)
+        assert seen == want
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

@@ -35,6 +35,9 @@ def test_synthetic_prefill_on_node_a_decode_on_node_b():
     result = run("synthetic", timeout=600)
     check(result)
     assert result["prefill_ranks"] == 2  # tp=2: both rank actors followed their engine
+    # scaling up goes through the same placement: refused without a `prefill` node, placed on the new one
+    assert (result["scale_unschedulable"], result["scale_pg_left_after_refusal"], result["scaled_prefill_on_c"]) \
+        == (True, [], True), result
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ class FakeStream:
         self.chunks = list(chunks)
         self.num_prompt_tokens = 7
         self.num_generated = 0
+        self.num_cached_tokens = None
         self.closed = False
         self.finished = False
 

@@ -109,3 +109,13 @@ def test_served_model_name_follows_vllm_for_hub_ids_and_folders():
     assert DeploymentConfig.from_dict({"model": "org/Some-Model"}).served_model_name == "org/Some-Model"
     assert DeploymentConfig.from_dict({"model": "/models/Llama-3/"}).served_model_name == "Llama-3"
     assert DeploymentConfig.from_dict({}).served_model_name == "smollm2"
+
+
+def test_cache_aware_routing_is_the_default_and_turns_the_engines_kv_events_on():
+    from serving.route_planner import planner_for
+
+    cache_aware = DeploymentConfig.from_dict({"backend": "synthetic"})
+    by_load = DeploymentConfig.from_dict({"backend": "synthetic", "router": {"policy": "least_outstanding"}})
+    assert [c.engine_config(r).kv_events for c in (cache_aware, by_load) for r in ("prefill", "decode")] == [
+        True, True, False, False]
+    assert planner_for(by_load.router).settings.cache_weight == 0.0

@@ -31,7 +31,10 @@ class EveryFamilyRouter:
                 "breakers": {"p0->d0": {"state": "closed", "failures": 1, "opened_count": 1}},
                 "transfer_failures": {"p0->d0": 1}, "prefill_failures": {"p0": 1},
                 "fallbacks": {"no_prefill_engine": 1}, "migrations": {"decode_died": 1},
-                "counters": {"prefill_retries": 1, "aborted": 1}}
+                "counters": {"prefill_retries": 1, "aborted": 1}, "disagg_decisions": {"local/prefix_cached": 1},
+                "prefix_index": {"engines": {"d0": 3}, "error": None},
+                "pools": {"roles": {"decode": {"serving": ["d0"], "starting": [], "draining": [], "min": 1, "max": 2}},
+                          "counters": {"decode_scaled_up": 1}}}
 
 
 def exported() -> set[str]:

@@ -347,7 +347,7 @@ def test_short_prompt_skips_remote_prefill():
         router, ps, ds, _ = make(short_prompt_tokens=50)
         s = await router.open(req(prompt="short"))
         await collect(s)
-        assert s.route.path == "short" and ps["p0"].prefills == []
+        assert s.route.path == "local" and ps["p0"].prefills == []
         long = await router.open(req("r2", prompt="x" * 80))
         await collect(long)
         assert long.route.path == "pd"

@@ -1,0 +1,165 @@
+"""An engine's own load, as the autoscaler reads it from `EngineActor.stats()`.
+
+Life cycle of what it tracks:
+
+  prefill   `prefill_started(req)` adds the prompt's tokens to the queue,
+            `prefill_done` removes them and records the prefill latency (the
+            prefill pool's share of time to first token);
+  decode    `decode_started(req)` owes the request's max_tokens, every streamed
+            chunk pays some back and records the gap since the previous one
+            (inter-token latency), `done()` settles the rest.
+
+Queues are reported now and as a time-weighted average (exponential, time
+constant `window_s`), so a control loop sampling every few seconds sees load
+that comes and goes between its samples; latencies as the p90 of the samples
+of the last `window_s`. Pure Python with an injectable clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MAX_SAMPLES = 2048
+
+
+def _estimate_prompt_tokens(req: Any) -> int:
+    if req.prompt_token_ids:
+        return len(req.prompt_token_ids)
+    text = req.prompt or "".join(str(m.get("content") or "") for m in (req.messages or ()))
+    return max(1, len(text) // 4)
+
+
+class _Average:
+    """A time-weighted exponential average of a piecewise-constant value."""
+
+    def __init__(self, tau_s: float, now: float):
+        self.tau_s, self.value, self.avg, self.at = tau_s, 0, 0.0, now
+
+    def _advance(self, now: float) -> None:
+        dt = max(0.0, now - self.at)
+        self.avg += (1.0 - math.exp(-dt / self.tau_s)) * (self.value - self.avg)
+        self.at = now
+
+    def add(self, delta: int, now: float) -> None:
+        self._advance(now)
+        self.value = max(0, self.value + delta)
+
+    def read(self, now: float) -> float:
+        self._advance(now)
+        return self.avg
+
+
+class _Latencies:
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.samples: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
+
+    def add(self, seconds: float, now: float) -> None:
+        self.samples.append((now, seconds))
+
+    def p90(self, now: float) -> float | None:
+        while self.samples and now - self.samples[0][0] > self.window_s:
+            self.samples.popleft()
+        if not self.samples:
+            return None
+        values = sorted(v for _, v in self.samples)
+        return values[min(len(values) - 1, int(0.9 * len(values)))]
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    queued_prompt_tokens: int
+    queued_prompt_tokens_avg: float
+    outstanding_tokens: int
+    outstanding_tokens_avg: float
+    prefill_latency_p90_s: float | None
+    itl_p90_s: float | None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the autoscaler reads from one engine (`EngineActor.load()`)."""
+
+    engine_id: str
+    role: str
+    running: int  # decode streams in the engine
+    held_leases: int  # prefill requests whose blocks wait for their reader (when the backend knows)
+    kv_usage: float  # fraction of KV blocks in use
+    meter: LoadSnapshot
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.held_leases or self.meter.queued_prompt_tokens)
+
+    @classmethod
+    def of(cls, engine_id: str, role: str, running: int, backend_stats: dict, meter: LoadSnapshot) -> "EngineLoad":
+        total = int(backend_stats.get("num_blocks") or 0)
+        free = int(backend_stats.get("free_blocks") or 0)
+        return cls(engine_id, role, running, int(backend_stats.get("held_leases") or 0),
+                   round(1.0 - free / total, 4) if total else 0.0, meter)
+
+
+class DecodeTrack:
+    """One decode request's debt to its engine."""
+
+    def __init__(self, meter: "LoadMeter", owed: int):
+        self.meter, self.owed = meter, owed
+        self.first = True  # the first chunk's wait is prefill or a KV pull, not an inter-token gap
+        self.last = meter.clock()
+        meter._outstanding.add(owed, self.last)
+
+    def observe(self, chunk: Any) -> None:
+        n = len(chunk.token_ids)
+        if not n:
+            return
+        now = self.meter.clock()
+        if not self.first:
+            self.meter._itl.add((now - self.last) / n, now)
+        self.first, self.last = False, now
+        paid = min(n, self.owed)
+        self.owed -= paid
+        self.meter._outstanding.add(-paid, now)
+
+    def done(self) -> None:
+        if self.owed:
+            self.meter._outstanding.add(-self.owed, self.meter.clock())
+            self.owed = 0
+
+
+class LoadMeter:
+    def __init__(self, window_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        now = clock()
+        self._queued = _Average(window_s, now)
+        self._outstanding = _Average(window_s, now)
+        self._prefill_latency = _Latencies(window_s)
+        self._itl = _Latencies(window_s)
+
+    def prefill_started(self, req: Any) -> tuple[int, float]:
+        n = _estimate_prompt_tokens(req)
+        now = self.clock()
+        self._queued.add(n, now)
+        return n, now
+
+    def prefill_done(self, started: tuple[int, float]) -> None:
+        n, t0 = started
+        now = self.clock()
+        self._queued.add(-n, now)
+        self._prefill_latency.add(now - t0, now)
+
+    def decode_started(self, req: Any) -> DecodeTrack:
+        return DecodeTrack(self, req.max_tokens)
+
+    def snapshot(self) -> LoadSnapshot:
+        now = self.clock()
+        return LoadSnapshot(
+            queued_prompt_tokens=self._queued.value, queued_prompt_tokens_avg=round(self._queued.read(now), 1),
+            outstanding_tokens=self._outstanding.value,
+            outstanding_tokens_avg=round(self._outstanding.read(now), 1),
+            prefill_latency_p90_s=self._prefill_latency.p90(now), itl_p90_s=self._itl.p90(now),
+        )

@@ -1,0 +1,125 @@
+"""The router's planning hook: cache-aware engine choice and counted remote/local decisions (fakes, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.prefix_index import BlocksStored, HashScheme, KVEventsBatch, PrefixIndex
+from actors.protocol import EngineRequest, SamplingSpec
+from serving.metrics import RouterCollector
+from serving.prefix_view import PrefixCacheView
+from serving.config import RouterConfig
+from serving.route_planner import planner_for
+from serving.router import Router
+from tests.unit.test_router import FakeClock, FakeDirectory, FakeEngine, collect
+
+SCHEME = HashScheme(block_size=4)
+PROMPT = tuple(range(100, 140))  # 40 tokens: 10 blocks
+
+
+def make(owner: PrefixIndex, decodes=("d0", "d1"), **settings):
+    ps = {"p0": FakeEngine("p0")}
+    ds = {d: FakeEngine(d) for d in decodes}
+
+    async def fetch(cursor):
+        return owner.updates_since(cursor)
+
+    view = PrefixCacheView(fetch, refresh_s=0.0)
+    s = RouterConfig(policy="cache_aware", **settings)
+    clock = FakeClock()
+    router = Router(ps, ds, FakeDirectory({d: ["p0"] for d in decodes}, clock), s, clock=clock,
+                    planner=planner_for(s, view))
+    return router, ps, ds, view
+
+
+def held(owner: PrefixIndex, engine: str, tokens) -> None:
+    owner.apply(engine, KVEventsBatch(SCHEME, (BlocksStored(tuple(SCHEME.block_hashes(tokens))),)))
+
+
+def req(rid: str, tokens=PROMPT) -> EngineRequest:
+    return EngineRequest(rid, SamplingSpec(max_tokens=2), prompt_token_ids=tuple(tokens))
+
+
+def decisions(router: Router) -> dict[tuple[str, str], float]:
+    fam = next(f for f in RouterCollector(lambda: router).collect() if f.name == "raypd_disagg_decisions")
+    return {(s.labels["decision"], s.labels["reason"]): s.value for s in fam.samples if s.name.endswith("_total")}
+
+
+def test_the_decode_engine_holding_the_prompt_wins_and_prefills_it_locally():
+    async def go():
+        owner = PrefixIndex()
+        held(owner, "d1", PROMPT)
+        router, ps, ds, view = make(owner, short_prompt_tokens=8)
+        await view.refresh()
+        stream = await router.open(req("r1"))
+        await collect(stream)
+        return router, ps, stream
+
+    router, ps, stream = asyncio.run(go())
+    assert (stream.decode_id, stream.route.path, ps["p0"].prefills) == ("d1", "local", [])
+    assert decisions(router) == {("local", "prefix_cached"): 1}
+
+
+def test_an_uncached_prompt_is_prefilled_remotely_and_counted():
+    async def go():
+        router, ps, _, view = make(PrefixIndex(), short_prompt_tokens=8)
+        await view.refresh()
+        stream = await router.open(req("r1"))
+        await collect(stream)
+        return router, stream
+
+    router, stream = asyncio.run(go())
+    assert stream.route.path == "pd"
+    assert decisions(router) == {("remote", "uncached_prompt"): 1}
+
+
+def test_a_saturated_prefill_engine_makes_the_decode_engine_prefill():
+    async def go():
+        router, ps, _, view = make(PrefixIndex(), decodes=("d0",), prefill_saturation_tokens=30)
+        router.prefill_load["p0"].tokens = 100  # another request's prompt queued there
+        stream = await router.open(req("r1"))
+        await collect(stream)
+        return router, stream
+
+    router, stream = asyncio.run(go())
+    assert stream.route.path == "local"
+    assert decisions(router) == {("local", "prefill_saturated"): 1}
+
+
+def test_least_outstanding_policy_ignores_the_index():
+    owner = PrefixIndex()
+    held(owner, "d1", PROMPT)
+
+    async def go():
+        async def fetch(cursor):
+            raise AssertionError("no index lookups under least_outstanding")
+
+        s = RouterConfig(policy="least_outstanding", short_prompt_tokens=8)
+        clock = FakeClock()
+        router = Router({"p0": FakeEngine("p0")}, {"d0": FakeEngine("d0"), "d1": FakeEngine("d1")},
+                        FakeDirectory({"d0": ["p0"], "d1": ["p0"]}, clock), s, clock=clock,
+                        planner=planner_for(s, PrefixCacheView(fetch, refresh_s=0.0)))
+        stream = await router.open(req("r1"))
+        await collect(stream)
+        return router, stream
+
+    router, stream = asyncio.run(go())
+    assert (stream.decode_id, stream.route.path) == ("d0", "pd")
+    assert router.planner.view is None
+
+
+def test_the_view_refreshes_in_the_background_without_holding_the_request():
+    async def go():
+        owner = PrefixIndex()
+        router, _, _, view = make(owner, short_prompt_tokens=8)
+        held(owner, "d1", PROMPT)
+        first = await router.open(req("r1"))  # the copy is empty: nothing cached as far as routing knows
+        await collect(first)
+        await asyncio.sleep(0)  # the background refresh started by r1 lands
+        await asyncio.sleep(0)
+        second = await router.open(req("r2"))
+        await collect(second)
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert (first.route.path, second.route.path, second.decode_id) == ("pd", "local", "d1")
