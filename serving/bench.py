@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -278,7 +279,20 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.errors == 0 for r in results) else 1
 
 
+def write_results(path: str, out: dict[str, Any], table: str) -> None:
+    """`out` as JSON at `path` and `table` beside it (.txt) under a header of the command and host."""
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=2)
+    h = out["host"]
+    with open(os.path.splitext(path)[0] + ".txt", "w") as fh:
+        fh.write(f"# {out['command']}\n# {out['date']}; host: {h['cpus']} CPUs, load average before "
+                 f"{h['loadavg'][0]:.2f} / after {h['loadavg_after'][0]:.2f}, "
+                 f"{h['memory_available_gib']} GiB available\n{table}\n")
+    print(f"results written to {path} (+ .txt)")
+
+
 if __name__ == "__main__":
     from serving.cli import main
 
     sys.exit(main(["bench", *sys.argv[1:]]))
+

@@ -33,6 +33,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from serving.bench import write_results
 from serving.bench_chat import ChatLevelResult, run_chat_load
 
 VARIANTS = ("off", "on")
@@ -156,12 +157,5 @@ def write(path: str, args: argparse.Namespace, cfg: Any, results: dict, decision
         "variants": {v: {"router": variant_router(v, args), "levels": [asdict(r) for r in results[v]],
                          "decisions": decisions[v]} for v in VARIANTS},
     }
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=2)
-    h = out["host"]
-    with open(os.path.splitext(path)[0] + ".txt", "w") as fh:
-        fh.write(f"# {out['command']}\n# {out['date']}; host: {h['cpus']} CPUs, load average before "
-                 f"{h['loadavg'][0]:.2f} / after {h['loadavg_after'][0]:.2f}, "
-                 f"{h['memory_available_gib']} GiB available\n{text}\n")
-    print(f"results written to {path} (+ .txt)")
+    write_results(path, out, text)
 

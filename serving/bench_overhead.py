@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from serving.bench import Sample, closed_loop, make_prompt, one_request, percentile
+from serving.bench import Sample, closed_loop, make_prompt, one_request, percentile, write_results
 from serving.health_probe import wait_healthy
 
 
@@ -168,14 +168,7 @@ def write_results(path: str, res: dict, args: argparse.Namespace, before: dict, 
            "added_ttft_p50_ms": {f: res[f]["ttft_p50_ms"] - res["direct"]["ttft_p50_ms"]
                                  for f in ("serve", "uvicorn") if f in res},
            "results": res}
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=2)
-    h = out["host"]
-    with open(os.path.splitext(path)[0] + ".txt", "w") as fh:
-        fh.write(f"# {out['command']}\n# {out['date']}; host: {h['cpus']} CPUs, load average before "
-                 f"{h['loadavg'][0]:.2f} / after {h['loadavg_after'][0]:.2f}, "
-                 f"{h['memory_available_gib']} GiB available\n{table}\n")
-    print(f"results written to {path} (+ .txt)")
+    write_results(path, out, table)
 
 
 def _uvicorn_front_main(config_json: str, port: int, address: str) -> None:
