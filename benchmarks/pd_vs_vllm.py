@@ -179,7 +179,7 @@ class Run:
 
     # ------------------------------------------------------------ main
     def run(self) -> None:
-        from actors.models import resolve_model
+        from actors.models.local import resolve_model
 
         self.model_path = str(resolve_model("smollm2"))
         cfg = json.loads((Path(self.model_path) / "config.json").read_text())

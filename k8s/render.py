@@ -58,7 +58,7 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"
 ROLES = ("prefill", "decode")
 GPU = "nvidia.com/gpu"
-IMPORT_PATH = "serving.app:build_app"
+IMPORT_PATH = "serving.cluster.app:build_app"
 CPU_VLLM_MEMORY = "6Gi"  # vLLM (CPU) with SmolLM2: ~4 GB RSS per engine (notes/vllm-cpu-facts.md)
 CPU_VLLM_CPUS = "2"
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -87,7 +87,7 @@ def parse_ray_resources_param(value: str) -> dict[str, float]:
 
 
 def serve_app(serve_config: dict) -> dict:
-    """The raypd application (import_path serving.app:build_app) of a Serve config."""
+    """The raypd application (import_path serving.cluster.app:build_app) of a Serve config."""
     apps = [a for a in serve_config.get("applications") or [] if a.get("import_path") == IMPORT_PATH]
     if len(apps) != 1:
         raise RenderError(f"expected one application with import_path {IMPORT_PATH}, found {len(apps)}")

@@ -17,7 +17,7 @@ security_errors  (posture.py) Ray token auth (authOptions), no exposed head Serv
 document_errors  (policies.py) NetworkPolicy, PodMonitor and Secret against small schemas of
                  our own plus their rules; Ray pods' metrics port and prometheus.io annotations.
 raypd_errors     the raypd deployment inside a RayService: Ray Serve's schema for
-                 serveConfigV2, import_path == serving.app:build_app (imported and called:
+                 serveConfigV2, import_path == serving.cluster.app:build_app (imported and called:
                  it validates the args with DeploymentConfig and builds the Serve app), no API
                  keys inline, and the manifest <-> config consistency: replicas == <role>.count
                  with one engine per pod (custom resources), GPUs == tp_size, engine CPUs fit,
@@ -156,11 +156,11 @@ def raypd_errors(doc: Any) -> list[str]:
         errs.append(f"serveConfigV2: import_path {app.get('import_path')!r} is not raypd's builder {IMPORT_PATH}")
     try:
         builder = resolve_import_path(app.get("import_path") or "")
-        import serving.app
+        import serving.cluster.app
 
-        if builder is not serving.app.build_app:
-            return errs + [f"import_path {app.get('import_path')!r} does not resolve to serving.app.build_app"]
-        cfg = serving.app.resolve_config(app.get("args"))  # what build_app does with its args
+        if builder is not serving.cluster.app.build_app:
+            return errs + [f"import_path {app.get('import_path')!r} does not resolve to serving.cluster.app.build_app"]
+        cfg = serving.cluster.app.resolve_config(app.get("args"))  # what build_app does with its args
         application = builder(app.get("args"))
     except ConfigError as exc:
         return errs + [f"serveConfigV2 args: {exc}"]
@@ -238,7 +238,7 @@ def _consistency_errors(doc: dict, serve_config: dict, cfg: Any) -> list[str]:
                         f"{role}.count {group_cfg.count} (one engine per pod, static engine count)")
         c = ray_container(group)
         cpus = pod_ray_cpus(group)
-        bundle_cpus = max(ecfg.num_cpus, 0.01)  # the engine's placement-group bundle (serving/launcher.py)
+        bundle_cpus = max(ecfg.num_cpus, 0.01)  # the engine's placement-group bundle (serving/cluster/launcher.py)
         if cpus is not None and bundle_cpus > cpus:
             errs.append(f"{gw}: an engine's placement group asks {bundle_cpus} Ray CPUs, a pod has {cpus}")
         gpus = _quantity(c, GPU)
@@ -296,7 +296,7 @@ def _bench_job_errors(doc: dict) -> list[str]:
         return [f"spec.entrypoint: not a shell command: {exc}"]
     if argv[:2] != ["raypd", "bench"]:
         return []  # not a raypd bench job: nothing raypd-specific to check
-    from serving.cli import build_parser
+    from serving.cli.main import build_parser
 
     stderr = io.StringIO()
     try:
@@ -320,7 +320,7 @@ def _bench_job_errors(doc: dict) -> list[str]:
 
 def bench_url(doc: dict) -> str:
     """The --url of a `raypd bench` RayJob."""
-    from serving.cli import build_parser
+    from serving.cli.main import build_parser
 
     return build_parser().parse_args(bench_argv(doc)[1:]).url
 

@@ -8,7 +8,7 @@ vLLM engine arguments: `engine_kwargs` (both roles) and `<role>.engine_kwargs`
 (that role; wins over the shared ones) go to vLLM unchanged. The ones raypd
 owns (model, dtype, max_model_len, tensor/pipeline parallel size, block size)
 are moved into raypd's fields here, so each has one value (see
-actors/engine_config.py). `check_engine_args` checks the rest against vLLM's
+actors/engine/config.py). `check_engine_args` checks the rest against vLLM's
 own argument classes where vLLM is importable (the CLI calls it; the engines
 check again when they start).
 """
@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from actors.engine_config import (
+from actors.engine.config import (
     DEPLOYMENT_FIELDS,
     GROUP_FIELDS,
     OWNED_KWARGS,
@@ -31,8 +31,8 @@ from actors.engine_config import (
     SyntheticModelConfig,
     lift_owned_kwargs,
 )
-from actors.ledger import BreakerConfig
-from serving.autoscale_policy import AutoscalerConfig
+from actors.control.ledger import BreakerConfig
+from serving.cluster.autoscale_policy import AutoscalerConfig
 
 ROLES = ("prefill", "decode")
 
@@ -63,7 +63,7 @@ class EngineGroupConfig(_Strict):
 
 
 class RouterConfig(_Strict):
-    """Engine choice and remote-vs-local prefill; formula and rules: serving/routing_policy.py."""
+    """Engine choice and remote-vs-local prefill; formula and rules: serving/routing/policy.py."""
 
     # cache_aware: engines publish vLLM's KV cache events and the router scores cached prefix + load;
     # least_outstanding: load alone, and engines run without KV events
@@ -97,7 +97,7 @@ class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     # API keys never sit in the config (it travels as Serve arguments and shows in logs):
-    # each ingress replica reads RAYPD_API_KEYS and this file when it starts (serving.api_keys).
+    # each ingress replica reads RAYPD_API_KEYS and this file when it starts (serving.front.api_keys).
     api_keys_file: str | None = None  # one key per line, '#' comments
     require_api_keys: bool = False  # refuse to start a replica that finds no key
     max_body_bytes: int = Field(1 << 20, ge=1024)
@@ -138,7 +138,7 @@ class DeploymentConfig(_Strict):
     restarts: RestartConfig = RestartConfig()
     http: HttpConfig = HttpConfig()
     ray: RayConfig = RayConfig()
-    autoscaler: AutoscalerConfig = AutoscalerConfig()  # P:D pool sizes (serving/autoscale_policy.py)
+    autoscaler: AutoscalerConfig = AutoscalerConfig()  # P:D pool sizes (serving/cluster/autoscale_policy.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -244,7 +244,7 @@ def check_engine_args(cfg: DeploymentConfig) -> list[str]:
     """
     if cfg.backend != "vllm" or not (cfg.engine_kwargs or cfg.prefill.engine_kwargs or cfg.decode.engine_kwargs):
         return []
-    from actors.engine_args import EngineArgsError, check_engine_kwargs, pd_overrides, vllm_available
+    from actors.engine.vllm.args import EngineArgsError, check_engine_kwargs, pd_overrides, vllm_available
 
     if not vllm_available():
         return []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
-from actors.synthetic.tokenizer import encode_text
+from actors.engine.synthetic.tokenizer import encode_text
 
 
 def request(request_id: str, prompt: str | None = None, max_tokens: int = 16, token_ids=None,

@@ -8,12 +8,10 @@ every handle it still holds exactly once on `shutdown()`.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from actors.kv.nixl_checks import Range, err
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from actors.kv.nixl_agent import NixlAgent
 
 XferState = Literal["DONE", "PROC", "ERR"]
 """Non-blocking state of a posted transfer."""
@@ -26,7 +24,7 @@ class Registration:
 
     __slots__ = ("regions", "mem", "dev_id", "_descs", "_owner", "released")
 
-    def __init__(self, regions: tuple[Range, ...], mem: str, dev_id: int, descs: Any, owner: NixlAgent) -> None:
+    def __init__(self, regions: tuple[Range, ...], mem: str, dev_id: int, descs: Any, owner: object) -> None:
         self.regions = regions
         self.mem = mem
         self.dev_id = dev_id
@@ -52,7 +50,7 @@ class PreparedDescs:
 
     __slots__ = ("agent", "size", "mem", "_handle", "_owner", "released")
 
-    def __init__(self, agent: str, size: int, mem: str, handle: Any, owner: NixlAgent) -> None:
+    def __init__(self, agent: str, size: int, mem: str, handle: Any, owner: object) -> None:
         self.agent = agent
         self.size = size
         self.mem = mem
@@ -90,7 +88,7 @@ class Transfer:
     __slots__ = ("remote_agent", "num_descs", "notif", "posted_at", "error", "released",
                  "_state", "_handle", "_owner")
 
-    def __init__(self, remote_agent: str, num_descs: int, notif: bytes, handle: Any, owner: NixlAgent) -> None:
+    def __init__(self, remote_agent: str, num_descs: int, notif: bytes, handle: Any, owner: object) -> None:
         self.remote_agent = remote_agent
         self.num_descs = num_descs
         self.notif = notif

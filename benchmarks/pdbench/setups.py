@@ -223,7 +223,7 @@ class RaypdUp(Group):
     def start(self) -> None:
         port = free_port()
         cfg = ROOT / self.s["raypd_config"]
-        self.spawn("raypd-up", [sys.executable, "-c", "import sys; from serving.cli import main; sys.exit(main())",
+        self.spawn("raypd-up", [sys.executable, "-c", "import sys; from serving.cli.main import main; sys.exit(main())",
                                 "up", "--config", str(cfg), "--port", str(port), "--temp-dir", RAYPD_TEMP])
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.s["start_timeout_s"]
@@ -243,7 +243,7 @@ class RaypdUp(Group):
 
     def start_idle_reference(self) -> list[int]:
         """Bare Ray actors in raypd's own cluster: the floor an idle actor process costs."""
-        from serving.runstate import read_state
+        from serving.cli.runstate import read_state
 
         state = read_state(RAYPD_TEMP)  # `raypd up`'s record (a per-user folder)
         if state is None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from actors.protocol import TokenChunk
 from serving.front.errors import ApiError
-from serving.metrics import ServiceMetrics
+from serving.ops.metrics import ServiceMetrics
 
 
 class Accounting:

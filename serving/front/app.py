@@ -33,17 +33,17 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.protocol import ModelInfo
-from serving.api_keys import load_api_keys
+from serving.front.api_keys import load_api_keys
 from serving.config import DeploymentConfig
 from serving.front import errors
 from serving.front.accounting import Accounting
 from serving.front.routes import FrontState, count_refusal, open_router, router
 from serving.front.served_model import ServedModel, SyntheticServedModel
-from serving.metrics import ServiceMetrics
+from serving.ops.metrics import ServiceMetrics
 
 
 def api_keys(cfg: DeploymentConfig) -> tuple[bytes, ...]:
-    """From RAYPD_API_KEYS / http.api_keys_file, never the config (serving.api_keys)."""
+    """From RAYPD_API_KEYS / http.api_keys_file, never the config (serving.front.api_keys)."""
     return load_api_keys(cfg.http).keys
 
 
@@ -61,10 +61,10 @@ def _in_ray() -> bool:
 
 def create_app(cfg: DeploymentConfig, router_: Any, model: ServedModel | None = None,
                metrics: ServiceMetrics | None = None, cluster_metrics: bool | None = None) -> FastAPI:
-    """The front for one deployment; `router_` is a `serving.router.Router` (or a fake with its API);
+    """The front for one deployment; `router_` is a `serving.routing.router.Router` (or a fake with its API);
     `model` comes from an engine's `model_info()` (`served_model`), synthetic deployments may omit it.
     `cluster_metrics` (default: when this process is connected to Ray) also records the metrics
-    through Ray's metrics agent (`serving.cluster_metrics`)."""
+    through Ray's metrics agent (`serving.ops.cluster_metrics`)."""
     if model is None:
         if cfg.backend != "synthetic":
             raise ValueError("a vLLM deployment's front needs the served model (serving.front.served_model)")
@@ -72,7 +72,7 @@ def create_app(cfg: DeploymentConfig, router_: Any, model: ServedModel | None = 
     exporter = None
     cluster = None
     if cluster_metrics if cluster_metrics is not None else _in_ray():
-        from serving.cluster_metrics import ClusterFrontMetrics, RouterExporter
+        from serving.ops.cluster_metrics import ClusterFrontMetrics, RouterExporter
 
         cluster = ClusterFrontMetrics()
         exporter = RouterExporter(lambda: app.state.front.router)

@@ -27,8 +27,8 @@ from serving.front.errors import CLIENT_ERRORS, ApiError, error_response, invali
 from serving.front.prepare import Kind, parse, prepare
 from serving.front.responses import SSEResponse, Shapes, collect, json_response, sse_events
 from serving.front.served_model import ServedModel
-from serving.metrics import CONTENT_TYPE, ServiceMetrics
-from serving.router import RouteError
+from serving.ops.metrics import CONTENT_TYPE, ServiceMetrics
+from serving.routing.router import RouteError
 
 logger = logging.getLogger("raypd.api")
 

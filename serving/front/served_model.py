@@ -37,7 +37,7 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import SamplingParams
 
 from actors.protocol import ModelInfo
-from actors.synthetic.tokenizer import chat_to_text, decode_tokens, encode_text
+from actors.engine.synthetic.tokenizer import chat_to_text, decode_tokens, encode_text
 
 SEED_BITS = 63
 
@@ -221,7 +221,7 @@ async def served_model(info: ModelInfo) -> ServedModel:
 
 
 def model_info_of(deployment: Any) -> ModelInfo:
-    """Ask one decode engine of a launched deployment (`serving.launcher.Deployment`). Blocking."""
+    """Ask one decode engine of a launched deployment (`serving.cluster.launcher.Deployment`). Blocking."""
     import ray
 
     return ray.get(next(iter(deployment.decodes.values())).model_info.remote())

@@ -15,8 +15,8 @@ import pytest
 import ray
 
 from serving.config import DeploymentConfig
-from serving.launcher import launch, shutdown_deployment
-from serving.ray_clients import build_router
+from serving.cluster.launcher import launch, shutdown_deployment
+from serving.cluster.clients import build_router
 
 from chaos_helpers import pair_states
 from engine_calls import request

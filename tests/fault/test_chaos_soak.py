@@ -20,8 +20,8 @@ import ray
 
 from serving.front import create_app
 from serving.config import DeploymentConfig
-from serving.launcher import launch, shutdown_deployment
-from serving.ray_clients import build_router
+from serving.cluster.launcher import launch, shutdown_deployment
+from serving.cluster.clients import build_router
 
 from chaos_helpers import SteadyLoad, deployment_placement_groups, kill_tree
 from engine_calls import collect, request

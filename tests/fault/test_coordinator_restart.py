@@ -8,9 +8,9 @@ import time
 
 import ray
 
-from actors.coordinator import start_coordinator
-from actors.engine import EngineActor
-from actors.engine_config import EngineConfig
+from actors.control.coordinator import start_coordinator
+from actors.engine.actor import EngineActor
+from actors.engine.config import EngineConfig
 from engine_calls import pd, request
 
 NAME = "raypd-coordinator-restart-test"

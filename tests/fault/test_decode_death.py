@@ -18,8 +18,8 @@ import ray
 
 from serving.front import create_app
 from serving.config import DeploymentConfig
-from serving.launcher import launch, shutdown_deployment
-from serving.ray_clients import build_router
+from serving.cluster.launcher import launch, shutdown_deployment
+from serving.cluster.clients import build_router
 
 from chaos_helpers import kill_tree
 from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port

@@ -11,8 +11,8 @@ import time
 import pytest
 import ray
 
-from actors.synthetic.engine import EngineShape, SyntheticEngine, TransferFailed
-from actors.synthetic.rank import SyntheticModel
+from actors.engine.synthetic.engine import EngineShape, SyntheticEngine, TransferFailed
+from actors.engine.synthetic.rank import SyntheticModel
 
 MODEL = SyntheticModel(model_id="fault-model", num_layers=2, num_kv_heads=2, head_size=32)
 PROMPT = list(range(500, 540))

@@ -19,11 +19,11 @@ import time
 
 import pytest
 
-from actors.models import build_tiny_llama
+from actors.models.local import build_tiny_llama
 from serving.config import DeploymentConfig
-from serving.launcher import launch, shutdown_deployment
-from serving.ray_clients import build_router
-from serving.router import RouteError
+from serving.cluster.launcher import launch, shutdown_deployment
+from serving.cluster.clients import build_router
+from serving.routing.router import RouteError
 
 from chaos_helpers import generation, kill_tree, pair_states, wait_generation
 from engine_calls import request

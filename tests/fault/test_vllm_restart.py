@@ -13,8 +13,8 @@ import pytest
 import ray
 
 from serving.config import DeploymentConfig, load_config
-from serving.launcher import launch, shutdown_deployment
-from serving.ray_clients import build_router
+from serving.cluster.launcher import launch, shutdown_deployment
+from serving.cluster.clients import build_router
 
 from chaos_helpers import generation, kill_tree, wait_generation
 from engine_calls import collect, request

@@ -23,8 +23,8 @@ from service_helpers import UvicornThread, free_port  # noqa: E402
 
 from serving.front import create_app, served_model_of  # noqa: E402
 from serving.config import DeploymentConfig  # noqa: E402
-from serving.launcher import launch, shutdown_deployment  # noqa: E402
-from serving.ray_clients import build_router  # noqa: E402
+from serving.cluster.launcher import launch, shutdown_deployment  # noqa: E402
+from serving.cluster.clients import build_router  # noqa: E402
 
 
 def deployment(backend: str) -> DeploymentConfig:
@@ -51,7 +51,7 @@ def scale_up(cfg: DeploymentConfig, cluster: Cluster) -> dict:
     engine has no node until one with `prefill: 1` joins, and an unplaceable attempt leaves nothing."""
     import asyncio
 
-    from serving.launcher import Unschedulable, start_engine
+    from serving.cluster.launcher import Unschedulable, start_engine
 
     out: dict = {}
     try:

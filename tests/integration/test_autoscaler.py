@@ -10,11 +10,11 @@ import pytest
 import ray
 
 from actors.protocol import EngineRequest, SamplingSpec
-from actors.synthetic.tokenizer import encode_text
-from serving.autoscaler import autoscaler_name, find_autoscaler
+from actors.engine.synthetic.tokenizer import encode_text
+from serving.cluster.autoscaler import autoscaler_name, find_autoscaler
 from serving.config import DeploymentConfig
-from serving.launcher import find_engines, launch, shutdown_deployment
-from serving.ray_clients import build_router
+from serving.cluster.launcher import find_engines, launch, shutdown_deployment
+from serving.cluster.clients import build_router
 
 from service_helpers import SYNTHETIC
 

@@ -5,9 +5,9 @@ import asyncio
 import pytest
 import ray
 
-from actors.coordinator import COORDINATOR_NAME
-from actors.engine import EngineActor, engine_actor_options
-from actors.engine_config import EngineConfig
+from actors.control.coordinator import COORDINATOR_NAME
+from actors.engine.actor import EngineActor, engine_actor_options
+from actors.engine.config import EngineConfig
 from engine_calls import collect, pd, request, token_ids
 
 Engine = ray.remote(EngineActor)

@@ -11,8 +11,8 @@ import itertools
 
 import pytest
 
-from actors.synthetic.engine import EngineShape, SyntheticEngine
-from actors.synthetic.rank import SyntheticModel
+from actors.engine.synthetic.engine import EngineShape, SyntheticEngine
+from actors.engine.synthetic.rank import SyntheticModel
 
 PROMPT = list(range(1000, 1000 + 45))  # 45 tokens: partial blocks at every block size used
 

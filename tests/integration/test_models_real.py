@@ -1,4 +1,4 @@
-"""actors.models for real: GGUF -> safetensors conversion and tiny random Llamas (transformers, no vLLM)."""
+"""actors.models.local for real: GGUF -> safetensors conversion and tiny random Llamas (transformers, no vLLM)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from actors.models import MARKER_FILE, SMOLLM2_NAME, build_tiny_llama, smollm2_path  # noqa: E402
+from actors.models.local import MARKER_FILE, SMOLLM2_NAME, build_tiny_llama, smollm2_path  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 KV events relayed over Ray land in the coordinator's prefix index under the hashes a router
 computes and agree with vLLM's own num_cached_tokens; the router built for the deployment
-(`serving.ray_clients.build_router`, as the Serve app builds it) sends a conversation's next
+(`serving.cluster.clients.build_router`, as the Serve app builds it) sends a conversation's next
 turn to the decode engine that holds its prefix and prefills it there (counted with its
 reason); an engine that is removed takes its index entries with it.
 """
@@ -17,9 +17,9 @@ import ray
 
 from actors.protocol import EngineRequest, SamplingSpec
 from serving.config import DeploymentConfig, load_config
-from serving.launcher import launch, shutdown_deployment, stop_engine
-from serving.prefix_view import PrefixCacheView
-from serving.ray_clients import build_router
+from serving.cluster.launcher import launch, shutdown_deployment, stop_engine
+from serving.routing.prefix_view import PrefixCacheView
+from serving.cluster.clients import build_router
 
 from engine_calls import collect, pd, request
 

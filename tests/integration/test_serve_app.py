@@ -1,4 +1,4 @@
-"""`serving.app:build_app` deployed with Ray Serve on the session cluster: two replicas share the engines."""
+"""`serving.cluster.app:build_app` deployed with Ray Serve on the session cluster: two replicas share the engines."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import httpx
 import pytest
 import ray
 
-from serving.app import INGRESS_NAME, build_app
-from serving.launcher import find_engines, shutdown_deployment
+from serving.cluster.app import INGRESS_NAME, build_app
+from serving.cluster.launcher import find_engines, shutdown_deployment
 
 from service_helpers import SYNTHETIC, free_port
 

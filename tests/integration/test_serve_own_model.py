@@ -26,7 +26,7 @@ RAYPD = [sys.executable, "-m", "serving.cli"]
 
 @pytest.fixture(scope="module")
 def smollm2_folder():
-    from actors.models import smollm2_path
+    from actors.models.local import smollm2_path
 
     return smollm2_path(progress=None)
 
@@ -78,7 +78,7 @@ def test_up_with_a_model_folder_serves_and_engine_args_reach_the_engines(tmp_pat
 
 def test_an_invalid_engine_argument_fails_the_start_naming_it(coordinator, smollm2_folder):
     from serving.config import DeploymentConfig
-    from serving.launcher import launch, shutdown_deployment
+    from serving.cluster.launcher import launch, shutdown_deployment
 
     cfg = DeploymentConfig.from_dict({  # not checked by the CLI here: the engine itself must refuse it
         "name": "bad-engine-arg", "model": str(smollm2_folder), "max_model_len": 512,

@@ -13,8 +13,8 @@ import ray
 
 from serving.front import create_app
 from serving.config import DeploymentConfig
-from serving.launcher import launch, shutdown_deployment
-from serving.ray_clients import build_router
+from serving.cluster.launcher import launch, shutdown_deployment
+from serving.cluster.clients import build_router
 
 from engine_calls import collect, request
 from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port, wait_blocks_at_baseline
@@ -181,7 +181,7 @@ def test_concurrent_streams_all_complete(service):
 
 
 def test_status_collection_without_serve(service):
-    from serving.cli_status import collect_status
+    from serving.cli.status import collect_status
 
     status = collect_status(NAME)
     assert set(status["engines"]) == {f"{NAME}-prefill-0", f"{NAME}-decode-0"}

@@ -15,8 +15,8 @@ import ray
 
 from serving.front import create_app, served_model_of
 from serving.config import DeploymentConfig, load_config
-from serving.launcher import launch, shutdown_deployment
-from serving.ray_clients import build_router
+from serving.cluster.launcher import launch, shutdown_deployment
+from serving.cluster.clients import build_router
 
 from engine_calls import collect, pd, request, token_ids
 from service_helpers import UvicornThread, free_port

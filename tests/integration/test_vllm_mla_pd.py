@@ -36,7 +36,7 @@ def build_tiny_mla(path, seed=0):
     import torch
     from transformers import AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from actors.models import smollm2_path
+    from actors.models.local import smollm2_path
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path(progress=None), local_files_only=True)
     config = DeepseekV2Config(

@@ -14,10 +14,10 @@ import time
 import pytest
 import ray
 
-from actors.coordinator import COORDINATOR_NAME
-from actors.engine import EngineActor, engine_actor_options
-from actors.engine_config import EngineConfig
-from actors.models import build_tiny_llama
+from actors.control.coordinator import COORDINATOR_NAME
+from actors.engine.actor import EngineActor, engine_actor_options
+from actors.engine.config import EngineConfig
+from actors.models.local import build_tiny_llama
 from engine_calls import collect, request, token_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

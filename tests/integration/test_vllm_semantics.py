@@ -20,12 +20,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from actors.models import resolve_model
+from actors.models.local import resolve_model
 from serving.config import DeploymentConfig, load_config
 from serving.front import create_app, served_model_of
-from serving.health_probe import wait_healthy
-from serving.launcher import launch, shutdown_deployment
-from serving.ray_clients import build_router
+from serving.ops.health_probe import wait_healthy
+from serving.cluster.launcher import launch, shutdown_deployment
+from serving.cluster.clients import build_router
 
 from service_helpers import UvicornThread, free_port
 

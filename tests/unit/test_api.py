@@ -8,11 +8,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from actors.protocol import ModelInfo, TokenChunk
-from actors.synthetic.tokenizer import chat_to_text, encode_text
+from actors.engine.synthetic.tokenizer import chat_to_text, encode_text
 from serving.config import DeploymentConfig
 from serving.front import create_app
 from serving.front.served_model import SyntheticServedModel
-from serving.router import RouteError
+from serving.routing.router import RouteError
 
 MODEL = "synthetic-tiny"
 

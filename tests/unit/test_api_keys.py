@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from serving.api_keys import ApiKeyError, is_loopback, load_api_keys
+from serving.front.api_keys import ApiKeyError, is_loopback, load_api_keys
 from serving.config import DeploymentConfig
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.app import build_app, resolve_config
+from serving.cluster.app import build_app, resolve_config
 from serving.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def test_shipped_serve_config_file_is_valid_and_builds():
     schema = ServeDeploySchema.model_validate(data) if hasattr(ServeDeploySchema, "model_validate") \
         else ServeDeploySchema.parse_obj(data)
     app_cfg = schema.applications[0]
-    assert app_cfg.import_path == "serving.app:build_app"
+    assert app_cfg.import_path == "serving.cluster.app:build_app"
     app = build_app(app_cfg.args)
     ingress = app._bound_deployment
     assert ingress.name == "RaypdIngress" and ingress.num_replicas == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.autoscale_policy import AutoscalerConfig, PoolSignals, RolePolicy
+from serving.cluster.autoscale_policy import AutoscalerConfig, PoolSignals, RolePolicy
 from serving.config import ConfigError, DeploymentConfig
 
 CFG = AutoscalerConfig(

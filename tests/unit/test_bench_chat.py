@@ -8,8 +8,8 @@ import json
 
 import httpx
 
-from serving.bench_chat import make_conversations, run_conversation, summarize_chat
-from serving.cli import build_parser
+from serving.bench.chat import make_conversations, run_conversation, summarize_chat
+from serving.cli.main import build_parser
 
 
 def test_conversations_are_seeded_and_share_their_system_prompts():
@@ -57,7 +57,7 @@ def test_the_workload_flag_defaults_to_the_random_prompts():
 
 
 def test_compare_reads_each_fronts_prefill_decisions_from_its_metrics():
-    from serving.bench_chat_compare import decisions_of
+    from serving.bench.chat_compare import decisions_of
 
     text = ('# HELP raypd_disagg_decisions_total remote or local prefill\n'
             '# TYPE raypd_disagg_decisions_total counter\n'

@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving import quickstart
-from serving.bench import LevelResult, Sample, percentile, plot, summarize
-from serving.cli import COMMANDS, DEFAULT_CONFIG, _load, build_parser, main
+from serving.cli import quickstart
+from serving.bench.load import LevelResult, Sample, percentile, plot, summarize
+from serving.cli.main import COMMANDS, DEFAULT_CONFIG, _load, build_parser, main
 from serving.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,7 +144,7 @@ def test_inline_api_keys_are_refused_with_the_alternatives(tmp_path, capsys):
 
 
 def test_a_refused_ray_token_is_recognised_through_ray_inits_wrapping():
-    from serving.launcher import _refused_token
+    from serving.cluster.launcher import _refused_token
 
     def wrapped(inner: Exception) -> ConnectionError:  # how ray.init 2.60 reports it
         try:
@@ -161,7 +161,7 @@ def test_a_refused_ray_token_is_recognised_through_ray_inits_wrapping():
 
 
 def test_status_prints_the_ledgers_breakers(capsys):
-    from serving.cli_status import print_status
+    from serving.cli.status import print_status
 
     status = {"deployment": "d", "coordinator": "up", "engines": {}, "serve": None,
               "breakers": {"d-prefill-0->d-decode-0": {"state": "open", "failures": 3, "opened_count": 2,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray.util.metrics
 
-from serving.cluster_metrics import RouterExporter
+from serving.ops.cluster_metrics import RouterExporter
 from test_dashboard import EveryFamilyRouter
 
 

@@ -112,7 +112,7 @@ def test_served_model_name_follows_vllm_for_hub_ids_and_folders():
 
 
 def test_cache_aware_routing_is_the_default_and_turns_the_engines_kv_events_on():
-    from serving.route_planner import planner_for
+    from serving.routing.planner import planner_for
 
     cache_aware = DeploymentConfig.from_dict({"backend": "synthetic"})
     by_load = DeploymentConfig.from_dict({"backend": "synthetic", "router": {"policy": "least_outstanding"}})

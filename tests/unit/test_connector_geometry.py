@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actors.connector.worker import check_supported, geometry_from_vllm
+from actors.engine.vllm.connector.worker import check_supported, geometry_from_vllm
 from actors.kv.errors import LayoutError, TopologyError
 from actors.kv.layout import CPU_HKND, MLA_ND, NHD, canonical_view
 

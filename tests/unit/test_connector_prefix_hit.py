@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from actors.connector.scheduler import ConnectorScheduler  # noqa: E402
+from actors.engine.vllm.connector.scheduler import ConnectorScheduler  # noqa: E402
 
 
 class Blocks:

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from actors.connector.scheduler import ConnectorScheduler
+from actors.engine.vllm.connector.scheduler import ConnectorScheduler
 
 
 def request(params, prompt_len, computed=0, req_id="d-1"):

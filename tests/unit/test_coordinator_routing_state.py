@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.coordinator import Coordinator
-from actors.prefix_index import BlocksStored, HashScheme, KVEventsBatch
+from actors.control.coordinator import Coordinator
+from actors.control.prefix_index import BlocksStored, HashScheme, KVEventsBatch
 from tests.unit.test_handshake import payload
 
 SCHEME = HashScheme(16)

@@ -9,7 +9,7 @@ from pathlib import Path
 import vllm.v1.metrics.loggers as vllm_loggers
 from prometheus_client.core import CounterMetricFamily
 
-from serving.metrics import ENGINE_GAUGES, FRONT_METRICS, RouterCollector
+from serving.ops.metrics import ENGINE_GAUGES, FRONT_METRICS, RouterCollector
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "raypd-pd.json"
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from actors.engine_args import (  # noqa: E402
+from actors.engine.vllm.args import (  # noqa: E402
     CONNECTOR,
     EngineArgsError,
     build_engine_args,
@@ -12,7 +12,7 @@ from actors.engine_args import (  # noqa: E402
     pd_kv_transfer,
     pd_overrides,
 )
-from actors.engine_config import EngineConfig  # noqa: E402
+from actors.engine.config import EngineConfig  # noqa: E402
 from serving.config import ConfigError, DeploymentConfig, check_engine_args  # noqa: E402
 
 

@@ -7,7 +7,7 @@ OpenAPI v3 schemas in ../shared/kuberay-crds/ (jsonschema), against the core
 Kubernetes rules for the embedded pod templates (kubernetes-validate when it is
 installed, validate.py's own checks always), and the Serve config inside each
 RayService is loaded with raypd's DeploymentConfig and built with
-serving.app:build_app. The last tests break manifests on purpose: the same
+serving.cluster.app:build_app. The last tests break manifests on purpose: the same
 validators must refuse them.
 """
 
@@ -173,10 +173,10 @@ def test_ray_resources_param_round_trips_through_the_shell():
 def test_serve_config_loads_with_raypd_config_model(name, doc):
     serve_config = validate.load_serve_config(doc)
     app = validate.raypd_app(serve_config)
-    assert app["import_path"] == "serving.app:build_app" and app["route_prefix"] == "/"
-    import serving.app
+    assert app["import_path"] == "serving.cluster.app:build_app" and app["route_prefix"] == "/"
+    import serving.cluster.app
 
-    assert validate.resolve_import_path(app["import_path"]) is serving.app.build_app
+    assert validate.resolve_import_path(app["import_path"]) is serving.cluster.app.build_app
     cfg = DeploymentConfig.from_dict(app["args"])
     assert cfg.http.host == "0.0.0.0" and cfg.http.port == serve_config["http_options"]["port"]
     assert dict(cfg.prefill.resources) == {"prefill": 1} and dict(cfg.decode.resources) == {"decode": 1}
@@ -340,7 +340,7 @@ def test_bench_job_targets_the_rayservice_serve_service():
 
 
 def test_bench_job_entrypoint_parses_with_raypd_cli():
-    from serving.cli import build_parser
+    from serving.cli.main import build_parser
 
     job = load(BENCH)
     argv = validate.bench_argv(job)  # unwrapped from bash -c '...'
@@ -426,7 +426,7 @@ BROKEN = [
     ("invalid raypd args", lambda d: _edit_serve(d, "tp_size: 4", "tp_size: 3"), "must divide one another"),
     ("unknown raypd field", lambda d: _edit_serve(d, "max_model_len: 8192", "max_model_len: 8192\n      max_len: 1"),
      "max_len"),
-    ("wrong import path", lambda d: _edit_serve(d, "serving.app:build_app", "serving.app:build"),
+    ("wrong import path", lambda d: _edit_serve(d, "serving.cluster.app:build_app", "serving.cluster.app:build"),
      "not raypd's builder"),
     ("invalid Serve config", lambda d: _edit_serve(d, "proxy_location: EveryNode", "proxy_location: Everywhere"),
      "not a valid Ray Serve config"),

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from actors.kv_events import TOPIC, KVEventsRelay, endpoint_in
-from actors.prefix_index import AllBlocksCleared, BlocksRemoved, BlocksStored, HashScheme, PrefixIndex
+from actors.engine.vllm.kv_events import TOPIC, KVEventsRelay, endpoint_in
+from actors.control.prefix_index import AllBlocksCleared, BlocksRemoved, BlocksStored, HashScheme, PrefixIndex
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 msgspec = pytest.importorskip("msgspec")

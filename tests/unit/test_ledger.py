@@ -1,7 +1,7 @@
 """Transfer ledger: one verdict per handoff, the one owner of pair breakers, aborts, deaths, salvage."""
 
 from actors.kv.aggregator import KVConnectorOutput
-from actors.ledger import BreakerConfig, TransferLedger
+from actors.control.ledger import BreakerConfig, TransferLedger
 
 
 class Clock:

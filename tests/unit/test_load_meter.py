@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.load_meter import EngineLoad, LoadMeter
+from actors.engine.load import EngineLoad, LoadMeter
 from actors.protocol import EngineRequest, SamplingSpec, TokenChunk
 
 

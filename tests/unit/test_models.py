@@ -1,4 +1,4 @@
-"""actors.models without any conversion: spec resolution, cache paths, atomic writes."""
+"""actors.models.local without any conversion: spec resolution, cache paths, atomic writes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from actors import models  # noqa: E402
-from actors.models import (  # noqa: E402
+from actors.models import local as models  # noqa: E402
+from actors.models.local import (  # noqa: E402
     HubModelUnavailableError,
     ModelConfigError,
     ModelError,

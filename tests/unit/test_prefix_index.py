@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.prefix_index import (
+from actors.control.prefix_index import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.prefix_index import BlocksStored, HashScheme, KVEventsBatch, PrefixIndex
-from serving.prefix_view import PrefixCacheView
+from actors.control.prefix_index import BlocksStored, HashScheme, KVEventsBatch, PrefixIndex
+from serving.routing.prefix_view import PrefixCacheView
 
 S = HashScheme(16)
 TOKENS = list(range(64))

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from actors.connector.scheduler import RELEASE_KEY, ConnectorScheduler  # noqa: E402
+from actors.engine.vllm.connector.scheduler import RELEASE_KEY, ConnectorScheduler  # noqa: E402
 
 
 def finished(req_id, params, status="FINISHED_LENGTH_CAPPED", computed=40):

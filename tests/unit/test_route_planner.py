@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.prefix_index import BlocksStored, HashScheme, KVEventsBatch, PrefixIndex
+from actors.control.prefix_index import BlocksStored, HashScheme, KVEventsBatch, PrefixIndex
 from actors.protocol import EngineRequest, SamplingSpec
-from serving.metrics import RouterCollector
-from serving.prefix_view import PrefixCacheView
+from serving.ops.metrics import RouterCollector
+from serving.routing.prefix_view import PrefixCacheView
 from serving.config import RouterConfig
-from serving.route_planner import planner_for
-from serving.router import Router
+from serving.routing.planner import planner_for
+from serving.routing.router import Router
 from tests.unit.test_router import FakeClock, FakeDirectory, FakeEngine, collect
 
 SCHEME = HashScheme(block_size=4)

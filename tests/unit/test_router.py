@@ -8,10 +8,10 @@ import asyncio
 import pytest
 
 from actors.kv.aggregator import KVConnectorOutput
-from actors.ledger import BreakerConfig, PrefillRoute, RouteTable, TransferLedger
+from actors.control.ledger import BreakerConfig, PrefillRoute, RouteTable, TransferLedger
 from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from serving.config import RouterConfig
-from serving.router import (
+from serving.routing.router import (
     EngineUnavailable,
     RequestRejected,
     RouteError,

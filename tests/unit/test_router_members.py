@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from serving.router import Router
+from serving.routing.router import Router
 from tests.unit.test_router import FakeClock, FakeDirectory, FakeEngine, collect, req
 
 

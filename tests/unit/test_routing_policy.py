@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serving.routing_policy import Candidate, ScoreSettings, decide_prefill, rank
+from serving.routing.policy import Candidate, ScoreSettings, decide_prefill, rank
 
 SETTINGS = ScoreSettings(cache_weight=1.0, short_prompt_tokens=64, prefill_saturation_tokens=4096,
                          decode_headroom_tokens=2048)
@@ -66,7 +66,7 @@ def test_no_prefill_engine_means_local_or_reject_per_the_fallback():
 
 
 def test_select_picks_the_caching_decode_engine_then_ranks_its_prefills_and_decides():
-    from serving.routing_policy import select
+    from serving.routing.policy import select
 
     decodes = [Candidate("d0", load_tokens=50), Candidate("d1", cached_tokens=980, load_tokens=60)]
     prefills = {"d1": [Candidate("p0", load_tokens=3000), Candidate("p1", cached_tokens=500)]}

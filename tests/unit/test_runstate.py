@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from serving import runstate
-from serving.runstate import UpState, is_raypd_up_cmdline, live_up_process
+from serving.cli import runstate
+from serving.cli.runstate import UpState, is_raypd_up_cmdline, live_up_process
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_only_a_live_raypd_up_of_the_record_may_be_signalled(tmp_path):
 
 
 def test_down_refuses_to_signal_a_pid_that_is_not_its_raypd_up(run_dir, capsys):
-    from serving.cli import main
+    from serving.cli.main import main
 
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -9,7 +9,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.exceptions import VLLMValidationError
 
-from actors.models import resolve_model
+from actors.models.local import resolve_model
 from actors.protocol import ModelInfo
 from serving.front.served_model import VllmServedModel
 

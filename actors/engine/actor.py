@@ -1,0 +1,381 @@
+"""EngineActor: one prefill, decode or colocated engine as a Ray actor.
+
+Life cycle of a request through an engine pair:
+
+  prefill engine  prefill(req)   the prompt is run with max_tokens=1 and
+                                 do_remote_decode; its blocks stay held under a
+                                 lease; the first token and the transfer params
+                                 come back;
+  decode engine   generate(req)  with those params the decode ranks pull the
+                                 KV (read plans, NIXL READs), then tokens are
+                                 streamed back as deltas; without params the
+                                 engine prefills locally (colocated path, or a
+                                 migrated stream: prompt + tokens already sent);
+  either          abort(req_id)  releases the request's blocks and leases; a
+                                 decode request aborted before its verdict
+                                 closes its ledger handoff (no breaker moves).
+
+A transfer failure is answered per `kv_load_failure_policy`: `recompute`
+prefills the prompt locally (the client sees a normal answer), `fail` ends the
+stream with finish_reason "error" and the reason.
+
+Life cycle of the actor itself (one incarnation per process):
+
+  start      build the backend, register with the coordinator (a new
+             generation), keep one `watch_registration` call pending there: it
+             returns when the coordinator evicts this incarnation and fails
+             when the coordinator dies; either way the engine registers again
+             (nothing is polled while all is well);
+  restart    Ray restarts a crashed actor (`max_restarts`); the new process sees
+             `was_current_actor_reconstructed` and starts itself, so the engine
+             rejoins with no command from anyone (fresh agents, fresh handshakes);
+  watch      never returns: the coordinator's pending call fails when this
+             process dies, which is how it learns of the death at once;
+  shutdown   unregister, stop the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import asdict
+from typing import Any, AsyncIterator
+
+import ray
+
+from actors.engine.config import EngineConfig
+from actors.engine.vllm.kv_events import relay_for
+from actors.engine.load import EngineLoad, LoadMeter
+from actors.protocol import Backend, EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
+from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
+from actors.transfer_params import TransferParams, TransferParamsError
+
+logger = logging.getLogger("raypd.engine")
+
+
+def make_backend(cfg: EngineConfig, engine_id: str) -> Backend:
+    if cfg.backend == "synthetic":
+        from actors.engine.synthetic.backend import SyntheticBackend
+
+        return SyntheticBackend(cfg, engine_id, token_latency_s=cfg.synthetic.token_latency_s)
+    from actors.engine.vllm.backend import VllmBackend
+
+    return VllmBackend(cfg, engine_id)
+
+
+def _reconstructed() -> bool:
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not inside an actor (unit tests)
+        return False
+
+
+class EngineActor:
+    async def __init__(self, config: dict, coordinator_name: str | None = None):
+        self.cfg = EngineConfig.model_validate(config)
+        self.engine_id = self.cfg.engine_id or f"{self.cfg.role}-{uuid.uuid4().hex[:6]}"
+        self.coordinator_name = coordinator_name
+        self.backend = make_backend(self.cfg, self.engine_id)
+        self._coordinator: Any = None
+        self._generation: int | None = None
+        self._handshakes: list[bytes] = []
+        self._register_lock = asyncio.Lock()
+        self._kv_relay: Any = None  # actors.engine.vllm.kv_events.KVEventsRelay: KV cache events -> coordinator
+        self.meter = LoadMeter()  # queues and latencies for the autoscaler
+        self._start_lock = asyncio.Lock()
+        self._start_info: dict | None = None
+        self._watcher: asyncio.Task | None = None
+        self._running: dict[str, float] = {}
+        self.counters = {"requests": 0, "finished": 0, "errors": 0, "aborted": 0, "recomputed": 0}
+        self.started = False
+        self.closed = False
+        self.startup = StartupLog(self.engine_id)
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+            self.startup.reached(PLACED, f"node {node[:8]} ({ray.util.get_node_ip_address()})")
+        self.restarted = _reconstructed()
+        if self.restarted:
+            # A restarted incarnation rejoins by itself; callers of start() get the same answer.
+            logger.warning("%s: restarted by Ray, starting a new incarnation", self.engine_id)
+            asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        delay = 0.5
+        while not self.closed and not self.started:
+            try:
+                await self.start()
+            except Exception as exc:  # noqa: BLE001 - e.g. the coordinator restarting too: try again
+                logger.warning("%s: starting the new incarnation failed (%s); retrying", self.engine_id, exc)
+                await self.backend.shutdown()
+                self.backend = make_backend(self.cfg, self.engine_id)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def start(self) -> dict:
+        """Build the backend and register with the coordinator (if any).
+
+        Idempotent: several ingress replicas share one engine and each calls
+        start(); the first builds the backend, later calls get its answer.
+        """
+        async with self._start_lock:
+            if self._start_info is None:
+                self._start_info = await self._start()
+            return self._start_info
+
+    async def _start(self) -> dict:
+        if self.coordinator_name is not None:
+            from actors.control.coordinator import NAMESPACE
+
+            self._coordinator = ray.get_actor(self.coordinator_name, namespace=NAMESPACE)
+        pairs: dict = {}
+        self.startup.reached(LOADING, self.cfg.model if self.cfg.backend == "vllm" else "synthetic")
+        try:
+            await self.backend.start(self._coordinator, on_new_incarnation=self._register)
+            self.startup.reached(KV_REGISTERED)
+            if self._coordinator is not None:
+                self._kv_relay = relay_for(self.backend, self.engine_id, self._relay_kv_events)
+                reg = await self._register()
+                pairs = reg.pairs if reg is not None else {}
+                self.startup.reached(HANDSHAKE_PUBLISHED)
+                self._watcher = asyncio.get_running_loop().create_task(self._watch_coordinator())
+        except Exception as exc:
+            self.startup.failed(exc)
+            raise
+        self.started = True
+        self.startup.reached(READY)
+        return {"engine_id": self.engine_id, "role": self.cfg.role, "pairs": pairs, "restarted": self.restarted}
+
+    async def start_phases(self) -> list[StartPhase]:
+        """Start-up phases reached so far (polled by the launcher while start() runs)."""
+        return self.startup.phases()
+
+    def effective_config(self) -> Any:
+        """The vLLM engine's own config values (actors.engine.vllm.args.EffectiveEngineConfig); None otherwise."""
+        return getattr(self.backend, "effective_config", None)
+
+    async def _register(self, evicted_generation: int | None = None) -> Any:
+        """Register this incarnation's handshakes. From the watch loop (`evicted_generation`:
+        the coordinator dropped that registration) it registers again unless someone already
+        did; from a new incarnation of the backend it registers unless nothing changed."""
+        if self.backend.dead_reason() is not None:  # e.g. a rank that Ray did not restart
+            self._check_alive(RuntimeError("found at registration"))
+            return None
+        async with self._register_lock:
+            if evicted_generation is not None and self._generation != evicted_generation:
+                return None  # registered meanwhile
+            handshakes = await self.backend.handshakes()
+            if evicted_generation is None and self._generation is not None and handshakes == self._handshakes:
+                return None  # already registered as it is
+            reg = await self._coordinator.register_engine.remote(
+                self.engine_id, self.cfg.role, handshakes,
+                [ray.get_runtime_context().current_actor] + self.backend.liveness_handles(),
+                {"backend": self.cfg.backend, "model": self.cfg.model, "pid": os.getpid()},
+            )
+            self._generation, self._handshakes = reg.generation, handshakes
+            return reg
+
+    def _relay_kv_events(self, batch: Any) -> Any:
+        return self._coordinator.kv_events.remote(self.engine_id, batch)
+
+    async def _watch_coordinator(self) -> None:
+        """One pending call at the coordinator; re-register when it returns or fails."""
+        while not self.closed:
+            generation = self._generation
+            try:
+                reason = await self._coordinator.watch_registration.options(max_task_retries=0).remote(
+                    self.engine_id, generation)
+            except ray.exceptions.RayError as exc:
+                reason = f"coordinator unreachable ({type(exc).__name__})"
+                await self._await_coordinator()
+            if self.closed:
+                return
+            if self._generation == generation:  # not already replaced by a registration of ours
+                logger.warning("%s: registration %s ended (%s); registering again", self.engine_id,
+                               generation, reason)
+                try:
+                    await self._register(evicted_generation=generation)
+                except ray.exceptions.RayError as exc:
+                    logger.warning("%s: registering failed: %s", self.engine_id, exc)
+                    await self._await_coordinator()
+
+    async def _await_coordinator(self) -> None:
+        """Until the coordinator answers again (restarted by Ray, or recreated by name)."""
+        from actors.control.coordinator import NAMESPACE
+
+        delay = 0.2
+        while not self.closed:
+            try:
+                handle = ray.get_actor(self.coordinator_name, namespace=NAMESPACE)
+                await asyncio.wait_for(handle.ping.remote(), 10.0)
+                self._coordinator = handle
+                self.backend.coordinator_changed(handle)
+                return
+            except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # ------------------------------------------------------------- requests
+    def _check_role(self, *allowed: str) -> None:
+        if self.cfg.role not in allowed:
+            raise EngineRequestError(f"engine {self.engine_id} is a {self.cfg.role} engine")
+        if not self.started:  # a restarted incarnation still starting: fail fast, the router goes elsewhere
+            raise RuntimeError(f"engine {self.engine_id} is starting")
+
+    def _check_alive(self, exc: BaseException) -> None:
+        """The backend cannot serve anymore (vLLM's engine core died): let Ray restart us."""
+        reason = self.backend.dead_reason()
+        if reason is not None and not self.closed:
+            logger.error("%s: %s (%s); exiting so that Ray restarts the engine", self.engine_id, reason, exc)
+            asyncio.get_running_loop().call_later(0.2, os._exit, 1)
+
+    @ray.method(max_task_retries=0)
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        """Run the prompt for remote decode: the first token and the transfer params."""
+        self._check_role("prefill", "both")
+        self.counters["requests"] += 1
+        started = self.meter.prefill_started(req)
+        try:
+            return await self.backend.prefill(req)
+        except EngineRequestError:
+            raise
+        except Exception as exc:
+            self._check_alive(exc)
+            raise
+        finally:
+            self.meter.prefill_done(started)
+
+    @ray.method(max_task_retries=0)
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
+        """Stream token deltas; the last chunk has `finished` and `finish_reason`."""
+        self._check_role("decode", "both")
+        req_id = req.request_id
+        params = None
+        if req.kv_transfer_params is not None:
+            try:
+                params = TransferParams.parse(req.kv_transfer_params)
+            except TransferParamsError as exc:
+                raise EngineRequestError(str(exc)) from None
+        self.counters["requests"] += 1
+        self._running[req_id] = time.monotonic()
+        track = self.meter.decode_started(req)
+        handoff = self._coordinator is not None and params is not None
+        if handoff:
+            # the ledger watches this handoff until the transfer outcome is reported
+            self._coordinator.open_handoff.remote(req_id, params.remote_engine_id, self.engine_id)
+        try:
+            async for chunk in self.backend.generate(req):
+                track.observe(chunk)
+                if chunk.recomputed:
+                    self.counters["recomputed"] += 1
+                if chunk.failed:
+                    self.counters["errors"] += 1
+                yield chunk
+            self.counters["finished"] += 1
+        except (asyncio.CancelledError, GeneratorExit):
+            # the consumer went away (client disconnect): free the request's blocks, and close
+            # its handoff if no verdict came yet (an abort is no transfer failure)
+            self.counters["aborted"] += 1
+            if handoff:
+                self._coordinator.abort_handoff.remote(req_id)
+            await self.backend.abort(req_id)
+            raise
+        except EngineRequestError:
+            raise
+        except Exception as exc:
+            self._check_alive(exc)
+            raise
+        finally:
+            track.done()
+            self._running.pop(req_id, None)
+
+    async def abort(self, req_id: str) -> None:
+        self.counters["aborted"] += 1
+        await self.backend.abort(req_id)
+
+    async def stats(self) -> dict:
+        return {
+            "engine_id": self.engine_id, "role": self.cfg.role, "backend": self.cfg.backend,
+            "running": len(self._running), "generation": self._generation, "restarted": self.restarted,
+            "pid": os.getpid(),
+            **self.counters, **(await self.backend.stats()),
+            "load": asdict(self.meter.snapshot()),
+            **({"kv_events": self._kv_relay.snapshot()} if self._kv_relay is not None else {}),
+        }
+
+    async def load(self) -> EngineLoad:
+        """Queues, latencies, KV usage and leases, for the autoscaler."""
+        return EngineLoad.of(self.engine_id, self.cfg.role, len(self._running), await self.backend.stats(),
+                             self.meter.snapshot())
+
+    async def check_health(self) -> bool:
+        return self.started and self.backend.dead_reason() is None
+
+    def model_info(self) -> ModelInfo:
+        """What the HTTP front needs about the served model (tokenizer, limits, sampling defaults)."""
+        if not self.started:
+            raise RuntimeError(f"engine {self.engine_id} has not started")
+        return self.backend.model_info()
+
+    async def ping(self) -> str:
+        """The coordinator's rare hang check; a dead backend makes the actor exit (and restart)."""
+        if self.started and self.backend.dead_reason() is not None:
+            self._check_alive(RuntimeError("found at a ping"))
+        return "pong"
+
+    @ray.method(max_task_retries=0)
+    async def watch(self) -> None:
+        """Never returns: a caller's pending call fails when this process dies."""
+        await asyncio.Event().wait()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def placement(self) -> dict:
+        """Where this engine and its rank actors run (node ids), for placement checks."""
+        ranks = self.backend.liveness_handles()
+        rank_nodes = await asyncio.gather(*(r.node_id.remote() for r in ranks)) if ranks else []
+        return {"node_id": ray.get_runtime_context().get_node_id(), "rank_nodes": list(rank_nodes)}
+
+    def drop_engine(self, engine_id: str) -> None:
+        """Coordinator notice: a remote engine incarnation is gone; drop its agents."""
+        asyncio.get_running_loop().create_task(self.backend.drop_engine(engine_id))
+
+    async def shutdown(self) -> None:
+        self.closed = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._kv_relay is not None:
+            await self._kv_relay.stop()
+        if self._coordinator is not None:
+            try:
+                await self._coordinator.unregister_engine.remote(self.engine_id, "shutdown", self._generation)
+            except ray.exceptions.RayError:
+                pass
+        await self.backend.shutdown()
+
+
+def engine_actor_options(cfg: EngineConfig, max_restarts: int = 0) -> dict:
+    """Ray options for an engine: mostly waiting, so it reserves what the config says.
+
+    With `max_restarts`, Ray restarts a crashed engine (bounded). Calls that are safe to
+    repeat on the next incarnation (`start`, `stats`, `abort`, `ping`...) are retried
+    there; `prefill`/`generate` are not (the router decides what to do with them) and
+    `watch` must fail, not wait for the next incarnation.
+    """
+    env = {}
+    if cfg.cpu_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
+    if cfg.backend == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
+    return {
+        "num_cpus": cfg.num_cpus,
+        "resources": dict(cfg.resources),
+        "max_concurrency": 1000,
+        "max_restarts": max_restarts,
+        "max_task_retries": -1 if max_restarts else 0,
+        "runtime_env": {"env_vars": env} if env else None,
+    }
+

@@ -1,0 +1,171 @@
+"""The pydantic configuration of one engine (prefill, decode or colocated).
+
+Validated once, at the boundary (config file, Serve builder, CLI); everything
+below receives a typed, frozen object. Cross-field rules say what vLLM or the
+KV transfer would otherwise refuse much later and less clearly.
+
+`engine_kwargs` go to vLLM's engine arguments unchanged (checked against
+vLLM's own argument classes by `actors.engine.vllm.args`). The few engine arguments
+raypd needs to know itself, for P/D compatibility checks and request
+validation (model, dtype, max_model_len, TP/PP/DCP sizes, block size), have
+one home: raypd's own fields. Written as engine_kwargs they are moved into
+those fields (`lift_owned_kwargs`); a contradiction is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Role = Literal["prefill", "decode", "both"]
+Backend = Literal["vllm", "synthetic"]
+# vLLM's `dtype` values ("auto": the model's own, as vLLM picks it for the platform)
+DType = Literal["auto", "float32", "float", "bfloat16", "float16", "half"]
+
+# vLLM engine argument -> the raypd field that holds it (one source of truth).
+OWNED_KWARGS: dict[str, str] = {
+    "model": "model", "dtype": "dtype", "max_model_len": "max_model_len",
+    "tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
+    "decode_context_parallel_size": "dcp_size", "block_size": "block_size",
+}
+GROUP_FIELDS = frozenset({"tp_size", "pp_size", "dcp_size", "block_size"})  # per role in a deployment
+DEPLOYMENT_FIELDS = frozenset({"model", "dtype", "max_model_len"})  # one value for both roles
+# Engine arguments raypd refuses, with what to use instead.
+REFUSED_KWARGS: dict[str, str] = {
+    "data_parallel_size": "raypd scales an engine pool with prefill.count / decode.count",
+}
+
+
+class OwnedKwargError(ValueError):
+    """An engine_kwargs entry contradicts the raypd field that owns it."""
+
+
+def lift_owned_kwargs(data: dict[str, Any], kwargs: dict[str, Any], fields: frozenset[str], where: str,
+                      explicit: dict[str, str]) -> dict[str, Any]:
+    """Move the owned engine arguments of `kwargs` that map to `fields` into `data`.
+
+    `explicit` maps a raypd field to where the user (or an earlier kwargs source)
+    set it; a different value is a contradiction. Returns what is left of `kwargs`,
+    with vLLM's spelling of the keys (`max-num-seqs` -> `max_num_seqs`).
+    """
+    rest = {}
+    for key, value in kwargs.items():
+        name = key.replace("-", "_")
+        if name in REFUSED_KWARGS:
+            raise OwnedKwargError(f"{where}.{key} is not supported: {REFUSED_KWARGS[name]}")
+        target = OWNED_KWARGS.get(name)
+        if target is None or target not in fields:
+            rest[name] = value
+            continue
+        if target in explicit and data.get(target) != value:
+            raise OwnedKwargError(
+                f"{where}.{key}={value!r} contradicts {explicit[target]}={data.get(target)!r}: "
+                f"set it once (raypd keeps it in `{target}`)")
+        data[target] = value
+        explicit.setdefault(target, f"{where}.{key}")
+    return rest
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SyntheticModelConfig(_Strict):
+    """KV shapes of the synthetic backend's pretend model."""
+
+    model_id: str = "synthetic-tiny"
+    num_layers: int = Field(4, ge=1, le=256)
+    num_kv_heads: int = Field(4, ge=1, le=256)
+    head_size: int = Field(32, ge=1, le=1024)
+    is_mla: bool = False
+    vocab_size: int = Field(32000, ge=16)
+    token_latency_s: float = Field(0.0, ge=0.0, le=10.0)  # pause per streamed token (tests, demos)
+
+    @model_validator(mode="after")
+    def _mla_has_one_head(self) -> "SyntheticModelConfig":
+        if self.is_mla and self.num_kv_heads != 1:
+            raise ValueError("an MLA model has one latent kv head: set num_kv_heads: 1")
+        return self
+
+
+class EngineConfig(_Strict):
+    role: Role
+    backend: Backend = "vllm"
+    engine_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    model: str = "smollm2"  # vllm: the embedded model, a local folder or a hub id
+    model_id: str | None = None  # what the compatibility hash calls the model (default: folder name)
+    synthetic: SyntheticModelConfig = SyntheticModelConfig()
+    dtype: DType = "auto"
+    tp_size: int = Field(1, ge=1, le=64)
+    pp_size: int = Field(1, ge=1, le=64)
+    dcp_size: int = Field(1, ge=1, le=64)
+    block_size: int | None = Field(None, ge=1, le=1024)  # None: backend default
+    max_model_len: int = Field(2048, ge=16)
+    kv_cache_space_gib: int = Field(1, ge=1, le=1024)  # vLLM CPU KV cache per rank (GiB, whole)
+    num_blocks: int = Field(512, ge=1)  # synthetic backend
+    layout: str = "HND"  # synthetic backend: HND | NHD | HCND | ND
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    lease_ttl_s: float = Field(30.0, gt=0)
+    read_timeout_s: float = Field(10.0, gt=0)
+    num_cpus: float = Field(1.0, ge=0)
+    resources: dict[str, float] = {}
+    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
+    engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments, passed through (actors.engine.vllm.args)
+    # False: plain vLLM with no KV connector at all (role "both" only). Used as the
+    # colocated baseline of benchmarks/pd_vs_vllm.py; such an engine cannot take part
+    # in P/D (it publishes no handshake payload).
+    kv_connector: bool = True
+    # vLLM publishes its KV cache events (kv_events_config) and the engine relays them to the
+    # coordinator's prefix index: on when the deployment routes cache-aware (router.policy).
+    kv_events: bool = True
+    # Test knob: this fraction of KV pulls fails on purpose (fault-injection suites only).
+    fault_rate: float = Field(0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_owned(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("engine_kwargs"):
+            return data
+        data = dict(data)
+        explicit = {f: f for f in set(OWNED_KWARGS.values()) if f in data}
+        data["engine_kwargs"] = lift_owned_kwargs(data, dict(data["engine_kwargs"]),
+                                                  GROUP_FIELDS | DEPLOYMENT_FIELDS, "engine_kwargs", explicit)
+        return data
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "EngineConfig":
+        if not self.kv_connector and (self.role != "both" or self.backend != "vllm"):
+            raise ValueError("kv_connector: false (plain vLLM) needs role 'both' and the vllm backend")
+        if self.dcp_size not in (1, self.tp_size):
+            raise ValueError(f"dcp_size {self.dcp_size} must be 1 or tp_size {self.tp_size}")
+        if self.backend == "vllm":
+            if self.dcp_size != 1:
+                raise ValueError("dcp_size > 1 is only supported by the synthetic backend here")
+            if self.block_size is not None and self.block_size % 16:
+                raise ValueError(f"vLLM block_size must be a multiple of 16, got {self.block_size}")
+        else:
+            m = self.synthetic
+            if self.dcp_size > 1 and not m.is_mla:
+                raise ValueError("dcp_size > 1 needs an MLA synthetic model (synthetic.is_mla: true)")
+            if not m.is_mla:
+                heads, tp = m.num_kv_heads, self.tp_size
+                if (tp <= heads and heads % tp) or (tp > heads and tp % heads):
+                    raise ValueError(f"tp_size {tp} must divide, or be a multiple of, num_kv_heads {heads}")
+            if self.pp_size > m.num_layers:
+                raise ValueError(f"pp_size {self.pp_size} exceeds the model's {m.num_layers} layers")
+        return self
+
+    @property
+    def served_model_id(self) -> str:
+        if self.model_id:
+            return self.model_id
+        if self.backend == "synthetic":
+            return self.synthetic.model_id
+        return "SmolLM2-135M-Instruct" if self.model in ("smollm2", "embedded") else self.model.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def effective_block_size(self) -> int:
+        if self.block_size is not None:
+            return self.block_size
+        return 128 if self.backend == "vllm" else 16

@@ -1,0 +1,1 @@
+"""vLLM behind the engine actor: the AsyncLLM backend, engine arguments, metrics, KV events, the KV connector."""

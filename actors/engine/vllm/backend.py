@@ -1,0 +1,426 @@
+"""vLLM (AsyncLLM) behind an EngineActor, with RayNixlConnector moving the KV.
+
+Life cycle of a P/D request here:
+
+  prefill engine  prefill(req)  runs the prompt with max_tokens=1 and
+                  do_remote_decode; returns the first sampled token (the
+                  router streams it to the client at once: TTFT is the
+                  prefill engine's) and the transfer params;
+  decode engine   generate(req) the request is the prompt plus that first
+                  token (`num_resumed_tokens` 1); the params (completed here
+                  with the producer ranks' handshake payloads, fetched from the
+                  coordinator) make the connector pull the prompt's KV. The
+                  engine replays the first token (the front seeds every
+                  sampled request, so the replay draws the same token), so
+                  penalties, stop strings, min_tokens and the seeded sampler
+                  see the whole answer exactly as a single vLLM engine would;
+                  the replayed token is not streamed again. Should the replay
+                  draw another token (numerics), the engine continues from the
+                  streamed token instead (prefix cache: nothing is recomputed).
+
+Prompts arrive as token ids (the front renders and tokenizes); the sampling
+parameters arrive as the `vllm.SamplingParams` the front derived the way vLLM's
+OpenAI server does (`SamplingSpec.vllm_params`, pickled).
+
+  either          abort(req_id) a running request is aborted in vLLM; a
+                  prefill nobody will read (its blocks held under a lease) is
+                  released through vLLM's rejection hook
+                  (`notify_kv_transfer_request_rejected`): the connector's
+                  scheduler side puts it on the release list of the next step's
+                  metadata and the workers free the lease in that step.
+
+Requests vLLM refuses because of the request itself (`VLLMClientError`, or a
+ValueError raised while vLLM admits it: vocabulary, length, sampling params)
+become `EngineRequestError`: a 400 for the client, never an engine failure.
+
+The engine core and workers are child processes of this actor (vLLM on CPU
+always runs AsyncLLM's core in a subprocess); their ranks publish handshake
+payloads into a per-engine folder this backend collects for the coordinator.
+Their pids are recorded, so a restarted actor reaps what its killed
+predecessor left behind (`actors.engine.vllm.orphans`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import ray
+
+from actors.engine.config import EngineConfig
+from actors.kv.errors import HandshakeError
+from actors.kv.handshake import decode_handshake
+from actors.engine.vllm.kv_events import KVEventsSource, endpoint_in, vllm_kv_events_config
+from actors.control.prefix_index import DEFAULT_SEED, HashScheme
+from actors.engine.vllm.orphans import child_pids, forget, reap_children, reap_previous, record_children
+from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, SamplingSpec, TokenChunk
+from actors.engine.vllm.peer_payloads import PeerPayloads
+from actors.transfer_params import TransferParamsError
+
+logger = logging.getLogger("raypd.vllm")
+
+
+def _usage_logger_factory(sink: dict):
+    """A vLLM stat logger that keeps the last scheduler stats (KV usage, queue depths)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class KVUsageLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            sink["num_blocks"] = vllm_config.cache_config.num_gpu_blocks or 0
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                sink["kv_cache_usage"] = scheduler_stats.kv_cache_usage
+                sink["running"] = scheduler_stats.num_running_reqs
+                sink["waiting"] = scheduler_stats.num_waiting_reqs
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return KVUsageLogger
+
+
+class VllmBackend:
+    def __init__(self, cfg: EngineConfig, engine_id: str, start_timeout_s: float = 600.0):
+        self.cfg, self.engine_id = cfg, engine_id
+        self.start_timeout_s = start_timeout_s
+        self.llm: Any = None
+        self.coordinator: Any = None
+        self._handshakes: list[bytes] = []
+        self.peers = PeerPayloads(engine_id, cfg.tp_size)  # producers' payloads our requests carry
+        self.incarnation = uuid.uuid4().hex[:12]  # suffix of our ranks' agent names, stamped on our params
+        self.handshake_dir = tempfile.mkdtemp(prefix=f"raypd-{engine_id}-")
+        self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0, "replay_mismatches": 0, "released": 0}
+        self._aliases: dict[str, str] = {}  # request id -> the id of its continuation after a replay mismatch
+        # prefills whose blocks are held for a reader: request id -> (vLLM's id, lease expiry)
+        self._unread: dict[str, tuple[str, float]] = {}
+        self.kv_events_endpoint = endpoint_in(self.handshake_dir)  # the engine core publishes its KV events here
+        self._usage: dict[str, Any] = {"num_blocks": 0, "kv_cache_usage": 0.0, "running": 0, "waiting": 0}
+
+    # ---------------------------------------------------------------- start
+    def _engine_args(self, model_path: str) -> Any:
+        from actors.engine.vllm.args import build_engine_args, pd_kv_transfer, pd_overrides
+
+        cfg = self.cfg
+        kv = pd_kv_transfer(cfg, self.engine_id, {
+            "engine_id": self.engine_id,
+            "handshake_dir": self.handshake_dir,
+            "model_id": cfg.served_model_id,
+            "lease_ttl_s": cfg.lease_ttl_s,
+            "read_timeout_s": cfg.read_timeout_s,
+            "fault_rate": cfg.fault_rate,
+            "incarnation": self.incarnation,
+        }) if cfg.kv_connector else None  # None: plain vLLM (baseline)
+        for note in pd_overrides(cfg):
+            logger.warning("%s: %s", self.engine_id, note)
+        args = build_engine_args(cfg, model_path, kv)
+        if not cfg.kv_events:  # router.policy least_outstanding: nobody reads the events
+            return args
+        if args.kv_events_config is not None:
+            logger.warning("%s: engine_kwargs.kv_events_config is replaced: raypd relays the engine's KV cache "
+                           "events to its routers", self.engine_id)
+        args.kv_events_config = vllm_kv_events_config(self.kv_events_endpoint)  # feeds the prefix index
+        return args
+
+    async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]] | None = None) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from actors.engine.vllm.args import EffectiveEngineConfig
+        from actors.models.local import resolve_model
+
+        self.coordinator = coordinator
+        await asyncio.to_thread(reap_previous, self.engine_id)  # a killed predecessor's engine core
+        model_path = str(await asyncio.to_thread(resolve_model, self.cfg.model))
+        engine_args = self._engine_args(model_path)  # refuses a bad engine_kwargs key before any process starts
+        self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=self._stat_loggers())
+        record_children(self.engine_id)
+        self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
+        if self.cfg.kv_connector:
+            self._handshakes = await self._collect_handshakes()
+            self.peers.own = decode_handshake(self._handshakes[0])
+
+    def _stat_loggers(self) -> list[Any]:
+        """Our scheduler-stats sink, and vLLM's Prometheus metrics through Ray's metrics agent
+        (tagged with this engine's id and role) when running in a Ray process."""
+        import ray
+
+        loggers: list[Any] = [_usage_logger_factory(self._usage)]
+        if ray.is_initialized():
+            from actors.engine.vllm.metrics import engine_stat_logger
+
+            loggers.append(engine_stat_logger(self.engine_id, self.cfg.role))
+        return loggers
+
+    async def _collect_handshakes(self) -> list[bytes]:
+        from actors.engine.vllm.connector.worker import handshake_file
+
+        expected = [handshake_file(self.handshake_dir, p, t)
+                    for p in range(self.cfg.pp_size) for t in range(self.cfg.tp_size)]
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in expected):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.engine_id}: vLLM workers published no handshake in 60 s")
+            await asyncio.sleep(0.05)
+        return [f.read_bytes() for f in expected]
+
+    async def handshakes(self) -> list[bytes]:
+        return list(self._handshakes)
+
+    def liveness_handles(self) -> list[Any]:
+        return []  # the engine core is our child: its death is vLLM's EngineDeadError, seen here
+
+    def coordinator_changed(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+
+    def dead_reason(self) -> str | None:
+        if self.llm is not None and self.llm.errored:
+            return "vLLM's engine core died"
+        return None
+
+    def kv_events_source(self) -> KVEventsSource | None:
+        """Where the engine core publishes its KV events and how it hashes blocks (as vLLM resolved it)."""
+        cache = self.llm.vllm_config.cache_config
+        if not self.cfg.kv_events or not cache.enable_prefix_caching:
+            return None
+        seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED  # the engine core inherits our environment
+        return KVEventsSource(self.kv_events_endpoint,
+                              HashScheme(cache.block_size, cache.prefix_caching_hash_algo, seed))
+
+    # ------------------------------------------------------------- requests
+    def model_info(self) -> ModelInfo:
+        mc = self.llm.model_config
+        defaults = mc.get_diff_sampling_param()
+        override = (defaults.get("max_tokens") if mc.generation_config not in ("auto", "vllm")
+                    else mc.override_generation_config.get("max_new_tokens"))  # as vLLM's serving code
+        return ModelInfo(backend="vllm", max_model_len=mc.max_model_len, vocab_size=mc.get_vocab_size(),
+                         model_path=mc.model, tokenizer=mc.tokenizer, tokenizer_mode=mc.tokenizer_mode,
+                         trust_remote_code=mc.trust_remote_code, default_sampling_params=defaults,
+                         override_max_tokens=override)
+
+    def _prompt(self, req: EngineRequest) -> list[int]:
+        """The token ids (the front tokenized and checked them; this guards direct callers)."""
+        ids = list(req.prompt_token_ids)
+        if not ids:
+            raise EngineRequestError("the prompt is empty")
+        if len(ids) + req.max_tokens > self.cfg.max_model_len:
+            raise EngineRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context length "
+                f"{self.cfg.max_model_len}"
+            )
+        return ids
+
+    def _sampling(self, spec: SamplingSpec, max_tokens: int, kv_params: dict | None, already: int = 0) -> Any:
+        """vLLM's SamplingParams as the front derived them, streamed as deltas, with our transfer params;
+        `already`: tokens of the answer that are part of the prompt here (a plain continuation)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if spec.vllm_params is not None:
+            sp = pickle.loads(spec.vllm_params)
+        else:  # a direct caller (tests, benchmarks) that only set the plain fields
+            try:
+                sp = SamplingParams(temperature=0.0 if spec.temperature is None else spec.temperature,
+                                    top_p=1.0 if spec.top_p is None else spec.top_p, seed=spec.seed,
+                                    stop=list(spec.stop) or None, ignore_eos=spec.ignore_eos)
+            except (ValueError, TypeError) as exc:  # vLLM refuses the sampling parameters
+                raise EngineRequestError(str(exc)) from None
+        sp.max_tokens = max_tokens
+        sp.min_tokens = min(max(0, sp.min_tokens - already), max_tokens)
+        sp.output_kind = RequestOutputKind.DELTA
+        extra = {k: v for k, v in (sp.extra_args or {}).items() if k != "kv_transfer_params"}
+        if kv_params:
+            extra["kv_transfer_params"] = kv_params
+        sp.extra_args = extra or None
+        return sp
+
+    async def _outputs(self, ids: list[int], sp: Any, request_id: str) -> AsyncIterator[Any]:
+        """AsyncLLM.generate; what vLLM refuses while admitting the request (vocabulary, length,
+        sampling parameters) is the client's fault. vLLM wraps admission errors other than its
+        client errors in EngineGenerateError."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineGenerateError
+
+        admitted = False
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=request_id):
+                admitted = True
+                yield out
+        except VLLMClientError as exc:
+            raise EngineRequestError(str(exc)) from None
+        except (EngineGenerateError, ValueError, TypeError) as exc:
+            cause = exc.__cause__ if isinstance(exc, EngineGenerateError) else exc
+            if not admitted and isinstance(cause, (ValueError, TypeError)):
+                raise EngineRequestError(str(cause)) from None
+            raise
+
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        """Prefill for remote decode: first token + transfer params."""
+        ids = self._prompt(req)
+        ttl = req.lease_ttl_s or self.cfg.lease_ttl_s
+        # max_tokens 1: the first token is the whole answer, nothing to hand off
+        remote = req.max_tokens > 1
+        sp = self._sampling(req.sampling, 1, {"do_remote_decode": True, "lease_ttl_s": ttl} if remote else None)
+        first_ids: list[int] = []
+        text, finish, params, cached = "", None, None, None
+        async for out in self._outputs(ids, sp, req.request_id):
+            cached = out.num_cached_tokens if cached is None else cached
+            o = out.outputs[0]
+            first_ids.extend(o.token_ids)
+            text += o.text
+            if out.finished:
+                finish, params = o.finish_reason, out.kv_transfer_params
+        if params and params.get("remote_request_id"):
+            self._remember_unread(req.request_id, params["remote_request_id"], ttl)
+            params = {**params, "remote_incarnation": self.incarnation}
+        return PrefillResult(prompt_token_ids=tuple(ids), first_token_ids=tuple(first_ids), first_text=text,
+                             finish_reason=str(finish) if finish is not None else None,
+                             kv_transfer_params=params, num_cached_tokens=cached)
+
+    def _remember_unread(self, req_id: str, vllm_id: str, ttl: float) -> None:
+        now = time.monotonic()
+        for old in [r for r, (_, expiry) in self._unread.items() if expiry <= now]:
+            del self._unread[old]  # its lease expired: nothing left to release
+        self._unread[req_id] = (vllm_id, now + ttl)
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
+        ids = self._prompt(req)
+        params = req.kv_transfer_params
+        # Replay the prefill engine's first token (see the module docstring): the engine runs the
+        # original prompt and the first delta must be that token, which is not streamed again.
+        replay = tuple(ids[-1:]) if req.num_resumed_tokens == 1 and len(ids) > 1 else ()
+        engine_ids = ids[:len(ids) - len(replay)]
+        req_id = req.request_id
+        num_prompt = len(ids) - req.num_resumed_tokens
+        expected_external = 0
+        handshake_failed = False
+        if params:
+            try:
+                params = await self.peers.attach(params, self.coordinator)
+            except TransferParamsError as exc:
+                raise EngineRequestError(str(exc)) from None
+            except HandshakeError as exc:
+                # the pull cannot even start: the ledger hears it as this pair's handshake failure,
+                # and the policy decides as for any failed pull
+                producer = str(params.get("remote_engine_id"))
+                logger.warning("%s: handshake with %s failed: %s", req_id, producer, exc)
+                if self.coordinator is not None:
+                    self.coordinator.handshake_failed.remote(self.engine_id, producer, str(exc), req_id)
+                self.counters["kv_failures"] += 1
+                if self.cfg.kv_load_failure_policy == "fail":
+                    yield TokenChunk.error_chunk(req_id, f"KV transfer failed: {exc}", num_prompt)
+                    return
+                params, handshake_failed = None, True
+            else:
+                expected_external = min(int(params["num_tokens"]), len(engine_ids) - 1)
+                self.counters["kv_pulls"] += 1
+        sp = self._sampling(req.sampling, req.max_tokens + len(replay), params,
+                            already=req.num_resumed_tokens - len(replay))
+        verdict: dict[str, Any] | None = None
+        async for out in self._outputs(engine_ids, sp, req_id):
+            o = out.outputs[0]
+            chunk = TokenChunk(req_id, tuple(o.token_ids), o.text, finished=out.finished,
+                               num_prompt_tokens=num_prompt)
+            if verdict is None:
+                # vLLM reports cached tokens on the first delta: fewer than we pulled means
+                # the pull failed and the prompt was recomputed (kv_load_failure_policy=recompute).
+                cached = out.num_cached_tokens or 0
+                recomputed = handshake_failed or bool(params and cached < expected_external and o.token_ids)
+                verdict = {"num_cached_tokens": cached, "recomputed": recomputed}
+                if recomputed:
+                    self.counters["recomputed"] += 1
+                if params:
+                    self._report(req_id, recomputed or (out.finished and str(o.finish_reason) == "error"))
+                if replay and not (out.finished and str(o.finish_reason) == "error"):
+                    if chunk.token_ids == replay and not out.finished:
+                        continue  # the token the client already has: the next delta carries the verdict
+                    # the replay drew another token: go on from the streamed one (its KV is cached now)
+                    self.counters["replay_mismatches"] += 1
+                    logger.info("%s: replay drew %s instead of %s; continuing from the streamed token",
+                                req_id, chunk.token_ids, replay)
+                    await self.llm.abort(req_id)
+                    async for cont in self._continue_after(req, ids, num_prompt, verdict):
+                        yield cont
+                    return
+            if verdict:
+                chunk, verdict = chunk.replace(**verdict), {}
+            if out.finished:
+                reason = str(o.finish_reason) if o.finish_reason is not None else "stop"
+                chunk = chunk.replace(finish_reason=reason)
+                if reason == "error":
+                    self.counters["kv_failures"] += 1
+                    chunk = chunk.replace(error="KV transfer failed (kv_load_failure_policy=fail)")
+            yield chunk
+
+    async def _continue_after(self, req: EngineRequest, ids: list[int], num_prompt: int,
+                              verdict: dict[str, Any]) -> AsyncIterator[TokenChunk]:
+        """Generate after prompt + the streamed token(s), as a plain continuation (no pull)."""
+        cont_id = f"{req.request_id}-cont"
+        self._aliases[req.request_id] = cont_id
+        sp = self._sampling(req.sampling, req.max_tokens, None, already=req.num_resumed_tokens)
+        try:
+            async for out in self._outputs(ids, sp, cont_id):
+                o = out.outputs[0]
+                chunk = TokenChunk(req.request_id, tuple(o.token_ids), o.text, finished=out.finished,
+                                   num_prompt_tokens=num_prompt)
+                if verdict:
+                    chunk, verdict = chunk.replace(**verdict), {}
+                if out.finished:
+                    chunk = chunk.replace(finish_reason=str(o.finish_reason or "stop"))
+                yield chunk
+        finally:
+            self._aliases.pop(req.request_id, None)
+
+    def _report(self, req_id: str, failed: bool) -> None:
+        """One outcome per pulled request to the coordinator's ledger (vLLM merged its ranks)."""
+        if self.coordinator is None:
+            return
+        from actors.kv.aggregator import KVConnectorOutput
+
+        out = KVConnectorOutput(finished_recving={req_id}, failed_recving={req_id} if failed else set(),
+                                expected_finished_count=1)
+        self.coordinator.report_outcomes.remote(self.engine_id, [out])
+
+    async def abort(self, req_id: str) -> None:
+        """Abort a running request; release a finished prefill's held blocks (nobody will read them)."""
+        if self.llm is None:
+            return
+        unread = self._unread.pop(req_id, None)
+        if unread is None:
+            await self.llm.abort(list({req_id, self._aliases.get(req_id, req_id)}))
+            return
+        # The prefill finished: vLLM's abort would not find it. Its rejection hook submits an
+        # aborted request whose params name the held one; our scheduler side releases it.
+        from actors.engine.vllm.connector.scheduler import RELEASE_KEY
+
+        self.counters["released"] += 1
+        await self.llm.notify_kv_transfer_request_rejected(f"{unread[0]}-release", {RELEASE_KEY: unread[0]})
+
+    async def drop_engine(self, engine_id: str) -> None:
+        # The next request to that engine fetches fresh payloads; workers replace
+        # agents whose name changed (a restarted engine never meets stale metadata).
+        self.peers.drop(engine_id)
+
+    async def stats(self) -> dict:
+        """Counters plus the scheduler's view as of its last step (vLLM reports per step)."""
+        u = self._usage
+        total = int(u["num_blocks"])
+        return {"backend": "vllm", **self.counters, "num_blocks": total,
+                "free_blocks": round((1.0 - float(u["kv_cache_usage"])) * total),
+                "engine_running": u["running"], "engine_waiting": u["waiting"], "child_pids": child_pids()}
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+        await asyncio.to_thread(reap_children)
+        shutil.rmtree(self.handshake_dir, ignore_errors=True)
+        forget(self.engine_id)
+

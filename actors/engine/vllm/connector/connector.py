@@ -1,0 +1,100 @@
+"""RayNixlConnector: the KVConnectorBase_V1 face of raypd's KV transfer.
+
+vLLM builds one instance with role SCHEDULER (EngineCore process) and one with
+role WORKER per rank (worker process); each delegates to its half
+(`ConnectorScheduler`, `ConnectorWorker`). Both refuse, when created, a
+parallel/model configuration raypd cannot map (`check_supported`: the message
+names it). Extra config keys (`kv_connector_extra_config`): engine_id,
+handshake_dir, model_id, lease_ttl_s, read_timeout_s, fault_rate, fault_seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from actors.engine.vllm.connector.metadata import RankHandshakeMetadata, RayNixlMetadata
+from actors.engine.vllm.connector.scheduler import ConnectorScheduler
+from actors.engine.vllm.connector.worker import ConnectorWorker, check_supported
+
+
+class RayNixlConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        engine_id = str(extra.get("engine_id") or self._kv_transfer_config.engine_id)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            pc = vllm_config.parallel_config
+            self._scheduler = ConnectorScheduler(
+                engine_id=engine_id, tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size,
+                dcp_size=check_supported(vllm_config),  # refuses what raypd cannot map, by name
+                block_size=vllm_config.cache_config.block_size,
+                lease_ttl_s=float(extra.get("lease_ttl_s", 30.0)),
+            )
+        else:
+            self._worker = ConnectorWorker(vllm_config, engine_id, extra)
+
+    # ----------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, RayNixlMetadata):
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request runs only once its KV is complete
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # pull model: the decode side reads; nothing to push
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.get_transfer_results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        payload = self._worker.handshake() if self._worker else None
+        return RankHandshakeMetadata(payload) if payload else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # heterogeneous layouts are permuted on receive

@@ -1,0 +1,1 @@
+"""The `raypd` command line: up, config, status, down, bench."""

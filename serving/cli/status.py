@@ -1,0 +1,172 @@
+"""What `raypd up` prints about its engines and what `raypd status` collects and prints.
+
+Engines are asked over Ray (stats, health, start-up phases, the vLLM config they
+actually run with); the ingress replica's router state comes through a Serve
+deployment handle. Nothing here is periodic: `up` polls phases only while the
+engines start (serving.cluster.launcher), `status` asks once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from actors.engine.startup import StartPhase
+
+
+def phase_line(phase: StartPhase, t0_wall: float) -> str:
+    """One line per engine per start-up phase, with seconds since the launch began."""
+    detail = f"  {phase.detail}" if phase.detail else ""
+    return f"raypd:   {phase.engine_id:<28} {phase.phase:<20} {max(0.0, phase.at - t0_wall):6.1f}s{detail}"
+
+
+def _engine_line(eid: str, stats: dict, summary: dict | None, vllm: dict | None) -> str:
+    role = stats.get("role") or (summary or {}).get("role", "?")
+    if not stats.get("up", True):
+        return f"  {role:<7} {eid:<32} DOWN  {stats.get('error', '')}"
+    shape = ""
+    if summary:
+        shape = f"tp={summary.get('tp_size')} pp={summary.get('pp_size')} block={summary.get('block_size')}"
+    blocks = ""
+    if "free_blocks" in stats:
+        blocks = f"free {stats['free_blocks']}/{stats.get('num_blocks', '?')} blocks"
+    line = (f"  {role:<7} {eid:<32} {'registered' if summary else 'NOT REGISTERED':<14} {shape:<24} "
+            f"running {stats.get('running', 0):<4} leases {stats.get('held_leases', 0):<4} {blocks}")
+    return line + (f"\n          vllm: {vllm_summary(vllm)}" if vllm else "")
+
+
+def vllm_summary(v: dict) -> str:
+    return (f"dtype={v['dtype']} max_model_len={v['max_model_len']} max_num_seqs={v['max_num_seqs']} "
+            f"prefix_caching={'on' if v['enable_prefix_caching'] else 'off'} "
+            f"cuda_graphs/compile={'off' if v['enforce_eager'] else 'on'} kv_role={v['kv_role']}")
+
+
+def _effective(handle: Any, timeout_s: float) -> dict | None:
+    import ray
+
+    value = ray.get(handle.effective_config.remote(), timeout=timeout_s)
+    return dataclasses.asdict(value) if value is not None else None
+
+
+def engine_lines(deployment: Any, timeout_s: float = 10.0) -> list[str]:
+    import ray
+
+    summaries = {}
+    try:
+        summaries = {e["engine_id"]: e for e in ray.get(deployment.coordinator.engines.remote(), timeout=timeout_s)}
+    except Exception as exc:  # noqa: BLE001
+        print(f"coordinator unavailable: {exc}", file=sys.stderr)
+    lines = []
+    for eid, handle in deployment.engines.items():
+        vllm = None
+        try:
+            stats = {"up": True, **ray.get(handle.stats.remote(), timeout=timeout_s)}
+            vllm = _effective(handle, timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            stats = {"up": False, "error": f"{type(exc).__name__}"}
+        lines.append(_engine_line(eid, stats, summaries.get(eid), vllm))
+    return lines
+
+
+def collect_status(name: str, timeout_s: float = 10.0) -> dict:
+    import ray
+
+    from actors.control.coordinator import COORDINATOR_NAME, NAMESPACE
+    from serving.cluster.launcher import find_engines
+
+    out: dict[str, Any] = {"deployment": name, "engines": {}, "coordinator": None, "serve": None, "breakers": {}}
+    try:
+        coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
+        registered = {e["engine_id"]: e for e in ray.get(coordinator.engines.remote(), timeout=timeout_s)}
+        out["coordinator"] = "up"
+        ledger = ray.get(coordinator.transfers.remote(), timeout=timeout_s)  # the one owner of the breakers
+        out["handoffs_in_flight"], out["verdicts"] = ledger.in_flight, ledger.verdicts
+        out["handoffs_awaiting_units"] = ledger.awaiting_units
+        out["breakers"] = {b.pair: dataclasses.asdict(b) for b in ledger.breakers}
+    except (ValueError, ray.exceptions.RayError) as exc:
+        registered = {}
+        out["coordinator"] = f"unavailable: {exc}"
+    for actor, handle in sorted(find_engines(name).items()):
+        entry: dict[str, Any] = {"actor": actor}
+        try:
+            entry["healthy"] = bool(ray.get(handle.check_health.remote(), timeout=timeout_s))
+            entry["stats"] = ray.get(handle.stats.remote(), timeout=timeout_s)
+            entry["vllm_config"] = _effective(handle, timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            entry["healthy"] = False
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        eid = (entry.get("stats") or {}).get("engine_id") or actor.removeprefix("raypd-")
+        entry["registered"] = eid in registered
+        entry["summary"] = registered.get(eid)
+        out["engines"][eid] = entry
+    from serving.cluster.autoscaler import find_autoscaler
+
+    scaler = find_autoscaler(name)
+    if scaler is not None:
+        try:
+            out["autoscaler"] = ray.get(scaler.status.remote(), timeout=timeout_s)
+        except ray.exceptions.RayError as exc:
+            out["autoscaler_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        from ray import serve
+
+        from serving.cluster.app import INGRESS_NAME
+
+        handle = serve.get_deployment_handle(INGRESS_NAME, app_name=name)
+        out["serve"] = handle.status.remote().result(timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - no Serve app: engines only
+        out["serve_error"] = f"{type(exc).__name__}: {exc}"
+    from serving.ops.cluster_metrics import scrape_urls
+
+    out["metrics_urls"] = scrape_urls()
+    return out
+
+
+def print_status(status: dict, url: str | None) -> None:
+    print(f"deployment {status['deployment']}" + (f" at {url}" if url else ""))
+    print(f"coordinator: {status['coordinator']}")
+    serve_info = status.get("serve") or {}
+    health = serve_info.get("health")
+    if health:
+        print(f"front: {'healthy' if health['healthy'] else 'UNHEALTHY: ' + str(health.get('reason'))}")
+    else:
+        print(f"front: not reachable ({status.get('serve_error', 'no Serve app')})")
+    print("engines:")
+    router = serve_info.get("router") or {}
+    for eid, e in status["engines"].items():
+        s = e.get("stats") or {}
+        summary = e.get("summary") or {}
+        load = (router.get("decode_load") or {}).get(eid) or (router.get("prefill_load") or {}).get(eid) or {}
+        print(f"  {s.get('role', summary.get('role', '?')):<7} {eid:<30} "
+              f"{'healthy' if e.get('healthy') else 'UNHEALTHY':<9} "
+              f"{'registered' if e.get('registered') else 'unregistered':<12} "
+              f"tp={summary.get('tp_size', '?')} running={s.get('running', '?')} "
+              f"routed_in_flight={load.get('requests', 0)} leases={s.get('held_leases', '?')} "
+              f"free_blocks={s.get('free_blocks', '?')}/{s.get('num_blocks', '?')}"
+              + (f"  error: {e['error']}" if e.get("error") else ""))
+        if e.get("vllm_config"):
+            print(f"          vllm: {vllm_summary(e['vllm_config'])}")
+    if status.get("autoscaler") is not None:
+        from serving.cluster.autoscaler import status_lines
+
+        print("\n".join(status_lines(status["autoscaler"])))
+    breakers = status.get("breakers") or router.get("breakers") or {}
+    print("breakers (prefill->decode, held by the coordinator's ledger):" + ("" if breakers else " none yet"))
+    for pair, b in sorted(breakers.items()):
+        last = f"  last: {b['last_reason']}" if b.get("last_reason") else ""
+        print(f"  {pair:<50} {b['state']:<9} failures={b.get('failures', 0)} opened={b['opened_count']}{last}")
+    if router.get("counters"):
+        print("router: " + " ".join(f"{k}={v}" for k, v in sorted(router["counters"].items()))
+              + "".join(f" fallback[{k}]={v}" for k, v in sorted((router.get("fallbacks") or {}).items()))
+              + "".join(f" migrated[{k}]={v}" for k, v in sorted((router.get("migrations") or {}).items())))
+    if router.get("disagg_decisions"):
+        print("prefill decisions (this replica): " + " ".join(
+            f"{k}={v}" for k, v in sorted(router["disagg_decisions"].items())))
+    index = router.get("prefix_index")
+    if index is not None:
+        print("prefix index (blocks per engine): " + (" ".join(
+            f"{e}={n}" for e, n in sorted(index["engines"].items())) or "empty")
+            + (f"  error: {index['error']}" if index.get("error") else ""))
+    print("metrics (Prometheus, one URL per node; ray_raypd_* and ray_vllm_*): "
+          + (" ".join(status.get("metrics_urls") or []) or "no node exports metrics"))

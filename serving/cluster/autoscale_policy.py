@@ -1,0 +1,168 @@
+"""P:D autoscaling policy (pure): how many prefill and how many decode engines, each on its own signals.
+
+Each role is scaled between `min` and `max` by its own `RolePolicy`:
+
+  prefill  pressure: queued prompt tokens per engine above `queued_tokens_per_engine`,
+           or the p90 prefill latency (the pool's part of TTFT) above `ttft_target_s`;
+  decode   pressure: outstanding tokens per engine above `outstanding_tokens_per_engine`,
+           KV usage above `kv_usage_high`, or the p90 inter-token latency above
+           `itl_target_s`.
+
+Queues are the engines' time-weighted averages (`actors.engine.load`), summed over
+the role's serving engines. Hysteresis: a role grows by one engine once its
+pressure has lasted `up_delay_s` and `up_cooldown_s` passed since its last change;
+it shrinks by one only when the pool *with one engine fewer* would stay under
+`down_fraction` of every threshold, for `down_delay_s`, and `cooldown_s` after its
+last change. Pure, with the time passed in: `serving.cluster.autoscaler` applies it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PrefillScaling(_Strict):
+    min: int = Field(1, ge=0, le=64)
+    max: int = Field(1, ge=0, le=64)
+    queued_tokens_per_engine: int = Field(8192, ge=1)
+    ttft_target_s: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "PrefillScaling":
+        if self.min > self.max:
+            raise ValueError(f"min {self.min} > max {self.max}")
+        return self
+
+
+class DecodeScaling(_Strict):
+    min: int = Field(1, ge=1, le=64)
+    max: int = Field(1, ge=1, le=64)
+    outstanding_tokens_per_engine: int = Field(8192, ge=1)
+    kv_usage_high: float = Field(0.85, gt=0, le=1)
+    itl_target_s: float = Field(0.25, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "DecodeScaling":
+        if self.min > self.max:
+            raise ValueError(f"min {self.min} > max {self.max}")
+        return self
+
+
+class AutoscalerConfig(_Strict):
+    enabled: bool = False
+    interval_s: float = Field(2.0, gt=0)
+    up_delay_s: float = Field(0.0, ge=0)
+    up_cooldown_s: float = Field(5.0, ge=0)
+    down_delay_s: float = Field(30.0, ge=0)
+    cooldown_s: float = Field(60.0, ge=0)
+    down_fraction: float = Field(0.5, gt=0, lt=1)
+    drain_quiet_s: float = Field(5.0, ge=0)  # idle this long (router views refreshed, no prefill in flight) before stop
+    drain_timeout_s: float = Field(600.0, gt=0)  # a drain that never gets idle stops anyway (counted)
+    prefill: PrefillScaling = PrefillScaling()
+    decode: DecodeScaling = DecodeScaling()
+
+
+@dataclass(frozen=True)
+class PoolSignals:
+    """A role's serving engines (not starting, not draining) and their summed load."""
+
+    engines: int
+    queued_prompt_tokens: float = 0.0
+    prefill_latency_p90_s: float | None = None
+    outstanding_tokens: float = 0.0
+    kv_usage: float = 0.0  # the highest of the pool
+    itl_p90_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    role: str
+    current: int
+    target: int
+    reason: str
+
+    @property
+    def direction(self) -> Literal["up", "down", "hold"]:
+        return "up" if self.target > self.current else "down" if self.target < self.current else "hold"
+
+
+def _over(value: float | None, limit: float) -> bool:
+    return value is not None and value > limit
+
+
+def _under(value: float | None, limit: float) -> bool:
+    return value is None or value < limit
+
+
+class RolePolicy:
+    def __init__(self, role: Literal["prefill", "decode"], scaling: PrefillScaling | DecodeScaling,
+                 cfg: AutoscalerConfig):
+        self.role, self.scaling, self.cfg = role, scaling, cfg
+        self.pressure_since: float | None = None
+        self.idle_since: float | None = None
+        self.last_change = -math.inf
+
+    def pressure(self, s: PoolSignals) -> str | None:
+        """Why the role needs one more engine, or None."""
+        n = max(1, s.engines)
+        if self.role == "prefill":
+            p = self.scaling
+            if s.queued_prompt_tokens / n > p.queued_tokens_per_engine:
+                return "queued_prompt_tokens"
+            if _over(s.prefill_latency_p90_s, p.ttft_target_s):
+                return "ttft"
+            return None
+        d = self.scaling
+        if s.outstanding_tokens / n > d.outstanding_tokens_per_engine:
+            return "outstanding_tokens"
+        if s.kv_usage > d.kv_usage_high:
+            return "kv_usage"
+        if _over(s.itl_p90_s, d.itl_target_s):
+            return "itl"
+        return None
+
+    def idle(self, s: PoolSignals) -> bool:
+        """Would one engine fewer stay under `down_fraction` of every threshold?"""
+        if s.engines <= 0:
+            return False
+        fewer = max(1, s.engines - 1)
+        f = self.cfg.down_fraction
+        if self.role == "prefill":
+            p = self.scaling
+            return (s.queued_prompt_tokens / fewer < f * p.queued_tokens_per_engine
+                    and _under(s.prefill_latency_p90_s, f * p.ttft_target_s))
+        d = self.scaling
+        return (s.outstanding_tokens / fewer < f * d.outstanding_tokens_per_engine
+                and s.kv_usage * s.engines / fewer < f * d.kv_usage_high
+                and _under(s.itl_p90_s, f * d.itl_target_s))
+
+    def decide(self, s: PoolSignals, now: float) -> ScaleDecision:
+        lo, hi = self.scaling.min, self.scaling.max
+        if s.engines < lo:
+            return ScaleDecision(self.role, s.engines, lo, "below_min")
+        if s.engines > hi:
+            return ScaleDecision(self.role, s.engines, hi, "above_max")
+        why = self.pressure(s)
+        self.pressure_since = (self.pressure_since if self.pressure_since is not None else now) if why else None
+        idle = why is None and self.idle(s)
+        self.idle_since = (self.idle_since if self.idle_since is not None else now) if idle else None
+        if why and s.engines < hi and now - self.pressure_since >= self.cfg.up_delay_s \
+                and now - self.last_change >= self.cfg.up_cooldown_s:
+            return ScaleDecision(self.role, s.engines, s.engines + 1, why)
+        if idle and s.engines > lo and now - self.idle_since >= self.cfg.down_delay_s \
+                and now - self.last_change >= self.cfg.cooldown_s:
+            return ScaleDecision(self.role, s.engines, s.engines - 1, "idle")
+        return ScaleDecision(self.role, s.engines, s.engines, why or ("idle" if idle else "steady"))
+
+    def applied(self, now: float) -> None:
+        """The decision was acted on: restart the delays and the cooldown."""
+        self.last_change = now
+        self.pressure_since = self.idle_since = None

@@ -1,0 +1,339 @@
+"""The P:D autoscaler: one named Ray actor per deployment that applies `serving.cluster.autoscale_policy`.
+
+Life cycle of a pool change:
+
+  observe  every `interval_s`: the deployment's engines as the coordinator lists
+           them (serving or draining) and each serving engine's `load()`,
+           summed per role into `PoolSignals`; each role's `RolePolicy` decides;
+  grow     one more engine at the lowest free index, in its own STRICT_PACK
+           placement group carrying the role's resources (pinned like every
+           engine); it registers with the coordinator and routers adopt it from
+           the directory. A group no node can hold is removed again and the
+           attempt counted (`unschedulable`);
+  shrink   the highest-index serving engine is marked draining at the
+           coordinator, so routers stop choosing it; once it has been idle (no
+           decode stream, no prefill, no lease, no handoff in flight) for
+           `drain_quiet_s` it is shut down (it unregisters: its prefix-index
+           entries go), killed, and its placement group removed. A drain that
+           never gets idle stops after `drain_timeout_s` (counted).
+
+A role with a change in progress makes no other decision. The actor is created
+by `serving.cluster.launcher.launch` (so `raypd up` and the Serve app both get it) and
+stopped by `shutdown_deployment`; once it runs it owns the pool sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+
+from actors.control.coordinator import NAMESPACE
+from actors.engine.load import EngineLoad
+from serving.cluster.autoscale_policy import PoolSignals, RolePolicy, ScaleDecision
+from serving.config import DeploymentConfig
+from serving.cluster.launcher import ROLES, Deployment, Unschedulable, actor_name_of, start_engine, stop_engine
+
+logger = logging.getLogger("raypd.autoscaler")
+
+LOAD_TIMEOUT_S = 5.0
+DRAIN_POLL_S = 0.5
+
+
+def autoscaler_name(deployment: str) -> str:
+    return f"raypd-{deployment}-autoscaler"
+
+
+def engine_index(deployment: str, role: str, engine: str) -> int | None:
+    prefix = f"{deployment}-{role}-"
+    tail = engine[len(prefix):] if engine.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() else None
+
+
+@dataclass
+class RoleStatus:
+    serving: list[str] = field(default_factory=list)
+    starting: list[int] = field(default_factory=list)
+    draining: list[str] = field(default_factory=list)
+    min: int = 0
+    max: int = 0
+    last_decision: str = "none yet"
+    signals: dict = field(default_factory=dict)
+
+
+@dataclass
+class ScaleEvent:
+    at: float
+    role: str
+    direction: str
+    reason: str
+    engine: str
+    outcome: str = "in progress"
+
+
+@dataclass
+class AutoscalerStatus:
+    deployment: str
+    roles: dict[str, RoleStatus]
+    counters: dict[str, int]
+    history: list[ScaleEvent]
+
+
+class Autoscaler:
+    def __init__(self, config: dict):
+        self.cfg = DeploymentConfig.from_dict(config)
+        acfg = self.cfg.autoscaler
+        self.policies = {role: RolePolicy(role, getattr(acfg, role), acfg) for role in ROLES}
+        self.roles = {role: RoleStatus(min=getattr(acfg, role).min, max=getattr(acfg, role).max) for role in ROLES}
+        self.changes: dict[str, asyncio.Task] = {}  # role -> the change in progress
+        self.draining: dict[str, asyncio.Task] = {}  # engine -> its drain
+        self.counters: Counter[str] = Counter()
+        self.history: deque[ScaleEvent] = deque(maxlen=100)
+        self._handles: dict[str, Any] = {}
+        self._loop: asyncio.Task | None = None
+        self._coordinator: Any = None
+
+    # ------------------------------------------------------------ life cycle
+    async def start(self) -> bool:
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.get_running_loop().create_task(self._run())
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - the control loop must survive anything
+                logger.exception("autoscaler step failed")
+            await asyncio.sleep(self.cfg.autoscaler.interval_s)
+
+    def coordinator(self) -> Any:
+        if self._coordinator is None:
+            from actors.control.coordinator import get_coordinator
+
+            self._coordinator = get_coordinator()
+        return self._coordinator
+
+    def handle(self, engine: str) -> Any | None:
+        """The engine's actor, None when it is gone."""
+        if engine not in self._handles:
+            try:
+                self._handles[engine] = ray.get_actor(actor_name_of(self.cfg.name, engine), namespace=NAMESPACE)
+            except ValueError:
+                return None
+        return self._handles[engine]
+
+    # ----------------------------------------------------------------- step
+    async def step(self, now: float | None = None) -> list[ScaleDecision]:
+        """Observe, decide and start the changes (they finish in the background)."""
+        now = time.monotonic() if now is None else now
+        try:
+            listed = await self.coordinator().engines.remote()
+        except ray.exceptions.RayError as exc:
+            self._coordinator = None  # restarting: look it up again next time
+            logger.warning("coordinator unavailable: %s", exc)
+            return []
+        decisions = []
+        for role in ROLES:
+            mine = [e for e in listed if engine_index(self.cfg.name, role, e["engine_id"]) is not None]
+            st = self.roles[role]
+            st.serving = sorted((e["engine_id"] for e in mine if not e.get("draining")), key=self._index_of(role))
+            st.draining = sorted(e["engine_id"] for e in mine if e.get("draining"))
+            for engine in st.draining:  # e.g. after this actor restarted: finish what was started
+                if engine not in self.draining:
+                    self._drain(role, engine, ScaleEvent(now, role, "down", "resumed", engine))
+            signals = await self._signals(st.serving)
+            st.signals = asdict(signals)
+            if role in self.changes or st.draining:
+                continue
+            decision = self.policies[role].decide(signals, now)
+            st.last_decision = f"{decision.direction}: {decision.reason}"
+            decisions.append(decision)
+            if decision.direction == "up":
+                self._grow(role, decision, now)
+            elif decision.direction == "down":
+                self._shrink(role, decision, now)
+        return decisions
+
+    def _index_of(self, role: str) -> Any:
+        return lambda engine: engine_index(self.cfg.name, role, engine)
+
+    async def _signals(self, serving: list[str]) -> PoolSignals:
+        async def one(engine: str) -> EngineLoad | None:
+            handle = self.handle(engine)
+            if handle is None:
+                return None
+            try:
+                return await asyncio.wait_for(handle.load.remote(), LOAD_TIMEOUT_S)
+            except (asyncio.TimeoutError, ray.exceptions.RayError) as exc:
+                logger.info("no load from %s: %s", engine, exc)
+                self._handles.pop(engine, None)
+                return None
+
+        loads = [x for x in await asyncio.gather(*(one(e) for e in serving)) if x is not None]
+        p90s = [x.meter.prefill_latency_p90_s for x in loads if x.meter.prefill_latency_p90_s is not None]
+        itls = [x.meter.itl_p90_s for x in loads if x.meter.itl_p90_s is not None]
+        return PoolSignals(
+            engines=len(serving),
+            queued_prompt_tokens=sum(x.meter.queued_prompt_tokens_avg for x in loads),
+            prefill_latency_p90_s=max(p90s) if p90s else None,
+            outstanding_tokens=sum(x.meter.outstanding_tokens_avg for x in loads),
+            kv_usage=max((x.kv_usage for x in loads), default=0.0),
+            itl_p90_s=max(itls) if itls else None,
+        )
+
+    # ------------------------------------------------------------------ grow
+    def _grow(self, role: str, decision: ScaleDecision, now: float) -> None:
+        st = self.roles[role]
+        taken = {engine_index(self.cfg.name, role, e) for e in st.serving + st.draining}
+        index = next(i for i in range(len(taken) + 1) if i not in taken)
+        event = ScaleEvent(now, role, "up", decision.reason, f"{self.cfg.name}-{role}-{index}")
+        self.history.append(event)
+        self.policies[role].applied(now)
+        st.starting = [index]
+        self.changes[role] = asyncio.get_running_loop().create_task(self._start(role, index, event))
+
+    async def _start(self, role: str, index: int, event: ScaleEvent) -> None:
+        from serving.cluster.launcher import default_start_timeout
+
+        try:
+            await start_engine(self.cfg, role, index, default_start_timeout(self.cfg))
+            event.outcome = "started"
+            self.counters[f"{role}_scaled_up"] += 1
+        except Unschedulable as exc:
+            event.outcome = f"unschedulable: {exc}"
+            self.counters[f"{role}_unschedulable"] += 1
+        except Exception as exc:  # noqa: BLE001 - recorded; the next decision may try again
+            event.outcome = f"failed: {type(exc).__name__}: {exc}"
+            self.counters[f"{role}_start_failed"] += 1
+            logger.warning("starting %s failed: %s", event.engine, exc)
+        finally:
+            self.roles[role].starting = []
+            self.policies[role].applied(time.monotonic())
+            self.changes.pop(role, None)
+
+    # ---------------------------------------------------------------- shrink
+    def _shrink(self, role: str, decision: ScaleDecision, now: float) -> None:
+        engine = self.roles[role].serving[-1]  # the highest index: the pools stay 0..n-1
+        event = ScaleEvent(now, role, "down", decision.reason, engine)
+        self.history.append(event)
+        self.policies[role].applied(now)
+        self._drain(role, engine, event)
+
+    def _drain(self, role: str, engine: str, event: ScaleEvent) -> None:
+        task = asyncio.get_running_loop().create_task(self._drain_and_stop(role, engine, event))
+        self.draining[engine] = self.changes[role] = task
+
+    async def _drain_and_stop(self, role: str, engine: str, event: ScaleEvent) -> None:
+        acfg = self.cfg.autoscaler
+        t0 = time.monotonic()
+        quiet_since: float | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                if await self._idle(engine):
+                    quiet_since = now if quiet_since is None else quiet_since
+                    if now - quiet_since >= acfg.drain_quiet_s:
+                        event.outcome = "drained"
+                        break
+                else:
+                    quiet_since = None
+                if now - t0 > acfg.drain_timeout_s:
+                    event.outcome = "drain timed out, stopped anyway"
+                    self.counters[f"{role}_drain_timeouts"] += 1
+                    break
+                await asyncio.sleep(DRAIN_POLL_S)
+            await stop_engine(self.cfg, engine, self.handle(engine))
+            self.counters[f"{role}_scaled_down"] += 1
+        except Exception as exc:  # noqa: BLE001 - recorded; the engine stays listed and is retried
+            event.outcome = f"failed: {type(exc).__name__}: {exc}"
+            logger.warning("draining %s failed: %s", engine, exc)
+        finally:
+            self._handles.pop(engine, None)
+            self.draining.pop(engine, None)
+            self.changes.pop(role, None)
+            self.policies[role].applied(time.monotonic())
+
+    async def _idle(self, engine: str) -> bool:
+        """Marked draining (again: a re-registration clears it), and nothing in flight."""
+        coordinator, handle = self.coordinator(), self.handle(engine)
+        if handle is None or not await coordinator.set_draining.remote(engine):
+            return True  # gone, or not registered any more: nothing can reach it
+        load, handoffs = await asyncio.gather(handle.load.remote(), coordinator.handoffs_in_flight.remote(engine))
+        return load.idle and handoffs == 0
+
+    # ---------------------------------------------------------------- status
+    async def status(self) -> AutoscalerStatus:
+        return AutoscalerStatus(self.cfg.name, {r: RoleStatus(**asdict(s)) for r, s in self.roles.items()},
+                                dict(self.counters), list(self.history))
+
+    async def stop(self) -> None:
+        """Stop deciding (before the deployment is torn down); drains in progress are left to shutdown."""
+        for task in [self._loop, *self.changes.values()]:
+            if task is not None:
+                task.cancel()
+
+
+def start_autoscaler(cfg: DeploymentConfig) -> Any:
+    """Get or create the deployment's autoscaler actor and start its loop."""
+    handle = ray.remote(Autoscaler).options(
+        name=autoscaler_name(cfg.name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        num_cpus=0, max_concurrency=16, max_restarts=-1,
+    ).remote(cfg.model_dump(mode="json"))
+    ray.get(handle.start.remote(), timeout=60)
+    return handle
+
+
+def find_autoscaler(deployment: str) -> Any | None:
+    try:
+        return ray.get_actor(autoscaler_name(deployment), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def attach(cfg: DeploymentConfig, coordinator: Any) -> Deployment | None:
+    """Once the autoscaler runs it owns the pool sizes: a later `launch` (another ingress
+    replica, a restarted `raypd up`) joins the serving engines instead of creating `count`."""
+    if find_autoscaler(cfg.name) is None:
+        return None
+    dep = Deployment(cfg.name, coordinator)
+    for e in ray.get(coordinator.engines.remote(), timeout=60):
+        for role, pool in (("prefill", dep.prefills), ("decode", dep.decodes)):
+            if engine_index(cfg.name, role, e["engine_id"]) is not None and not e.get("draining"):
+                try:
+                    pool[e["engine_id"]] = ray.get_actor(actor_name_of(cfg.name, e["engine_id"]), namespace=NAMESPACE)
+                except ValueError:
+                    pass  # died meanwhile
+    return dep if dep.decodes else None
+
+
+def stop_autoscaler(deployment: str, timeout_s: float = 10.0) -> None:
+    handle = find_autoscaler(deployment)
+    if handle is None:
+        return
+    try:
+        ray.get(handle.stop.remote(), timeout=timeout_s)
+    except ray.exceptions.RayError as exc:
+        logger.info("autoscaler stop: %s", exc)
+    ray.kill(handle)
+
+
+def status_lines(status: AutoscalerStatus) -> list[str]:
+    """`raypd status` lines: one per role, then the last scale events."""
+    lines = ["autoscaler:"]
+    for role, st in status.roles.items():
+        sig = st.signals
+        load = (f"queued {sig.get('queued_prompt_tokens', 0):.0f} prompt tok" if role == "prefill"
+                else f"outstanding {sig.get('outstanding_tokens', 0):.0f} tok, kv {sig.get('kv_usage', 0):.0%}")
+        lines.append(f"  {role:<7} {len(st.serving)} serving (min {st.min}, max {st.max})"
+                     + (f", starting {st.starting}" if st.starting else "")
+                     + (f", draining {st.draining}" if st.draining else "")
+                     + f"; {load}; last: {st.last_decision}")
+    for ev in list(status.history)[-5:]:
+        lines.append(f"  {ev.direction:<4} {ev.role:<7} {ev.engine:<30} {ev.reason:<22} {ev.outcome}")
+    return lines

@@ -1,0 +1,201 @@
+"""Ray actor handles behind the router's small interfaces (`EngineClient`, `Directory`).
+
+The only place where Ray errors are translated: an `EngineRequestError` raised
+by an engine (bad prompt, out-of-vocabulary ids, too long) becomes
+`RequestRejected` (HTTP 400); anything else Ray raises (actor died, task
+failed) becomes `EngineUnavailable`, with `died` set when the actor is gone.
+
+Handles are resolved by name: Ray restarts a crashed engine behind the same
+handle, but an engine that was recreated (its restarts used up, then launched
+again) is a new actor under the same name, found again after a death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from actors.control.coordinator import COORDINATOR_NAME, NAMESPACE
+from actors.control.ledger import RouteTable
+from actors.control.prefix_index import IndexCursor, IndexUpdate
+from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
+from serving.routing.prefix_view import PrefixCacheView
+from serving.routing.planner import planner_for
+from serving.routing.router import EngineUnavailable, RequestRejected, Router
+
+logger = logging.getLogger("raypd.router")
+
+
+def translate(exc: BaseException) -> Exception:
+    """A Ray error as the router's exception."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, EngineRequestError):
+        return RequestRejected(str(exc))
+    if isinstance(cause, EngineRequestError):
+        return RequestRejected(str(cause))
+    died = isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+    if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
+        return EngineUnavailable(f"{type(cause).__name__}: {cause}", died=died)
+    return EngineUnavailable(f"{type(exc).__name__}: {exc}", died=died)
+
+
+class NamedActor:
+    """An actor handle that is looked up again by name after its actor died for good."""
+
+    def __init__(self, name: str | None, handle: Any):
+        self.name, self._handle, self._stale = name, handle, False
+
+    @property
+    def handle(self) -> Any:
+        if self._stale and self.name is not None:
+            try:
+                self._handle = ray.get_actor(self.name, namespace=NAMESPACE)
+                self._stale = False
+            except ValueError:
+                pass  # not there (yet): keep the old handle, calls fail fast
+        return self._handle
+
+    def failed(self, exc: BaseException) -> None:
+        if isinstance(exc, ray.exceptions.ActorDiedError):
+            self._stale = True
+
+
+class RayEngineClient:
+    """One EngineActor handle."""
+
+    def __init__(self, engine_id: str, handle: Any, actor_name: str | None = None):
+        self.engine_id = engine_id
+        self.actor = NamedActor(actor_name, handle)
+
+    @property
+    def handle(self) -> Any:
+        return self.actor.handle
+
+    def _error(self, exc: BaseException) -> Exception:
+        self.actor.failed(exc)
+        return translate(exc)
+
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        try:
+            return await self.handle.prefill.remote(req)
+        except (ray.exceptions.RayError, EngineRequestError) as exc:
+            raise self._error(exc) from None
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
+        try:
+            gen = self.handle.generate.options(num_returns="streaming").remote(req)
+        except ray.exceptions.RayError as exc:
+            raise self._error(exc) from None
+        finished = False
+        try:
+            async for ref in gen:
+                try:
+                    chunk = await ref
+                except (ray.exceptions.RayError, EngineRequestError) as exc:
+                    raise self._error(exc) from None
+                finished = chunk.finished
+                yield chunk
+        except ray.exceptions.RayError as exc:
+            raise self._error(exc) from None
+        finally:
+            if not finished:
+                try:
+                    ray.cancel(gen, recursive=False)  # the actor's generator sees CancelledError and frees the request
+                except Exception:  # noqa: BLE001 - already done or actor gone
+                    pass
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self.handle.abort.remote(request_id)
+        except ray.exceptions.RayError as exc:
+            self.actor.failed(exc)
+            logger.info("abort of %s on %s failed: %s", request_id, self.engine_id, exc)
+
+    async def stats(self) -> dict:
+        try:
+            return await self.handle.stats.remote()
+        except ray.exceptions.RayError as exc:
+            raise self._error(exc) from None
+
+    async def check_health(self) -> bool:
+        return bool(await self.handle.check_health.remote())
+
+
+class RayDirectory:
+    """The coordinator as the router's directory (routes, probes, prefill failures)."""
+
+    def __init__(self, coordinator: Any, timeout_s: float = 5.0, name: str | None = COORDINATOR_NAME):
+        self.coordinator = NamedActor(name, coordinator)
+        self.timeout_s = timeout_s
+
+    async def routes(self) -> RouteTable:
+        try:
+            return await asyncio.wait_for(self.coordinator.handle.routes.remote(), self.timeout_s)
+        except ray.exceptions.RayError as exc:
+            self.coordinator.failed(exc)
+            raise
+
+    async def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
+        return await asyncio.wait_for(self.coordinator.handle.admit_probe.remote(decode_id, prefill_id),
+                                      self.timeout_s)
+
+    def prefill_failed(self, decode_id: str, prefill_id: str, reason: str) -> None:
+        self.coordinator.handle.prefill_failed.remote(decode_id, prefill_id, reason)
+
+
+def resolve_engine(deployment: str) -> Any:
+    """Looks up the engines the directory names by actor name (engines started after the router
+    was built: scaled up by the autoscaler); None when no such actor exists."""
+    from serving.cluster.launcher import actor_name_of
+
+    def resolve(engine_id: str) -> RayEngineClient | None:
+        name = actor_name_of(deployment, engine_id)
+        try:
+            return RayEngineClient(engine_id, ray.get_actor(name, namespace=NAMESPACE), name)
+        except ValueError:
+            return None
+
+    return resolve
+
+
+class AutoscalerClient:
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+    async def status(self) -> Any:
+        return await self.handle.status.remote()
+
+
+def prefix_index_view(directory: RayDirectory, refresh_s: float) -> PrefixCacheView:
+    """The router's copy of the coordinator's prefix index (follows the coordinator across restarts)."""
+
+    async def fetch(cursor: IndexCursor | None) -> IndexUpdate:
+        return await asyncio.wait_for(directory.coordinator.handle.prefix_index_updates.remote(cursor),
+                                      directory.timeout_s)
+
+    return PrefixCacheView(fetch, refresh_s)
+
+
+def build_router(cfg: Any, deployment: Any) -> Router:
+    """A Router over a launched deployment (`serving.cluster.launcher.Deployment`)."""
+    from serving.cluster.launcher import actor_name_of
+
+    directory = RayDirectory(deployment.coordinator)
+    router = Router(
+        prefills={eid: RayEngineClient(eid, h, actor_name_of(cfg.name, eid)) for eid, h in deployment.prefills.items()},
+        decodes={eid: RayEngineClient(eid, h, actor_name_of(cfg.name, eid)) for eid, h in deployment.decodes.items()},
+        directory=directory,
+        config=cfg.router,
+        resolve_engine=resolve_engine(cfg.name),
+        planner=planner_for(cfg.router, prefix_index_view(directory, cfg.router.index_refresh_s)),
+    )
+    if cfg.autoscaler.enabled:
+        from serving.cluster.autoscaler import find_autoscaler
+
+        handle = find_autoscaler(cfg.name)
+        router.autoscaler = AutoscalerClient(handle) if handle is not None else None
+    return router

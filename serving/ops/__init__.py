@@ -1,0 +1,1 @@
+"""Operations: metrics (replica and cluster-wide) and health probes."""

@@ -1,0 +1,63 @@
+"""A router's copy of the coordinator's prefix index (`actors.control.prefix_index`), kept in step by deltas.
+
+Life cycle: the first `refresh()` fetches a snapshot; later ones, at most every
+`refresh_s` (`refresh_soon()` starts one in the background: the request path
+never waits), fetch only the ops after the copy's cursor (a snapshot again when the
+owner's log no longer reaches back or the owner restarted). Concurrent requests
+share one fetch; a failed fetch keeps the last copy (routing goes on by load and
+what is known) and is retried at the next refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+
+from actors.control.prefix_index import IndexCursor, IndexUpdate, PrefixIndex
+
+logger = logging.getLogger("raypd.router")
+
+
+class PrefixCacheView:
+    def __init__(self, fetch: Callable[[IndexCursor | None], Awaitable[IndexUpdate]], refresh_s: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic):
+        self.fetch, self.refresh_s, self.clock = fetch, refresh_s, clock
+        self.index = PrefixIndex(max_blocks_per_engine=None)  # mirrors the owner's evictions
+        self._synced = False
+        self._at = -math.inf
+        self._inflight: asyncio.Future | None = None
+        self._background: asyncio.Task | None = None
+        self.error: str | None = None
+
+    def refresh_soon(self) -> None:
+        """A refresh in the background when the copy is older than `refresh_s` (nobody waits for it)."""
+        if (self._background is None or self._background.done()) and self.clock() - self._at >= self.refresh_s:
+            self._background = asyncio.get_running_loop().create_task(self.refresh())
+
+    async def refresh(self) -> None:
+        if self._inflight is not None:
+            await asyncio.shield(self._inflight)
+            return
+        if self.clock() - self._at < self.refresh_s:
+            return
+        self._inflight = asyncio.get_running_loop().create_future()
+        try:
+            update = await self.fetch(self.index.cursor if self._synced else None)
+            self.index.apply_update(update)
+            self._synced, self.error = True, None
+        except Exception as exc:  # noqa: BLE001 - the owner being away must not stop routing
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.info("prefix index not refreshed: %s", self.error)
+        finally:
+            self._at = self.clock()
+            self._inflight.set_result(None)
+            self._inflight = None
+
+    def cached_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str]) -> dict[str, int]:
+        """Per engine: prompt tokens whose KV blocks it holds (0 for engines the index does not know)."""
+        engine_ids = list(engine_ids)
+        known = self.index.cached_prefix_tokens(token_ids, engine_ids)
+        return {e: known.get(e, 0) for e in engine_ids}

@@ -1,0 +1,270 @@
+"""A routed request's token stream and the decode-load charge it carries.
+
+Life cycle of a `RoutedStream`:
+
+  created    by the router once the first chunk is known (the prefill
+             engine's first token, or the decode engine's first chunk), so
+             routing errors surface before any byte reaches the client;
+  iterated   chunks come from the decode engine; the first decode chunk of a
+             P/D stream carries the transfer verdict (recomputed, or the error
+             of the `fail` policy: the stream ends there);
+  migrated   the decode engine died (or failed the request) mid-stream: the
+             stream continues on another live decode engine, or on the
+             restarted one within `migration_wait_s`, from what was already
+             streamed (prompt + generated token ids, `num_resumed_tokens`), so
+             a greedy stream is token for token the uninterrupted one; only
+             when no engine takes it does it end with finish_reason "error";
+  finished   the last chunk settles the decode charge; an error also lets the
+             prefill side go;
+  closed     early (client disconnect): the request is aborted on both engines.
+
+`close()` is synchronous so it is safe in a cancelled task: the aborts it issues
+run in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from actors.protocol import EngineRequest, TokenChunk
+
+if TYPE_CHECKING:
+    from serving.routing.router import Router
+
+logger = logging.getLogger("raypd.router")
+
+MAX_MIGRATIONS = 3
+
+
+class RequestRejected(Exception):
+    """The engine refused the request itself (empty prompt, too long...): the client's fault."""
+
+
+class EngineUnavailable(Exception):
+    """The engine could not run the request (died, unreachable, out of capacity)."""
+
+    def __init__(self, message: str, died: bool = False):
+        super().__init__(message)
+        self.died = died  # the actor is gone (not just this request failing)
+
+
+@dataclass
+class Load:
+    requests: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class Route:
+    """How a request is served: decode engine, prefill engine (None: local), why."""
+
+    decode_id: str
+    prefill_id: str | None = None
+    path: str = "pd"  # pd | short | fallback
+    attempts: int = 0
+    failures: list[str] = field(default_factory=list)
+    decode_generation: int | None = None  # the decode engine's incarnation when chosen
+
+
+class DecodeCharge:
+    """The work a request owes its decode engine: charged on entry, paid back as tokens
+    arrive, and refunded in full on exit unless a stream took it over (`hand_over`)."""
+
+    def __init__(self, load: Load, tokens: int):
+        self.load, self.owed = load, tokens
+        self.open = True
+        self.handed_over = False
+        load.requests += 1
+        load.tokens += tokens
+
+    def __enter__(self) -> "DecodeCharge":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.handed_over:
+            self.settle()
+
+    def hand_over(self) -> "DecodeCharge":
+        self.handed_over = True
+        return self
+
+    def pay(self, tokens: int) -> None:
+        paid = min(tokens, self.owed)
+        self.owed -= paid
+        self.load.tokens = max(0, self.load.tokens - paid)
+
+    def settle(self) -> None:
+        """Refund what is still owed and the request slot (once)."""
+        if self.open:
+            self.open = False
+            self.pay(self.owed)
+            self.load.requests = max(0, self.load.requests - 1)
+
+
+async def no_more_chunks() -> AsyncIterator[TokenChunk]:
+    return
+    yield  # an empty async generator
+
+
+class RoutedStream:
+    """The token deltas of one routed request; iterate it, and close it when done."""
+
+    def __init__(self, router: "Router", request: EngineRequest, engine_request_id: str, route: Route,
+                 gen: AsyncIterator[TokenChunk], first: TokenChunk, charge: DecodeCharge,
+                 awaiting_transfer: bool = False):
+        self.router, self.request, self.engine_request_id = router, request, engine_request_id
+        self.request_id = request.request_id
+        self.prefill_request_id = engine_request_id  # the prefill engine knows the request by this id
+        self.route = route
+        self._gen = gen
+        self._pending: TokenChunk | None = first
+        self._charge = charge.hand_over()
+        self.token_ids: list[int] = []  # every token streamed so far
+        self.num_prompt_tokens = first.num_prompt_tokens
+        # prompt tokens the engine that ran the prompt found in its prefix cache (vLLM; the first chunk
+        # comes from that engine: the prefill engine's token, or the decode engine's local prefill)
+        self.num_cached_tokens = first.num_cached_tokens
+        self.num_generated = 0
+        self.migrations = 0
+        self._awaiting_transfer = awaiting_transfer  # the next decode chunk carries the transfer verdict
+        self._prefill_let_go = False
+        self.finished = False
+        self.closed = False
+
+    @property
+    def decode_id(self) -> str:
+        return self.route.decode_id
+
+    @property
+    def prefill_id(self) -> str | None:
+        return self.route.prefill_id
+
+    def __aiter__(self) -> "RoutedStream":
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        if self._pending is not None:
+            chunk, self._pending = self._pending, None
+            self._observe(chunk)
+            return chunk
+        try:
+            chunk = await self._gen.__anext__()
+        except StopAsyncIteration:
+            # the engine ended the stream without a final chunk: treat as finished
+            chunk = TokenChunk(self.engine_request_id, finished=True, finish_reason="stop")
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        except RequestRejected as exc:  # the continuation itself was refused: no engine will take it
+            chunk = TokenChunk.error_chunk(self.engine_request_id, str(exc), self.num_prompt_tokens)
+        except Exception as exc:  # noqa: BLE001 - the decode engine failed: move the stream
+            if not isinstance(exc, EngineUnavailable):
+                logger.exception("decode stream of %s failed", self.request_id)
+            chunk = await self._migrate(exc)
+        if self._awaiting_transfer:
+            self._transfer_verdict(chunk)
+        self._observe(chunk)
+        return chunk
+
+    def _transfer_verdict(self, chunk: TokenChunk) -> None:
+        """The first decode chunk after a prefill: counted as the router saw it (the ledger
+        has the engines' own reports); a failed pull lets the prefill side go at once."""
+        self._awaiting_transfer = False
+        if chunk.recomputed or chunk.failed_before_output:
+            self.router.transfer_failures[(self.decode_id, self.prefill_id)] += 1
+            self._let_prefill_go()
+            self.router.invalidate_routes()
+        if chunk.recomputed:
+            self.router.counters["recomputed"] += 1
+
+    async def _migrate(self, exc: Exception) -> TokenChunk:
+        """Continue on another live decode engine from what was streamed; the first chunk
+        there, or an error chunk when no engine takes the stream."""
+        reason = "engine_died" if getattr(exc, "died", False) else "engine_error"
+        dead = self.decode_id
+        failed = {dead: self.route.decode_generation}  # engines (incarnations) that let this stream down
+        self.router.abort_decode(dead, self.engine_request_id)  # if it is still alive, let it go
+        self.router.close_gen(self._gen)
+        self._let_prefill_go()  # the next engine recomputes: nobody will read the prefill's KV
+        self._awaiting_transfer = False
+        remaining = self.request.max_tokens - len(self.token_ids)
+        while remaining > 0 and self.migrations < MAX_MIGRATIONS:
+            target = await self.router.migration_target(failed)
+            if target is None:
+                break
+            self.migrations += 1
+            req = self.request.replace(
+                request_id=f"{self.request_id}-m{self.migrations}", kv_transfer_params=None,
+                prompt_token_ids=self.request.prompt_token_ids + tuple(self.token_ids),
+                num_resumed_tokens=len(self.token_ids),
+            ).with_max_tokens(remaining)
+            self._charge.settle()
+            self._charge = DecodeCharge(self.router.decode_load[target], remaining)
+            self.route.decode_id, self.route.path = target, "migrated"
+            self.route.decode_generation = self.router.generation_of(target)
+            self.engine_request_id = req.request_id
+            self._gen = self.router.decodes[target].generate(req)
+            try:
+                first = await self._gen.__anext__()
+            except (StopAsyncIteration, RequestRejected) as err:
+                return TokenChunk.error_chunk(self.engine_request_id, f"migration to {target} failed: {err}",
+                                              self.num_prompt_tokens)
+            except EngineUnavailable as err:
+                logger.warning("%s: migration target %s failed too: %s", self.request_id, target, err)
+                failed[target] = self.route.decode_generation
+                continue
+            self.router.migrations[reason] += 1
+            logger.warning("%s: decode engine %s failed (%s); continued on %s after %d tokens",
+                           self.request_id, dead, type(exc).__name__, target, len(self.token_ids))
+            return first
+        self.router.counters["migration_failed"] += 1
+        return TokenChunk.error_chunk(
+            self.engine_request_id, f"decode engine {dead} failed mid-stream and no engine could take the "
+            f"stream over: {exc}", self.num_prompt_tokens)
+
+    def _observe(self, chunk: TokenChunk) -> None:
+        n = len(chunk.token_ids)
+        self.num_generated += n
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.num_prompt_tokens:
+            self.num_prompt_tokens = chunk.num_prompt_tokens
+        if n:
+            self._charge.pay(n)
+        if chunk.finished:
+            self.finished = True
+            self._release()
+            if chunk.failed:
+                # the engine ended the request on error; make sure the prefill side lets go too
+                self._let_prefill_go()
+
+    def _let_prefill_go(self) -> None:
+        """Release the prefill engine's blocks of this request (once; a no-op once read)."""
+        if not self._prefill_let_go:
+            self._prefill_let_go = True
+            self.router.abort_prefill(self.route, self.prefill_request_id)
+
+    def _release(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._charge.settle()
+
+    def close(self) -> None:
+        """Stop: if the request had not finished, abort it on both engines."""
+        if self.closed:
+            return
+        unfinished = not self.finished
+        self._release()
+        if unfinished:
+            self.router.counters["aborted"] += 1
+            self.router.abort_decode(self.decode_id, self.engine_request_id)
+            self._let_prefill_go()
+        self.router.close_gen(self._gen)
+
+    async def aclose(self) -> None:
+        self.close()
