@@ -20,7 +20,7 @@ Life cycle of one P/D request through these types:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 
@@ -150,6 +150,152 @@ class ModelInfo:
     override_max_tokens: int | None = None
 
 
+# ---------------------------------------------------------------- the directory (coordinator -> routers)
+@dataclass(frozen=True)
+class PairState:
+    """One pair's breaker as routers, `/metrics` and `raypd status` see it."""
+
+    prefill_id: str
+    decode_id: str
+    state: str  # closed | half_open | open
+    failures: int  # consecutive
+    opened_count: int
+    last_reason: str = ""
+    probe_in_flight: bool = False
+
+    @property
+    def pair(self) -> str:
+        return f"{self.prefill_id}->{self.decode_id}"
+
+
+@dataclass(frozen=True)
+class PrefillRoute:
+    """A prefill engine a decode engine may use now: breaker closed, or half-open with
+    its probe not yet taken (then the router must win `admit_probe` first)."""
+
+    prefill_id: str
+    state: str = "closed"
+
+
+@dataclass(frozen=True)
+class RouteTable:
+    """What routers fetch from the coordinator: live decode engines -> usable prefill
+    engines (compatible, breaker not open), and every pair's breaker."""
+
+    decodes: dict[str, tuple[PrefillRoute, ...]]
+    breakers: tuple[PairState, ...] = ()
+    generations: dict[str, int] = field(default_factory=dict)  # engine -> its registered incarnation
+    # The coordinator was just restarted and engines are still registering again: an engine
+    # missing from this table may well be alive (routers keep their last view of it).
+    settling: bool = False
+
+
+# ---------------------------------------------------------------- engine stats (engine -> status, metrics)
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """An engine's queues (now and time-weighted) and recent latencies (`actors.engine.load`)."""
+
+    queued_prompt_tokens: int
+    queued_prompt_tokens_avg: float
+    outstanding_tokens: int
+    outstanding_tokens_avg: float
+    prefill_latency_p90_s: float | None
+    itl_p90_s: float | None
+
+
+@dataclass(frozen=True)
+class KVEventsStats:
+    """An engine's KV cache event relay to the prefix index (vLLM backend)."""
+
+    endpoint: str
+    block_size: int
+    algo: str
+    batches: int = 0
+    events: int = 0
+    gaps: int = 0
+    delivery_failures: int = 0
+    dropped: int = 0  # events dropped because the sink fell too far behind
+    skipped: int = 0  # stored blocks a router cannot key (LoRA, extra keys, other media)
+    hash_checks: int = 0
+    hash_mismatch: str | None = None
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """What a backend knows of itself: its KV blocks and leases, what it moved, its processes."""
+
+    backend: str  # vllm | synthetic
+    num_blocks: int = 0
+    free_blocks: int = 0
+    held_leases: int = 0  # prefills whose blocks wait for their reader
+    transfer_bytes: int = 0
+    handshakes: int = 0
+    child_pids: tuple[int, ...] = ()
+    # the backend's own counters (vLLM: kv_pulls, kv_failures, recomputed, released, engine_running...;
+    # synthetic: decoding, rank_incarnation), shown as they are by `raypd status`
+    counters: dict[str, int | str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """`EngineActor.stats()`: the actor's request counters, its backend's stats, its load."""
+
+    engine_id: str
+    role: str
+    pid: int
+    generation: int | None  # the coordinator's registration of this incarnation
+    restarted: bool  # this process is a restart by Ray
+    running: int  # requests in the actor now
+    requests: int
+    finished: int
+    errors: int
+    aborted: int
+    recomputed: int
+    backend: BackendStats
+    load: LoadSnapshot
+    kv_events: KVEventsStats | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.backend.num_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return self.backend.free_blocks
+
+    @property
+    def held_leases(self) -> int:
+        return self.backend.held_leases
+
+
+# ---------------------------------------------------------------- registration (engine -> coordinator)
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine says about itself when it registers (beside its handshake payloads)."""
+
+    backend: str = "synthetic"
+    model: str = ""
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSummary:
+    """One registered engine incarnation as `Coordinator.engines()` lists it."""
+
+    engine_id: str
+    role: str
+    model_id: str
+    compat_hash: str
+    tp_size: int
+    pp_size: int
+    dcp_size: int
+    block_size: int
+    ranks: int
+    generation: int
+    draining: bool
+    info: EngineInfo = EngineInfo()
+
+
 class Backend(Protocol):
     """What an EngineActor runs: vLLM's AsyncLLM or the synthetic engine."""
 
@@ -163,7 +309,7 @@ class Backend(Protocol):
     def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]: ...
     async def abort(self, req_id: str) -> None: ...
     async def drop_engine(self, engine_id: str) -> None: ...
-    async def stats(self) -> dict: ...
+    async def stats(self) -> BackendStats: ...
     async def shutdown(self) -> None: ...
     def liveness_handles(self) -> list[Any]: ...
     async def handshakes(self) -> list[bytes]: ...

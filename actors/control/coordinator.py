@@ -46,7 +46,8 @@ import ray
 
 from actors.kv.aggregator import KVConnectorOutput
 from actors.kv.compat import pair_problem
-from actors.control.ledger import BreakerConfig, LedgerSnapshot, PrefillRoute, RouteTable, TransferLedger, Verdict
+from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger, Verdict
+from actors.protocol import EngineInfo, EngineSummary, PrefillRoute, RouteTable
 from actors.control.prefix_index import IndexCursor, IndexUpdate, KVEventsBatch, PrefixIndex
 from actors.control.registry import ROLES, EngineEntry, Registration, RegistrationError, decode_registration
 
@@ -85,7 +86,7 @@ class Coordinator:
 
     # ---------------------------------------------------------- registration
     async def register_engine(self, engine_id: str, role: str, handshakes: list[bytes],
-                              handles: list[Any] | None = None, info: dict | None = None) -> Registration:
+                              handles: list[Any] | None = None, info: EngineInfo | None = None) -> Registration:
         """Register an engine incarnation (a re-registration replaces the previous one)."""
         self._ensure_timers()
         if role not in ROLES:
@@ -108,7 +109,7 @@ class Coordinator:
         if old is not None:  # new agents under a known id: the previous incarnation is gone
             await self._remove(engine_id, "replaced by a new incarnation", died=True)
         self._generation += 1
-        entry = EngineEntry(engine_id, role, ranks, raw, list(handles or []), dict(info or {}), self._generation)
+        entry = EngineEntry(engine_id, role, ranks, raw, list(handles or []), info or EngineInfo(), self._generation)
         self._engines[engine_id] = entry
         self._model_hash[model] = chash
         entry.watchers = [asyncio.get_running_loop().create_task(self._watch(entry, h)) for h in entry.handles]
@@ -296,7 +297,7 @@ class Coordinator:
             except Exception as exc:  # noqa: BLE001 - its lease expires anyway
                 logger.info("releasing %s on %s: %s", req_id, prefill_id, exc)
 
-    async def engines(self) -> list[dict]:
+    async def engines(self) -> list[EngineSummary]:
         return [e.summary() for e in self._engines.values()]
 
     async def recent_events(self, limit: int = 100) -> list[dict]:

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
 from actors.kv.breaker import CircuitBreaker
+from actors.protocol import PairState, PrefillRoute, RouteTable
 
 
 class BreakerConfig(BaseModel):
@@ -66,45 +67,6 @@ class Handoff:
     decode_id: str
     opened_at: float
     deadline: float
-
-
-@dataclass(frozen=True)
-class PairState:
-    """One pair's breaker as routers, `/metrics` and `raypd status` see it."""
-
-    prefill_id: str
-    decode_id: str
-    state: str  # closed | half_open | open
-    failures: int  # consecutive
-    opened_count: int
-    last_reason: str = ""
-    probe_in_flight: bool = False
-
-    @property
-    def pair(self) -> str:
-        return f"{self.prefill_id}->{self.decode_id}"
-
-
-@dataclass(frozen=True)
-class PrefillRoute:
-    """A prefill engine a decode engine may use now: breaker closed, or half-open with
-    its probe not yet taken (then the router must win `admit_probe` first)."""
-
-    prefill_id: str
-    state: str = "closed"
-
-
-@dataclass(frozen=True)
-class RouteTable:
-    """What routers fetch from the coordinator: live decode engines -> usable prefill
-    engines (compatible, breaker not open), and every pair's breaker."""
-
-    decodes: dict[str, tuple[PrefillRoute, ...]]
-    breakers: tuple[PairState, ...] = ()
-    generations: dict[str, int] = field(default_factory=dict)  # engine -> its registered incarnation
-    # The coordinator was just restarted and engines are still registering again: an engine
-    # missing from this table may well be alive (routers keep their last view of it).
-    settling: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Any
 
 from actors.kv.errors import HandshakeError
 from actors.kv.handshake import RankHandshake, decode_handshake
+from actors.protocol import EngineInfo, EngineSummary
 
 ROLES = ("prefill", "decode", "both")
 
@@ -35,7 +36,7 @@ class EngineEntry:
     ranks: dict[tuple[int, int], RankHandshake]  # (pp rank, tp rank) -> handshake
     raw: dict[tuple[int, int], bytes]
     handles: list[Any]  # actor handles whose death means this incarnation is dead
-    info: dict[str, Any]
+    info: EngineInfo
     generation: int
     registered_at: float = field(default_factory=time.time)
     evicted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -51,14 +52,11 @@ class EngineEntry:
     def serves_decode(self) -> bool:
         return self.role in ("decode", "both")
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> EngineSummary:
         h = self.head
-        return {
-            "engine_id": self.engine_id, "role": self.role, "model_id": h.compat.model_id,
-            "compat_hash": h.compat.compat_hash(), "tp_size": h.tp_size, "pp_size": h.pp_size,
-            "dcp_size": h.dcp_size, "block_size": h.block_size, "ranks": len(self.ranks),
-            "generation": self.generation, "draining": self.draining, **self.info,
-        }
+        return EngineSummary(self.engine_id, self.role, h.compat.model_id, h.compat.compat_hash(), h.tp_size,
+                             h.pp_size, h.dcp_size, h.block_size, len(self.ranks), self.generation, self.draining,
+                             self.info)
 
 
 def decode_registration(engine_id: str, role: str, handshakes: list[bytes]

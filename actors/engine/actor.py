@@ -41,7 +41,6 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict
 from typing import Any, AsyncIterator
 
 import ray
@@ -49,7 +48,16 @@ import ray
 from actors.engine.config import EngineConfig
 from actors.engine.vllm.kv_events import relay_for
 from actors.engine.load import EngineLoad, LoadMeter
-from actors.protocol import Backend, EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
+from actors.protocol import (
+    Backend,
+    EngineRequest,
+    EngineInfo,
+    EngineRequestError,
+    EngineStats,
+    ModelInfo,
+    PrefillResult,
+    TokenChunk,
+)
 from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
 from actors.transfer_params import TransferParams, TransferParamsError
 
@@ -172,7 +180,7 @@ class EngineActor:
             reg = await self._coordinator.register_engine.remote(
                 self.engine_id, self.cfg.role, handshakes,
                 [ray.get_runtime_context().current_actor] + self.backend.liveness_handles(),
-                {"backend": self.cfg.backend, "model": self.cfg.model, "pid": os.getpid()},
+                EngineInfo(self.cfg.backend, self.cfg.model, os.getpid()),
             )
             self._generation, self._handshakes = reg.generation, handshakes
             return reg
@@ -295,15 +303,13 @@ class EngineActor:
         self.counters["aborted"] += 1
         await self.backend.abort(req_id)
 
-    async def stats(self) -> dict:
-        return {
-            "engine_id": self.engine_id, "role": self.cfg.role, "backend": self.cfg.backend,
-            "running": len(self._running), "generation": self._generation, "restarted": self.restarted,
-            "pid": os.getpid(),
-            **self.counters, **(await self.backend.stats()),
-            "load": asdict(self.meter.snapshot()),
-            **({"kv_events": self._kv_relay.snapshot()} if self._kv_relay is not None else {}),
-        }
+    async def stats(self) -> EngineStats:
+        return EngineStats(
+            engine_id=self.engine_id, role=self.cfg.role, pid=os.getpid(), generation=self._generation,
+            restarted=self.restarted, running=len(self._running), **self.counters,
+            backend=await self.backend.stats(), load=self.meter.snapshot(),
+            kv_events=self._kv_relay.snapshot() if self._kv_relay is not None else None,
+        )
 
     async def load(self) -> EngineLoad:
         """Queues, latencies, KV usage and leases, for the autoscaler."""

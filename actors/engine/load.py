@@ -1,4 +1,4 @@
-"""An engine's own load, as the autoscaler reads it from `EngineActor.stats()`.
+"""An engine's own load, as the autoscaler reads it from `EngineActor.load()`.
 
 Life cycle of what it tracks:
 
@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from actors.protocol import BackendStats, LoadSnapshot
 
 MAX_SAMPLES = 2048
 
@@ -72,16 +74,6 @@ class _Latencies:
 
 
 @dataclass(frozen=True)
-class LoadSnapshot:
-    queued_prompt_tokens: int
-    queued_prompt_tokens_avg: float
-    outstanding_tokens: int
-    outstanding_tokens_avg: float
-    prefill_latency_p90_s: float | None
-    itl_p90_s: float | None
-
-
-@dataclass(frozen=True)
 class EngineLoad:
     """What the autoscaler reads from one engine (`EngineActor.load()`)."""
 
@@ -97,11 +89,10 @@ class EngineLoad:
         return not (self.running or self.held_leases or self.meter.queued_prompt_tokens)
 
     @classmethod
-    def of(cls, engine_id: str, role: str, running: int, backend_stats: dict, meter: LoadSnapshot) -> "EngineLoad":
-        total = int(backend_stats.get("num_blocks") or 0)
-        free = int(backend_stats.get("free_blocks") or 0)
-        return cls(engine_id, role, running, int(backend_stats.get("held_leases") or 0),
-                   round(1.0 - free / total, 4) if total else 0.0, meter)
+    def of(cls, engine_id: str, role: str, running: int, backend: BackendStats, meter: LoadSnapshot) -> "EngineLoad":
+        total, free = backend.num_blocks, backend.free_blocks
+        return cls(engine_id, role, running, backend.held_leases, round(1.0 - free / total, 4) if total else 0.0,
+                   meter)
 
 
 class DecodeTrack:

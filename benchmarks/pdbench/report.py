@@ -115,10 +115,10 @@ def idle_rows(res: dict) -> dict:
 
 
 def _window_rows(ps: list[dict]) -> list[tuple[str, float, str]]:
-    by_pid = {p["pid"]: p for p in ps}
+    by_pid = {p.pid: p for p in ps}
     kids: dict[int, list[int]] = {}
     for p in ps:
-        kids.setdefault(p["ppid"], []).append(p["pid"])
+        kids.setdefault(p["ppid"], []).append(p.pid)
 
     def subtree(pid: int) -> float:
         return by_pid[pid]["cpu_pct"] + sum(subtree(k) for k in kids.get(pid, []))
@@ -137,8 +137,8 @@ def _window_rows(ps: list[dict]) -> list[tuple[str, float, str]]:
             counted.setdefault(label, []).append(p["cpu_pct"])
             rows.append((label, p["cpu_pct"], kind))
     for p in ps:  # engine trees: a process whose child is vLLM's engine core
-        if any(by_pid[k]["name"].startswith("VLLM::EngineCore") for k in kids.get(p["pid"], [])):
-            rows.append((f"engine tree: {p['name']}{core(p)} + vLLM children", subtree(p["pid"]), "engine tree"))
+        if any(by_pid[k]["name"].startswith("VLLM::EngineCore") for k in kids.get(p.pid, [])):
+            rows.append((f"engine tree: {p['name']}{core(p)} + vLLM children", subtree(p.pid), "engine tree"))
     idle_workers = [p["cpu_pct"] for p in ps if p["name"] == "ray::IDLE"]
     if idle_workers:
         rows.append((f"ray::IDLE pool workers (x{len(idle_workers)})", sum(idle_workers), "process"))

@@ -13,6 +13,8 @@ import sys
 from typing import Any
 
 from actors.engine.startup import StartPhase
+from actors.protocol import EngineStats, EngineSummary
+from serving.routing.status import jsonable
 
 
 def phase_line(phase: StartPhase, t0_wall: float) -> str:
@@ -21,18 +23,17 @@ def phase_line(phase: StartPhase, t0_wall: float) -> str:
     return f"raypd:   {phase.engine_id:<28} {phase.phase:<20} {max(0.0, phase.at - t0_wall):6.1f}s{detail}"
 
 
-def _engine_line(eid: str, stats: dict, summary: dict | None, vllm: dict | None) -> str:
-    role = stats.get("role") or (summary or {}).get("role", "?")
-    if not stats.get("up", True):
-        return f"  {role:<7} {eid:<32} DOWN  {stats.get('error', '')}"
+def _engine_line(eid: str, stats: EngineStats | None, error: str | None, summary: EngineSummary | None,
+                 vllm: dict | None) -> str:
+    role = stats.role if stats is not None else summary.role if summary is not None else "?"
+    if stats is None:
+        return f"  {role:<7} {eid:<32} DOWN  {error or ''}"
     shape = ""
-    if summary:
-        shape = f"tp={summary.get('tp_size')} pp={summary.get('pp_size')} block={summary.get('block_size')}"
-    blocks = ""
-    if "free_blocks" in stats:
-        blocks = f"free {stats['free_blocks']}/{stats.get('num_blocks', '?')} blocks"
+    if summary is not None:
+        shape = f"tp={summary.tp_size} pp={summary.pp_size} block={summary.block_size}"
+    b = stats.backend
     line = (f"  {role:<7} {eid:<32} {'registered' if summary else 'NOT REGISTERED':<14} {shape:<24} "
-            f"running {stats.get('running', 0):<4} leases {stats.get('held_leases', 0):<4} {blocks}")
+            f"running {stats.running:<4} leases {b.held_leases:<4} free {b.free_blocks}/{b.num_blocks} blocks")
     return line + (f"\n          vllm: {vllm_summary(vllm)}" if vllm else "")
 
 
@@ -54,22 +55,23 @@ def engine_lines(deployment: Any, timeout_s: float = 10.0) -> list[str]:
 
     summaries = {}
     try:
-        summaries = {e["engine_id"]: e for e in ray.get(deployment.coordinator.engines.remote(), timeout=timeout_s)}
+        summaries = {e.engine_id: e for e in ray.get(deployment.coordinator.engines.remote(), timeout=timeout_s)}
     except Exception as exc:  # noqa: BLE001
         print(f"coordinator unavailable: {exc}", file=sys.stderr)
     lines = []
     for eid, handle in deployment.engines.items():
-        vllm = None
+        vllm, stats, error = None, None, None
         try:
-            stats = {"up": True, **ray.get(handle.stats.remote(), timeout=timeout_s)}
+            stats = ray.get(handle.stats.remote(), timeout=timeout_s)
             vllm = _effective(handle, timeout_s)
         except Exception as exc:  # noqa: BLE001
-            stats = {"up": False, "error": f"{type(exc).__name__}"}
-        lines.append(_engine_line(eid, stats, summaries.get(eid), vllm))
+            error = type(exc).__name__
+        lines.append(_engine_line(eid, stats, error, summaries.get(eid), vllm))
     return lines
 
 
 def collect_status(name: str, timeout_s: float = 10.0) -> dict:
+    """Everything `raypd status` shows, as JSON values (`--json` prints it as it is)."""
     import ray
 
     from actors.control.coordinator import COORDINATOR_NAME, NAMESPACE
@@ -78,12 +80,12 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
     out: dict[str, Any] = {"deployment": name, "engines": {}, "coordinator": None, "serve": None, "breakers": {}}
     try:
         coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
-        registered = {e["engine_id"]: e for e in ray.get(coordinator.engines.remote(), timeout=timeout_s)}
+        registered = {e.engine_id: jsonable(e) for e in ray.get(coordinator.engines.remote(), timeout=timeout_s)}
         out["coordinator"] = "up"
         ledger = ray.get(coordinator.transfers.remote(), timeout=timeout_s)  # the one owner of the breakers
         out["handoffs_in_flight"], out["verdicts"] = ledger.in_flight, ledger.verdicts
         out["handoffs_awaiting_units"] = ledger.awaiting_units
-        out["breakers"] = {b.pair: dataclasses.asdict(b) for b in ledger.breakers}
+        out["breakers"] = {b.pair: jsonable(b) for b in ledger.breakers}
     except (ValueError, ray.exceptions.RayError) as exc:
         registered = {}
         out["coordinator"] = f"unavailable: {exc}"
@@ -91,7 +93,7 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
         entry: dict[str, Any] = {"actor": actor}
         try:
             entry["healthy"] = bool(ray.get(handle.check_health.remote(), timeout=timeout_s))
-            entry["stats"] = ray.get(handle.stats.remote(), timeout=timeout_s)
+            entry["stats"] = jsonable(ray.get(handle.stats.remote(), timeout=timeout_s))
             entry["vllm_config"] = _effective(handle, timeout_s)
         except Exception as exc:  # noqa: BLE001
             entry["healthy"] = False
@@ -114,7 +116,7 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
         from serving.cluster.app import INGRESS_NAME
 
         handle = serve.get_deployment_handle(INGRESS_NAME, app_name=name)
-        out["serve"] = handle.status.remote().result(timeout_s=timeout_s)
+        out["serve"] = jsonable(handle.status.remote().result(timeout_s=timeout_s))
     except Exception as exc:  # noqa: BLE001 - no Serve app: engines only
         out["serve_error"] = f"{type(exc).__name__}: {exc}"
     from serving.ops.cluster_metrics import scrape_urls
@@ -127,23 +129,24 @@ def print_status(status: dict, url: str | None) -> None:
     print(f"deployment {status['deployment']}" + (f" at {url}" if url else ""))
     print(f"coordinator: {status['coordinator']}")
     serve_info = status.get("serve") or {}
-    health = serve_info.get("health")
-    if health:
-        print(f"front: {'healthy' if health['healthy'] else 'UNHEALTHY: ' + str(health.get('reason'))}")
+    ready = serve_info.get("readiness")
+    if ready:
+        print(f"front: {'ready' if ready['ready'] else 'NOT READY: ' + str(ready.get('reason'))}")
     else:
         print(f"front: not reachable ({status.get('serve_error', 'no Serve app')})")
     print("engines:")
     router = serve_info.get("router") or {}
     for eid, e in status["engines"].items():
         s = e.get("stats") or {}
+        b = s.get("backend") or {}
         summary = e.get("summary") or {}
         load = (router.get("decode_load") or {}).get(eid) or (router.get("prefill_load") or {}).get(eid) or {}
         print(f"  {s.get('role', summary.get('role', '?')):<7} {eid:<30} "
               f"{'healthy' if e.get('healthy') else 'UNHEALTHY':<9} "
               f"{'registered' if e.get('registered') else 'unregistered':<12} "
               f"tp={summary.get('tp_size', '?')} running={s.get('running', '?')} "
-              f"routed_in_flight={load.get('requests', 0)} leases={s.get('held_leases', '?')} "
-              f"free_blocks={s.get('free_blocks', '?')}/{s.get('num_blocks', '?')}"
+              f"routed_in_flight={load.get('requests', 0)} leases={b.get('held_leases', '?')} "
+              f"free_blocks={b.get('free_blocks', '?')}/{b.get('num_blocks', '?')}"
               + (f"  error: {e['error']}" if e.get("error") else ""))
         if e.get("vllm_config"):
             print(f"          vllm: {vllm_summary(e['vllm_config'])}")
@@ -151,7 +154,7 @@ def print_status(status: dict, url: str | None) -> None:
         from serving.cluster.autoscaler import status_lines
 
         print("\n".join(status_lines(status["autoscaler"])))
-    breakers = status.get("breakers") or router.get("breakers") or {}
+    breakers = status.get("breakers") or {b["prefill_id"] + "->" + b["decode_id"]: b for b in router.get("breakers", ())}
     print("breakers (prefill->decode, held by the coordinator's ledger):" + ("" if breakers else " none yet"))
     for pair, b in sorted(breakers.items()):
         last = f"  last: {b['last_reason']}" if b.get("last_reason") else ""
@@ -160,13 +163,13 @@ def print_status(status: dict, url: str | None) -> None:
         print("router: " + " ".join(f"{k}={v}" for k, v in sorted(router["counters"].items()))
               + "".join(f" fallback[{k}]={v}" for k, v in sorted((router.get("fallbacks") or {}).items()))
               + "".join(f" migrated[{k}]={v}" for k, v in sorted((router.get("migrations") or {}).items())))
-    if router.get("disagg_decisions"):
+    planner = router.get("planner") or {}
+    if planner.get("decisions"):
         print("prefill decisions (this replica): " + " ".join(
-            f"{k}={v}" for k, v in sorted(router["disagg_decisions"].items())))
-    index = router.get("prefix_index")
-    if index is not None:
+            f"{k.replace('->', '/')}={v}" for k, v in sorted(planner["decisions"].items())))
+    if planner.get("prefix_index_engines") is not None:
         print("prefix index (blocks per engine): " + (" ".join(
-            f"{e}={n}" for e, n in sorted(index["engines"].items())) or "empty")
-            + (f"  error: {index['error']}" if index.get("error") else ""))
+            f"{e}={n}" for e, n in sorted(planner["prefix_index_engines"].items())) or "empty")
+            + (f"  error: {planner['prefix_index_error']}" if planner.get("prefix_index_error") else ""))
     print("metrics (Prometheus, one URL per node; ray_raypd_* and ray_vllm_*): "
           + (" ".join(status.get("metrics_urls") or []) or "no node exports metrics"))

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ray import serve
 
 from serving.config import DeploymentConfig, check_engine_args, load_config
+from serving.routing.status import Readiness, RouterSnapshot
 
 logger = logging.getLogger("raypd.app")
 
@@ -86,6 +88,12 @@ def _coerce(args: dict) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class IngressStatus:
+    readiness: Readiness
+    router: RouterSnapshot
+
+
 @serve.ingress()
 class RaypdIngress:
     """One replica of the HTTP front; the engines are shared by every replica."""
@@ -106,21 +114,19 @@ class RaypdIngress:
 
         return create_app(self.cfg, self.router, self.model)
 
-    async def status(self) -> dict:
-        """For `raypd status` (through a deployment handle): routing state and engine stats."""
-        health = await self.router.health()
-        engines = await self.router.refresh_engine_stats()
-        return {"health": health, "engines": engines, "router": self.router.snapshot()}
+    async def status(self) -> IngressStatus:
+        """For `raypd status` (through a deployment handle): readiness, routing state, engine stats."""
+        readiness = await self.router.readiness()
+        await self.router.refresh_engine_stats()
+        return IngressStatus(readiness, self.router.snapshot())
 
     async def check_health(self) -> None:
-        """Serve's replica health check, the same verdict as `/health`: unhealthy while no
-        P/D path and no permitted fallback exists (no live decode engine, or only prefill
-        engines with open breakers and `no_prefill_fallback: reject`). It recovers by itself:
-        engines restart and re-register, breakers probe again, and a replica Serve replaced
-        finds (or recreates) the engines by name."""
-        health = await self.router.health()
-        if not health["healthy"]:
-            raise RuntimeError(f"raypd cannot serve: {health['reason']}")
+        """Serve's replica health check reports this replica: it answers while its event loop runs.
+
+        Serve stops a replica whose check fails (three times in a row), which would cut every
+        stream it serves, those on healthy engines too. Whether a P/D path exists is
+        readiness, not liveness: `/health` answers 503 with the reason and the router refuses
+        what it cannot place, while engines restart, hang or recover underneath."""
 
 
 def build_app(config: dict[str, Any] | None = None) -> serve.Application:

@@ -140,10 +140,10 @@ class Autoscaler:
             return []
         decisions = []
         for role in ROLES:
-            mine = [e for e in listed if engine_index(self.cfg.name, role, e["engine_id"]) is not None]
+            mine = [e for e in listed if engine_index(self.cfg.name, role, e.engine_id) is not None]
             st = self.roles[role]
-            st.serving = sorted((e["engine_id"] for e in mine if not e.get("draining")), key=self._index_of(role))
-            st.draining = sorted(e["engine_id"] for e in mine if e.get("draining"))
+            st.serving = sorted((e.engine_id for e in mine if not e.draining), key=self._index_of(role))
+            st.draining = sorted(e.engine_id for e in mine if e.draining)
             for engine in st.draining:  # e.g. after this actor restarted: finish what was started
                 if engine not in self.draining:
                     self._drain(role, engine, ScaleEvent(now, role, "down", "resumed", engine))
@@ -304,9 +304,9 @@ def attach(cfg: DeploymentConfig, coordinator: Any) -> Deployment | None:
     dep = Deployment(cfg.name, coordinator)
     for e in ray.get(coordinator.engines.remote(), timeout=60):
         for role, pool in (("prefill", dep.prefills), ("decode", dep.decodes)):
-            if engine_index(cfg.name, role, e["engine_id"]) is not None and not e.get("draining"):
+            if engine_index(cfg.name, role, e.engine_id) is not None and not e.draining:
                 try:
-                    pool[e["engine_id"]] = ray.get_actor(actor_name_of(cfg.name, e["engine_id"]), namespace=NAMESPACE)
+                    pool[e.engine_id] = ray.get_actor(actor_name_of(cfg.name, e.engine_id), namespace=NAMESPACE)
                 except ValueError:
                     pass  # died meanwhile
     return dep if dep.decodes else None

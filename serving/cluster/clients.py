@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from actors.control.coordinator import COORDINATOR_NAME, NAMESPACE
-from actors.control.ledger import RouteTable
+from actors.protocol import RouteTable
 from actors.control.prefix_index import IndexCursor, IndexUpdate
 from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
 from serving.routing.prefix_view import PrefixCacheView

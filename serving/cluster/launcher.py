@@ -314,7 +314,7 @@ def shutdown_deployment(name: str, keep_coordinator: bool = False, timeout_s: fl
             except ray.exceptions.RayError:
                 others = []
             mine = {engine_id(name, r, 0).rsplit("-", 1)[0] for r in ROLES}
-            others = [e for e in others if e["engine_id"].rsplit("-", 1)[0] not in mine]
+            others = [e for e in others if e.engine_id.rsplit("-", 1)[0] not in mine]
             if others:
                 logger.info("keeping the coordinator: %d other engines still registered", len(others))
             else:

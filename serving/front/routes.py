@@ -28,7 +28,8 @@ from serving.front.prepare import Kind, parse, prepare
 from serving.front.responses import SSEResponse, Shapes, collect, json_response, sse_events
 from serving.front.served_model import ServedModel
 from serving.ops.metrics import CONTENT_TYPE, ServiceMetrics
-from serving.routing.router import RouteError
+from serving.routing.errors import InvalidRequest, RoutingError
+from serving.routing.status import Readiness
 
 logger = logging.getLogger("raypd.api")
 
@@ -132,11 +133,11 @@ def check_model(state: FrontState, name: str | None) -> None:
 @open_router.get("/health")
 async def health(state: Front) -> JSONResponse:
     try:
-        h = await state.router.health()
+        ready = await state.router.readiness()
     except Exception as exc:  # noqa: BLE001
-        h = {"healthy": False, "reason": f"health check failed: {type(exc).__name__}: {exc}"}
-    return JSONResponse({"status": "ok" if h["healthy"] else "unavailable", **h},
-                        status_code=200 if h["healthy"] else 503)
+        ready = Readiness(False, f"readiness check failed: {type(exc).__name__}: {exc}")
+    return JSONResponse({"status": "ok" if ready.ready else "unavailable", **ready.to_json()},
+                        status_code=200 if ready.ready else 503)
 
 
 @open_router.get("/metrics")
@@ -233,10 +234,15 @@ async def generate(request: Request, state: FrontState, body: dict, kind: Kind) 
 async def open_stream(state: FrontState, engine_request: Any) -> Any:
     try:
         return await state.router.open(engine_request)
-    except RouteError as exc:
-        raise ApiError(exc.status, exc.message, type=exc.type if exc.status < 500 else "server_error",
-                       param=exc.param, code=exc.code,
-                       headers={"Retry-After": "1"} if exc.status == 503 else None) from None
+    except RoutingError as exc:
+        raise routing_error(exc) from None
+
+
+def routing_error(exc: RoutingError) -> ApiError:
+    """A request the engines refused is the client's (400); anything else is the service's (503, retry)."""
+    if isinstance(exc, InvalidRequest):
+        return ApiError(400, exc.message, type="invalid_request_error", code=exc.code)
+    return ApiError(503, exc.message, type="server_error", code=exc.code, headers={"Retry-After": "1"})
 
 
 def count_refusal(request: Request, status: int) -> None:

@@ -31,25 +31,27 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from serving.routing.status import jsonable
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
-# engine stats key -> (metric suffix, help)
-ENGINE_GAUGES = {
-    "running": ("engine_running_requests", "requests running on the engine"),
-    "free_blocks": ("engine_free_blocks", "free KV blocks"),
-    "num_blocks": ("engine_num_blocks", "KV blocks in total"),
-    "held_leases": ("leases_held", "prefill requests whose blocks are held under a lease"),
-    "transfer_bytes": ("kv_transfer_bytes", "KV bytes transferred (as reported by the engine)"),
-    "handshakes": ("handshakes", "handshakes the engine completed"),
+# engine gauges: metric suffix -> (help, value of one engine's stats)
+ENGINE_GAUGES: dict[str, tuple[str, Callable[[Any], float]]] = {
+    "engine_running_requests": ("requests running on the engine", lambda s: s.running),
+    "engine_free_blocks": ("free KV blocks", lambda s: s.backend.free_blocks),
+    "engine_num_blocks": ("KV blocks in total", lambda s: s.backend.num_blocks),
+    "leases_held": ("prefill requests whose blocks are held under a lease", lambda s: s.backend.held_leases),
+    "kv_transfer_bytes": ("KV bytes transferred (as reported by the engine)", lambda s: s.backend.transfer_bytes),
+    "handshakes": ("handshakes the engine completed", lambda s: s.backend.handshakes),
 }
 
 
 class RouterCollector(Collector):
-    """Turns `Router.snapshot()` and the last engine stats into metric families."""
+    """Turns the router's snapshot (`serving.routing.status.RouterSnapshot`) into metric families."""
 
     def __init__(self, router_getter: Callable[[], Any]):
         self.router_getter = router_getter
@@ -64,16 +66,16 @@ class RouterCollector(Collector):
         snap = router.snapshot()
         pq = GaugeMetricFamily("raypd_prefill_queue_depth", "prefills in flight, per prefill engine",
                                labels=["engine"])
-        for eid, load in snap["prefill_load"].items():
-            pq.add_metric([eid], load["requests"])
+        for eid, load in snap.prefill_load.items():
+            pq.add_metric([eid], load.requests)
         yield pq
         dq = GaugeMetricFamily("raypd_decode_queue_depth", "requests in flight, per decode engine",
                                labels=["engine"])
         dt = GaugeMetricFamily("raypd_decode_outstanding_tokens",
                                "tokens still owed by the requests in flight, per decode engine", labels=["engine"])
-        for eid, load in snap["decode_load"].items():
-            dq.add_metric([eid], load["requests"])
-            dt.add_metric([eid], load["tokens"])
+        for eid, load in snap.decode_load.items():
+            dq.add_metric([eid], load.requests)
+            dt.add_metric([eid], load.tokens)
         yield dq
         yield dt
         bs = GaugeMetricFamily("raypd_breaker_state",
@@ -83,66 +85,50 @@ class RouterCollector(Collector):
                                labels=["prefill", "decode"])
         bo = CounterMetricFamily("raypd_breaker_opened", "times the pair's breaker opened (ledger)",
                                  labels=["prefill", "decode"])
-        for pair, b in snap["breakers"].items():
-            p, d = pair.split("->", 1)
-            bs.add_metric([p, d], BREAKER_STATES.get(b["state"], -1))
-            bf.add_metric([p, d], b.get("failures", 0))
-            bo.add_metric([p, d], b["opened_count"])
+        for b in snap.breakers:
+            bs.add_metric([b.prefill_id, b.decode_id], BREAKER_STATES.get(b.state, -1))
+            bf.add_metric([b.prefill_id, b.decode_id], b.failures)
+            bo.add_metric([b.prefill_id, b.decode_id], b.opened_count)
         yield bs
         yield bf
         yield bo
-        mg = CounterMetricFamily("raypd_migrations", "streams moved to another decode engine after theirs failed",
-                                 labels=["reason"])
-        for reason, n in (snap.get("migrations") or {}).items():
-            mg.add_metric([reason], n)
-        yield mg
-        tf = CounterMetricFamily("raypd_kv_transfer_failures", "KV transfers that failed (error or recompute)",
-                                 labels=["prefill", "decode"])
-        for pair, n in snap["transfer_failures"].items():
-            p, d = pair.split("->", 1)
-            tf.add_metric([p, d], n)
-        yield tf
-        pf = CounterMetricFamily("raypd_prefill_failures", "prefill calls that failed", labels=["prefill"])
-        for p, n in snap["prefill_failures"].items():
-            pf.add_metric([p], n)
-        yield pf
-        fb = CounterMetricFamily("raypd_fallbacks", "requests prefilled on their decode engine after a failed "
-                                 "or impossible remote prefill",
-                                 labels=["reason"])
-        for reason, n in snap["fallbacks"].items():
-            fb.add_metric([reason], n)
-        yield fb
-        dd = CounterMetricFamily("raypd_disagg_decisions", "remote or local prefill per request, with the reason "
-                                 "(serving/routing/policy.py)", labels=["decision", "reason"])
-        for key, n in (snap.get("disagg_decisions") or {}).items():
-            decision, reason = key.split("/", 1)
-            dd.add_metric([decision, reason], n)
-        yield dd
-        index = snap.get("prefix_index")
-        if index is not None:
-            blocks = GaugeMetricFamily("raypd_prefix_index_blocks", "KV blocks the router's prefix index holds "
-                                       "per engine", labels=["engine"])
-            for eid, n in index["engines"].items():
-                blocks.add_metric([eid], n)
-            yield blocks
-        counters = snap["counters"]
+        yield _labelled(CounterMetricFamily("raypd_migrations", "streams moved to another decode engine after "
+                                            "theirs failed", labels=["reason"]), snap.migrations)
+        yield _labelled(CounterMetricFamily("raypd_kv_transfer_failures", "KV transfers that failed (error or "
+                                            "recompute)", labels=["prefill", "decode"]), snap.transfer_failures)
+        yield _labelled(CounterMetricFamily("raypd_prefill_failures", "prefill calls that failed",
+                                            labels=["prefill"]), snap.prefill_failures)
+        yield _labelled(CounterMetricFamily("raypd_fallbacks", "requests prefilled on their decode engine after a "
+                                            "failed or impossible remote prefill", labels=["reason"]), snap.fallbacks)
+        yield _labelled(CounterMetricFamily("raypd_disagg_decisions", "remote or local prefill per request, with "
+                                            "the reason (serving/routing/policy.py)", labels=["decision", "reason"]),
+                        snap.planner.decisions)
+        if snap.planner.prefix_index_engines is not None:
+            yield _labelled(GaugeMetricFamily("raypd_prefix_index_blocks", "KV blocks the router's prefix index "
+                                              "holds per engine", labels=["engine"]), snap.planner.prefix_index_engines)
         yield CounterMetricFamily("raypd_prefill_retries", "prefills retried on another engine",
-                                  value=counters.get("prefill_retries", 0))
+                                  value=snap.counters.get("prefill_retries", 0))
         yield CounterMetricFamily("raypd_aborts", "requests aborted on the engines (client went away)",
-                                  value=counters.get("aborted", 0))
-        yield from pool_metrics(snap.get("pools"))
-        stats = getattr(router, "engine_stats", {}) or {}
+                                  value=snap.counters.get("aborted", 0))
+        yield from pool_metrics(snap.pools)
         up = GaugeMetricFamily("raypd_engine_up", "1 when the engine answered its last stats call",
                                labels=["engine"])
-        for eid, s in stats.items():
-            up.add_metric([eid], 1 if s.get("up") else 0)
+        for eid, status in snap.engines.items():
+            up.add_metric([eid], 1 if status.up else 0)
         yield up
-        for key, (suffix, help_text) in ENGINE_GAUGES.items():
+        for suffix, (help_text, value) in ENGINE_GAUGES.items():
             fam = GaugeMetricFamily(f"raypd_{suffix}", help_text, labels=["engine", "role"])
-            for eid, s in stats.items():
-                if isinstance(s.get(key), (int, float)):
-                    fam.add_metric([eid, str(s.get("role", ""))], float(s[key]))
+            for eid, status in snap.engines.items():
+                if status.stats is not None:
+                    fam.add_metric([eid, status.stats.role], float(value(status.stats)))
             yield fam
+
+
+def _labelled(family: Any, values: dict) -> Any:
+    """One sample per key (a tuple key gives one label value per element)."""
+    for key, n in values.items():
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], n)
+    return family
 
 
 @dataclass(frozen=True)
@@ -169,10 +155,11 @@ GENERATION_TOKENS = MetricSpec("raypd_generation_tokens", "tokens generated")
 FRONT_METRICS = (REQUESTS, TTFT, ITL, HANDOFF, E2E, PROMPT_TOKENS, GENERATION_TOKENS)
 
 
-def pool_metrics(pools: dict | None) -> Iterator[Metric]:
+def pool_metrics(pools: Any) -> Iterator[Metric]:
     """The autoscaler's view (`serving.cluster.autoscaler.AutoscalerStatus`), when it runs."""
     if not pools:
         return
+    pools = jsonable(pools)
     engines = GaugeMetricFamily("raypd_pool_engines", "engines per role: serving, starting, draining",
                                 labels=["role", "state"])
     bounds = GaugeMetricFamily("raypd_pool_bounds", "autoscaler bounds per role", labels=["role", "bound"])

@@ -20,16 +20,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from actors.control.ledger import RouteTable
-from actors.protocol import EngineRequest
+from actors.protocol import EngineRequest, RouteTable
+from serving.config import RouterConfig
+from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, rank, select
+from serving.routing.pool import EnginePool
 from serving.routing.prefix_view import PrefixCacheView
-from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, select
-
-if TYPE_CHECKING:
-    from serving.config import RouterConfig
-    from serving.routing.router import Router
+from serving.routing.status import PlannerSnapshot
 
 
 @dataclass(frozen=True)
@@ -45,20 +42,19 @@ class RoutePlanner:
         self.settings, self.view, self.fallback_local = settings, view, fallback_local
         self.decisions: Counter[tuple[str, str]] = Counter()  # (decision, reason) -> requests
 
-    def plan(self, router: Router, req: EngineRequest, routes: RouteTable, turn: int,
+    def plan(self, pool: EnginePool, req: EngineRequest, routes: RouteTable, turn: int,
              exclude: set[str] = frozenset()) -> RoutePlan | None:
         """The decode engine (not in `exclude`), its prefill engines in order and remote or local
         prefill; None without a live decode engine (nothing counted: the router rejects the request)."""
-        live = router.live_decodes(routes, exclude)
+        live = pool.live_decodes(routes, exclude)
         if not live:
             return None
-        prefills_of = {d: router.usable_prefills(d, routes) for d in live}
+        prefills_of = {d: pool.usable_prefills(d, routes) for d in live}
         cached = self._cached(req, live + sorted({p for ps in prefills_of.values() for p in ps}))
-        decodes = [Candidate(d, cached.get(d, 0), router.decode_load[d].tokens, router.decode_load[d].requests)
-                   for d in live]
+        decodes = self._decode_candidates(pool, live, cached)
 
         def prefills_for(d: str) -> list[Candidate]:
-            return [Candidate(p, cached.get(p, 0), router.prefill_load[p].tokens, router.prefill_load[p].requests)
+            return [Candidate(p, cached.get(p, 0), pool.prefill_load[p].tokens, pool.prefill_load[p].requests)
                     for p in prefills_of[d]]
 
         sel = select(req.num_prompt_tokens, decodes, prefills_for, self.settings, turn, self.fallback_local)
@@ -66,18 +62,32 @@ class RoutePlanner:
         return RoutePlan(sel.decode.engine_id, tuple(p.engine_id for p in sel.prefills), sel.decision,
                          sel.decode.cached_tokens)
 
+    def choose_decode(self, pool: EnginePool, req: EngineRequest, routes: RouteTable, turn: int,
+                      exclude: set[str] = frozenset()) -> str | None:
+        """The decode engine for a continuation (a migrated stream: no prefill to place), scored
+        as a first placement scores decode engines; not counted as a P/D decision."""
+        live = pool.live_decodes(routes, exclude)
+        if not live:
+            return None
+        cached = self._cached(req, live)
+        return rank(self._decode_candidates(pool, live, cached), req.num_prompt_tokens,
+                    self.settings.cache_weight, turn)[0].engine_id
+
+    @staticmethod
+    def _decode_candidates(pool: EnginePool, live: list[str], cached: dict[str, int]) -> list[Candidate]:
+        return [Candidate(d, cached.get(d, 0), pool.decode_load[d].tokens, pool.decode_load[d].requests)
+                for d in live]
+
     def _cached(self, req: EngineRequest, engine_ids: list[str]) -> dict[str, int]:
         if self.view is None or not req.prompt_token_ids:
             return {}
         self.view.refresh_soon()
         return self.view.cached_tokens(req.prompt_token_ids, engine_ids)
 
-    def snapshot(self) -> dict:
-        return {
-            "disagg_decisions": {f"{d}/{r}": n for (d, r), n in self.decisions.items()},
-            "prefix_index": ({"engines": self.view.index.engines(), "error": self.view.error}
-                             if self.view is not None else None),
-        }
+    def snapshot(self) -> PlannerSnapshot:
+        return PlannerSnapshot(dict(self.decisions),
+                               self.view.index.engines() if self.view is not None else None,
+                               self.view.error if self.view is not None else None)
 
 
 def planner_for(config: RouterConfig, view: PrefixCacheView | None = None) -> RoutePlanner:

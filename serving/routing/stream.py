@@ -28,34 +28,15 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from actors.protocol import EngineRequest, TokenChunk
-
-if TYPE_CHECKING:
-    from serving.routing.router import Router
+from serving.routing.errors import EngineUnavailable, RequestRejected
+from serving.routing.pool import DecodeCharge, EnginePool
 
 logger = logging.getLogger("raypd.router")
 
 MAX_MIGRATIONS = 3
-
-
-class RequestRejected(Exception):
-    """The engine refused the request itself (empty prompt, too long...): the client's fault."""
-
-
-class EngineUnavailable(Exception):
-    """The engine could not run the request (died, unreachable, out of capacity)."""
-
-    def __init__(self, message: str, died: bool = False):
-        super().__init__(message)
-        self.died = died  # the actor is gone (not just this request failing)
-
-
-@dataclass
-class Load:
-    requests: int = 0
-    tokens: int = 0
 
 
 @dataclass
@@ -64,45 +45,25 @@ class Route:
 
     decode_id: str
     prefill_id: str | None = None
-    path: str = "pd"  # pd | short | fallback
+    path: str = "pd"  # pd | local | fallback | migrated
     attempts: int = 0
     failures: list[str] = field(default_factory=list)
     decode_generation: int | None = None  # the decode engine's incarnation when chosen
 
 
-class DecodeCharge:
-    """The work a request owes its decode engine: charged on entry, paid back as tokens
-    arrive, and refunded in full on exit unless a stream took it over (`hand_over`)."""
+class Migrator(Protocol):
+    """What a stream asks of routing when its decode engine fails (the router answers)."""
 
-    def __init__(self, load: Load, tokens: int):
-        self.load, self.owed = load, tokens
-        self.open = True
-        self.handed_over = False
-        load.requests += 1
-        load.tokens += tokens
+    async def migration_target(self, failed: dict[str, int | None], request: EngineRequest) -> str | None:
+        """A decode engine for the rest of `request` (`failed`: engine -> the incarnation that failed),
+        chosen by the same policy as a first placement; None when none came in time."""
+        ...
 
-    def __enter__(self) -> "DecodeCharge":
-        return self
+    def generation_of(self, engine_id: str) -> int | None: ...
 
-    def __exit__(self, *exc: Any) -> None:
-        if not self.handed_over:
-            self.settle()
-
-    def hand_over(self) -> "DecodeCharge":
-        self.handed_over = True
-        return self
-
-    def pay(self, tokens: int) -> None:
-        paid = min(tokens, self.owed)
-        self.owed -= paid
-        self.load.tokens = max(0, self.load.tokens - paid)
-
-    def settle(self) -> None:
-        """Refund what is still owed and the request slot (once)."""
-        if self.open:
-            self.open = False
-            self.pay(self.owed)
-            self.load.requests = max(0, self.load.requests - 1)
+    def outcome_reported(self) -> None:
+        """A failure that may move a pair's breaker was seen: the next request asks the directory."""
+        ...
 
 
 async def no_more_chunks() -> AsyncIterator[TokenChunk]:
@@ -113,10 +74,11 @@ async def no_more_chunks() -> AsyncIterator[TokenChunk]:
 class RoutedStream:
     """The token deltas of one routed request; iterate it, and close it when done."""
 
-    def __init__(self, router: "Router", request: EngineRequest, engine_request_id: str, route: Route,
-                 gen: AsyncIterator[TokenChunk], first: TokenChunk, charge: DecodeCharge,
+    def __init__(self, pool: EnginePool, migrator: Migrator, request: EngineRequest, engine_request_id: str,
+                 route: Route, gen: AsyncIterator[TokenChunk], first: TokenChunk, charge: DecodeCharge,
                  awaiting_transfer: bool = False):
-        self.router, self.request, self.engine_request_id = router, request, engine_request_id
+        self.pool, self.migrator = pool, migrator
+        self.request, self.engine_request_id = request, engine_request_id
         self.request_id = request.request_id
         self.prefill_request_id = engine_request_id  # the prefill engine knows the request by this id
         self.route = route
@@ -177,11 +139,11 @@ class RoutedStream:
         has the engines' own reports); a failed pull lets the prefill side go at once."""
         self._awaiting_transfer = False
         if chunk.recomputed or chunk.failed_before_output:
-            self.router.transfer_failures[(self.decode_id, self.prefill_id)] += 1
+            self.pool.transfer_failures[(self.decode_id, self.prefill_id)] += 1
             self._let_prefill_go()
-            self.router.invalidate_routes()
+            self.migrator.outcome_reported()
         if chunk.recomputed:
-            self.router.counters["recomputed"] += 1
+            self.pool.counters["recomputed"] += 1
 
     async def _migrate(self, exc: Exception) -> TokenChunk:
         """Continue on another live decode engine from what was streamed; the first chunk
@@ -189,27 +151,27 @@ class RoutedStream:
         reason = "engine_died" if getattr(exc, "died", False) else "engine_error"
         dead = self.decode_id
         failed = {dead: self.route.decode_generation}  # engines (incarnations) that let this stream down
-        self.router.abort_decode(dead, self.engine_request_id)  # if it is still alive, let it go
-        self.router.close_gen(self._gen)
+        self.pool.abort_decode(dead, self.engine_request_id)  # if it is still alive, let it go
+        self.pool.close_gen(self._gen)
         self._let_prefill_go()  # the next engine recomputes: nobody will read the prefill's KV
         self._awaiting_transfer = False
         remaining = self.request.max_tokens - len(self.token_ids)
         while remaining > 0 and self.migrations < MAX_MIGRATIONS:
-            target = await self.router.migration_target(failed)
-            if target is None:
-                break
-            self.migrations += 1
             req = self.request.replace(
-                request_id=f"{self.request_id}-m{self.migrations}", kv_transfer_params=None,
+                request_id=f"{self.request_id}-m{self.migrations + 1}", kv_transfer_params=None,
                 prompt_token_ids=self.request.prompt_token_ids + tuple(self.token_ids),
                 num_resumed_tokens=len(self.token_ids),
             ).with_max_tokens(remaining)
+            target = await self.migrator.migration_target(failed, req)
+            if target is None:
+                break
+            self.migrations += 1
             self._charge.settle()
-            self._charge = DecodeCharge(self.router.decode_load[target], remaining)
+            self._charge = self.pool.charge_decode(target, remaining)
             self.route.decode_id, self.route.path = target, "migrated"
-            self.route.decode_generation = self.router.generation_of(target)
+            self.route.decode_generation = self.migrator.generation_of(target)
             self.engine_request_id = req.request_id
-            self._gen = self.router.decodes[target].generate(req)
+            self._gen = self.pool.decodes[target].generate(req)
             try:
                 first = await self._gen.__anext__()
             except (StopAsyncIteration, RequestRejected) as err:
@@ -219,11 +181,11 @@ class RoutedStream:
                 logger.warning("%s: migration target %s failed too: %s", self.request_id, target, err)
                 failed[target] = self.route.decode_generation
                 continue
-            self.router.migrations[reason] += 1
+            self.pool.migrations[reason] += 1
             logger.warning("%s: decode engine %s failed (%s); continued on %s after %d tokens",
                            self.request_id, dead, type(exc).__name__, target, len(self.token_ids))
             return first
-        self.router.counters["migration_failed"] += 1
+        self.pool.counters["migration_failed"] += 1
         return TokenChunk.error_chunk(
             self.engine_request_id, f"decode engine {dead} failed mid-stream and no engine could take the "
             f"stream over: {exc}", self.num_prompt_tokens)
@@ -247,7 +209,7 @@ class RoutedStream:
         """Release the prefill engine's blocks of this request (once; a no-op once read)."""
         if not self._prefill_let_go:
             self._prefill_let_go = True
-            self.router.abort_prefill(self.route, self.prefill_request_id)
+            self.pool.abort_prefill(self.route.prefill_id, self.prefill_request_id)
 
     def _release(self) -> None:
         if not self.closed:
@@ -261,10 +223,10 @@ class RoutedStream:
         unfinished = not self.finished
         self._release()
         if unfinished:
-            self.router.counters["aborted"] += 1
-            self.router.abort_decode(self.decode_id, self.engine_request_id)
+            self.pool.counters["aborted"] += 1
+            self.pool.abort_decode(self.decode_id, self.engine_request_id)
             self._let_prefill_go()
-        self.router.close_gen(self._gen)
+        self.pool.close_gen(self._gen)
 
     async def aclose(self) -> None:
         self.close()

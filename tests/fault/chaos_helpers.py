@@ -85,7 +85,7 @@ class SteadyLoad:
 async def process_tree(engine) -> list[int]:
     """The engine actor's pid and its children's (rank actors, or vLLM's engine core)."""
     stats = await engine.stats.remote()
-    return [stats["pid"], *stats.get("child_pids", [])]
+    return [stats.pid, *stats.backend.child_pids]
 
 
 def kill_tree(pids: list[int]) -> None:
@@ -101,7 +101,7 @@ async def wait_generation(coordinator, engine_id: str, after: int, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            engines = {e["engine_id"]: e for e in await coordinator.engines.remote()}
+            engines = {e.engine_id: e for e in await coordinator.engines.remote()}
         except ray.exceptions.RayError:
             engines = {}
         gen = engines.get(engine_id, {}).get("generation", after)
@@ -112,7 +112,7 @@ async def wait_generation(coordinator, engine_id: str, after: int, timeout_s: fl
 
 
 async def generation(coordinator, engine_id: str) -> int:
-    return {e["engine_id"]: e for e in await coordinator.engines.remote()}[engine_id]["generation"]
+    return {e.engine_id: e for e in await coordinator.engines.remote()}[engine_id].generation
 
 
 async def pair_states(coordinator) -> dict:

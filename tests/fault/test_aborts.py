@@ -39,23 +39,23 @@ def service(coordinator):
     after = wait_blocks_at_baseline(dep, baseline)
     shutdown_deployment(NAME, keep_coordinator=True)
     for eid, s in after.items():
-        assert s["free_blocks"] == baseline[eid]["free_blocks"] and s["held_leases"] == 0, (eid, s)
+        assert s.free_blocks == baseline[eid].free_blocks and s.held_leases == 0, (eid, s)
 
 
 def test_released_prefill_frees_its_blocks_at_once(service):
     (pid, prefill), = service["dep"].prefills.items()
-    base = service["baseline"][pid]["free_blocks"]
+    base = service["baseline"][pid].free_blocks
 
     async def go():
         pre = await prefill.prefill.remote(request("unread", "nobody reads this " * 8, max_tokens=8))
-        held = (await prefill.stats.remote())["free_blocks"]
+        held = (await prefill.stats.remote()).free_blocks
         t0 = time.monotonic()
         await prefill.abort.remote("unread")  # what the router does when the client left after token one
         return pre, held, (await prefill.stats.remote()), time.monotonic() - t0
 
     pre, held, after, took = asyncio.run(go())
     assert held == base - len(pre.kv_transfer_params["remote_block_ids"])
-    assert after["free_blocks"] == base and after["held_leases"] == 0 and took < 1.0
+    assert after.free_blocks == base and after.held_leases == 0 and took < 1.0
 
 
 def test_client_aborts_close_handoffs_and_never_count_against_the_pair(service, coordinator):
@@ -83,4 +83,4 @@ def test_client_aborts_close_handoffs_and_never_count_against_the_pair(service, 
     assert after.verdicts["expired"] == before.verdicts["expired"]
     assert after.verdicts["failed"] == before.verdicts["failed"]
     assert getattr(states.get(pair), "failures", 0) == 0, states.get(pair)  # no abort counted against it
-    assert router.counters["aborted"] == 12
+    assert router.pool.counters["aborted"] == 12

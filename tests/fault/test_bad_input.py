@@ -40,8 +40,8 @@ def service(coordinator, tmp_path_factory):
     after = wait_blocks_at_baseline(dep, baseline)
     shutdown_deployment(NAME, keep_coordinator=True)
     for eid, stats in after.items():
-        assert stats["free_blocks"] == baseline[eid]["free_blocks"], (eid, stats)
-        assert stats["held_leases"] == 0, (eid, stats)
+        assert stats.free_blocks == baseline[eid].free_blocks, (eid, stats)
+        assert stats.held_leases == 0, (eid, stats)
 
 
 def completion(**kw):

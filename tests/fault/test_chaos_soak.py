@@ -102,12 +102,12 @@ def test_chaos_soak(coordinator):
                 stats = await asyncio.wait_for(dep.engines[eid].stats.remote(), 30)
             except (ray.exceptions.RayError, asyncio.TimeoutError):
                 continue  # still restarting from an earlier kill
-            ranks = stats["child_pids"]
+            ranks = stats.backend.child_pids
             if ranks and rng.random() < 0.5:
                 kill_tree([rng.choice(ranks)])
                 kills.append(f"{eid}:rank")
             else:
-                kill_tree([stats["pid"], *ranks])
+                kill_tree([stats.pid, *ranks])
                 kills.append(f"{eid}:tree")
 
     try:
@@ -124,7 +124,7 @@ def test_chaos_soak(coordinator):
             # every engine is back: registered with the coordinator and healthy
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                registered = {e["engine_id"] for e in ray.get(dep.coordinator.engines.remote())}
+                registered = {e.engine_id for e in ray.get(dep.coordinator.engines.remote())}
                 healthy = all(ray.get(h.check_health.remote()) for h in dep.engines.values())
                 if registered >= set(dep.engines) and healthy:
                     break
@@ -138,8 +138,8 @@ def test_chaos_soak(coordinator):
     done = [a for a in answers if a.error is None]
     failed = [a for a in answers if a.error is not None]
     print(f"chaos soak {DURATION_S:.0f} s: {len(kills)} kills ({', '.join(kills)}); {len(answers)} requests, "
-          f"{len(done)} complete, {len(failed)} clean errors; migrations {dict(router.migrations)}, "
-          f"fallbacks {dict(router.fallbacks)}, recomputed {router.counters['recomputed']}")
+          f"{len(done)} complete, {len(failed)} clean errors; migrations {dict(router.pool.migrations)}, "
+          f"fallbacks {dict(router.pool.fallbacks)}, recomputed {router.pool.counters['recomputed']}")
     assert len(kills) >= DURATION_S / KILL_EVERY_S[1] - 1 and done
     wrong = [a for a in done if a.text != want[a.prompt]]
     assert wrong == [], wrong[:3]  # never a wrong answer
@@ -147,6 +147,6 @@ def test_chaos_soak(coordinator):
     assert unclean == [], unclean[:3]  # every failure is a clean error
     assert registered >= set(dep.engines) and healthy  # every engine is back
     for eid, s in after.items():
-        assert s["free_blocks"] == baseline[eid]["free_blocks"] and s["held_leases"] == 0, (eid, s)
+        assert s.free_blocks == baseline[eid].free_blocks and s.held_leases == 0, (eid, s)
     assert ledger.in_flight == 0
     assert left_pgs == pgs  # restarts reused the engines' placement groups

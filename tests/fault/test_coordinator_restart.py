@@ -32,7 +32,7 @@ async def registered(coord, ids, timeout=20.0):
     found = set()
     while time.monotonic() < deadline:
         try:
-            found = {e["engine_id"] for e in await coord.engines.remote()}
+            found = {e.engine_id for e in await coord.engines.remote()}
         except ray.exceptions.RayError:
             found = set()
         if found >= ids:

@@ -69,14 +69,14 @@ def run(name: str, restarts: int, migration_wait_s: float) -> dict:
             url = f"http://127.0.0.1:{port}"
             _, out["reference"], _ = stream(url, 0, None)
             tree = ray.get(decode.stats.remote())
-            pids = [tree["pid"], *tree["child_pids"]]
+            pids = [tree.pid, *tree.backend.child_pids]
             out["events"], out["text"], out["error"] = stream(url, 5, lambda: threading.Thread(
                 target=kill_tree, args=(pids,)).start())
-            out["migrations"] = dict(router.migrations)
+            out["migrations"] = dict(router.pool.migrations)
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:  # the prefill engine holds nothing for the request
                 p = ray.get(dep.prefills[prefill_id].stats.remote())
-                if p["free_blocks"] == baseline[prefill_id]["free_blocks"] and p["held_leases"] == 0:
+                if p.free_blocks == baseline[prefill_id].free_blocks and p.held_leases == 0:
                     break
                 time.sleep(0.1)
             out["prefill"] = p
@@ -91,11 +91,11 @@ def test_stream_continues_on_the_restarted_decode_engine(coordinator):
     assert out["error"] is None, out["error"]
     assert out["text"] == out["reference"]  # token for token the uninterrupted stream
     assert out["migrations"] == {"engine_died": 1}
-    assert out["prefill"]["free_blocks"] == out["baseline"]["free_blocks"] and out["prefill"]["held_leases"] == 0
+    assert out["prefill"].free_blocks == out["baseline"].free_blocks and out["prefill"].held_leases == 0
 
 
 def test_without_restarts_the_stream_ends_with_an_error_event(coordinator):
     out = run("decode-death-final", 0, 2.0)
     assert out["error"] is not None and "no engine could take the stream over" in out["error"]
     assert out["text"] and out["reference"].startswith(out["text"])  # what was streamed stands, cut cleanly
-    assert out["prefill"]["free_blocks"] == out["baseline"]["free_blocks"] and out["prefill"]["held_leases"] == 0
+    assert out["prefill"].free_blocks == out["baseline"].free_blocks and out["prefill"].held_leases == 0

@@ -80,18 +80,18 @@ def test_a_killed_rank_restarts_and_its_engine_rejoins_with_a_fresh_handshake(co
             out = await d.decode("a", await p.prefill("a", PROMPT), PROMPT)
             assert out["mismatches"] == 0
             old_agent = (await p.rank_stats())[0]["agent"]
-            old_generation = {e["engine_id"]: e for e in await coordinator.engines.remote()}["rs-P"]["generation"]
+            old_generation = {e.engine_id: e for e in await coordinator.engines.remote()}["rs-P"].generation
             held = await p.prefill("held", PROMPT)  # blocks held for a reader when the rank dies
             assert p.pool.num_free < p.pool.num_blocks
             os.kill(await p.ranks[0].pid.remote(), signal.SIGKILL)
             deadline = time.monotonic() + 30
             now = {}
             while time.monotonic() < deadline:
-                now = {e["engine_id"]: e for e in await coordinator.engines.remote()}
+                now = {e.engine_id: e for e in await coordinator.engines.remote()}
                 if now.get("rs-P", {}).get("generation", old_generation) != old_generation:
                     break
                 await asyncio.sleep(0.1)
-            assert now["rs-P"]["generation"] > old_generation, "the engine must rejoin as a new incarnation"
+            assert now["rs-P"].generation > old_generation, "the engine must rejoin as a new incarnation"
             events = [e for e in await coordinator.recent_events.remote() if e["engine_id"] == "rs-P"]
             assert any(e["event"] == "removed" and "died" in e["reason"] for e in events), events
             assert p.pool.num_free == p.pool.num_blocks  # the dead rank's held blocks were freed

@@ -60,13 +60,13 @@ def test_faults_at_a_rate_never_give_a_wrong_answer(coordinator):
                     assert r.status_code in (500, 502, 503) and r.json()["error"]["message"]
                     errors += 1
             stats = ray.get(decode.stats.remote())
-            injected = stats["recomputed"] + stats["errors"]
+            injected = stats.recomputed + stats.errors
             print(f"{ok} correct, {errors} clean errors, decode engine saw {stats}")
             assert ok + errors == REQUESTS and ok > 0
             assert injected > 0 or errors > 0, "the fault knob injected nothing"
             after = wait_blocks_at_baseline(dep, baseline, timeout_s=30)
             for eid, s in after.items():
-                assert s["free_blocks"] == baseline[eid]["free_blocks"], (eid, s)
-                assert s["held_leases"] == 0, (eid, s)
+                assert s.free_blocks == baseline[eid].free_blocks, (eid, s)
+                assert s.held_leases == 0, (eid, s)
     finally:
         shutdown_deployment(NAME, keep_coordinator=True)

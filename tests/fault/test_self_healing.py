@@ -71,7 +71,7 @@ def service(coordinator):
     try:
         after = wait_blocks_at_baseline(dep, baseline, timeout_s=30)
         for eid, s in after.items():  # nothing held once the load is over, restarts included
-            assert s["free_blocks"] == baseline[eid]["free_blocks"] and s["held_leases"] == 0, (eid, s)
+            assert s.free_blocks == baseline[eid].free_blocks and s.held_leases == 0, (eid, s)
     finally:
         shutdown_deployment(NAME, keep_coordinator=True)
 
@@ -92,7 +92,7 @@ async def served_by(engine, timeout_s: float = 60.0) -> int:
     """Until `engine` (a new incarnation) served requests again; their count."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        n = (await engine.stats.remote())["requests"]
+        n = (await engine.stats.remote()).requests
         if n > 0:
             return n
         await asyncio.sleep(0.2)
@@ -125,7 +125,7 @@ def test_prefill_engine_killed_under_load(service, coordinator):
         assert states[pair].opened_count > opened_before.get(pair, 0), states[pair]
     assert served > 0, "the restarted prefill engine never took traffic again"
     check_answers(service, answers)
-    assert ray.get(victim.stats.remote())["restarted"] is True
+    assert ray.get(victim.stats.remote()).restarted is True
     assert deployment_placement_groups(NAME) == service["pgs"]  # the restart reused its group
 
 
@@ -138,7 +138,7 @@ def test_decode_engine_killed_under_load(service, coordinator):
         steady = load(service)
         await asyncio.sleep(1.0)
         gen = await generation(coordinator, victim_id)
-        migrated_before = sum(router.migrations.values())
+        migrated_before = sum(router.pool.migrations.values())
         async with httpx.AsyncClient() as client:  # long streams, on both decode engines
             long = [asyncio.ensure_future(steady.one(client, PROMPTS[i % len(PROMPTS)], max_tokens=60))
                     for i in range(6)]
@@ -150,7 +150,7 @@ def test_decode_engine_killed_under_load(service, coordinator):
         restart_s = time.monotonic() - t0
         served = await served_by(victim)
         answers = await steady.stop()
-        return restart_s, new_gen > gen, sum(router.migrations.values()) - migrated_before, served, answers, long
+        return restart_s, new_gen > gen, sum(router.pool.migrations.values()) - migrated_before, served, answers, long
 
     restart_s, rejoined, migrated, served, answers, long = asyncio.run(go())
     print(f"decode engine back in {restart_s:.1f}s; {migrated} stream(s) migrated; {len(answers)} answers")
@@ -174,16 +174,16 @@ def test_coordinator_killed_under_load(service, coordinator):
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 try:
-                    if e in {x["engine_id"] for x in await coordinator.engines.remote()}:
+                    if e in {x.engine_id for x in await coordinator.engines.remote()}:
                         break
                 except ray.exceptions.RayError:
                     pass
                 await asyncio.sleep(0.1)
         back_s = time.monotonic() - t0
-        registered = {x["engine_id"] for x in await coordinator.engines.remote()}
-        before = {p: (await h.stats.remote())["requests"] for p, h in dep.prefills.items()}
+        registered = {x.engine_id for x in await coordinator.engines.remote()}
+        before = {p: (await h.stats.remote()).requests for p, h in dep.prefills.items()}
         await asyncio.sleep(2.0)
-        after = {p: (await h.stats.remote())["requests"] for p, h in dep.prefills.items()}
+        after = {p: (await h.stats.remote()).requests for p, h in dep.prefills.items()}
         answers = await steady.stop()
         return back_s, registered, gens, before, after, answers
 

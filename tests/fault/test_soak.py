@@ -88,7 +88,7 @@ def test_soak_concurrent_streams(service):
     url, dep = service["url"], service["dep"]
     # every process of every engine: the engine actors and their rank actors
     pids = [pid for s in ray.get([h.stats.remote() for h in dep.engines.values()])
-            for pid in (s["pid"], *s["child_pids"])]
+            for pid in (s.pid, *s.backend.child_pids)]
     assert len(pids) == len(dep.engines) + 1 + 2  # prefill TP=1 + decode TP=2 rank actors
     want = asyncio.run(reference(url))
 
@@ -109,8 +109,8 @@ def test_soak_concurrent_streams(service):
             assert text == want[PROMPTS[tag % len(PROMPTS)]], tag  # correct, not just complete
         after = wait_blocks_at_baseline(dep, service["baseline"], timeout_s=30)
         for eid, s in after.items():
-            assert s["free_blocks"] == service["baseline"][eid]["free_blocks"], (eid, s)
-            assert s["held_leases"] == 0, (eid, s)
+            assert s.free_blocks == service["baseline"][eid].free_blocks, (eid, s)
+            assert s.held_leases == 0, (eid, s)
         rss.append(sum(rss_mb(p) for p in pids))
         print(f"soak round: {CONCURRENCY} streams in {elapsed:.1f}s, engine RSS {rss[-1]:.0f} MB")
     assert rss[1] < rss[0] * 1.15 + 50, f"engine memory (actors and rank actors) grew: {rss}"

@@ -46,11 +46,11 @@ def test_killed_vllm_engine_restarts_rejoins_and_serves_pd(coordinator):
             stale_req = request("stale", "The capital of France is", max_tokens=8)
             stale = await prefill.prefill.remote(stale_req)  # a handoff the kill leaves unread
             stats = await prefill.stats.remote()
-            orphans = [psutil.Process(p) for p in stats["child_pids"]]
+            orphans = [psutil.Process(p) for p in stats.backend.child_pids]
             gen = await generation(coordinator, pid_)
-            pulls = (await decode.stats.remote())["kv_pulls"]
+            pulls = (await decode.stats.remote()).backend.counters["kv_pulls"]
             t0 = time.monotonic()
-            kill_tree([stats["pid"]])  # the actor only: its engine core is orphaned
+            kill_tree([stats.pid])  # the actor only: its engine core is orphaned
             new_gen = await wait_generation(coordinator, pid_, gen, timeout_s=400)
             back_s = time.monotonic() - t0
             left = [p.pid for p in orphans if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -68,11 +68,11 @@ def test_killed_vllm_engine_restarts_rejoins_and_serves_pd(coordinator):
 
         back_s, gen, new_gen, left, old, new, route, chunks, pulls, after, stale_chunks = asyncio.run(go())
         print(f"SmolLM2 prefill engine back and registered {back_s:.0f} s after kill -9")
-        assert new_gen > gen and new["restarted"] and new["pid"] != old["pid"]
+        assert new_gen > gen and new.restarted and new.pid != old.pid
         assert left == [], f"orphaned engine-core processes of the killed incarnation: {left}"
         assert route.path == "pd" and route.prefill_id == pid_  # P/D again, through the restarted engine
         assert chunks[-1].finish_reason == "length" and not any(c.recomputed or c.failed for c in chunks)
-        assert after["kv_pulls"] > pulls and after["recomputed"] == 0
+        assert after.backend.counters["kv_pulls"] > pulls and after.recomputed == 0
         # refused before any READ (remote_incarnation), the prompt recomputed (policy: recompute)
         assert stale_chunks[0].recomputed and stale_chunks[-1].finish_reason == "length"
     finally:

@@ -98,13 +98,13 @@ def main(backend: str) -> int:
             result["status"] = r.status_code
             result["text"] = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
             stats = ray.get(d.stats.remote())
-            result["decode_pulls"] = stats.get("kv_pulls", None)
-            result["recomputed"] = stats.get("recomputed", 0)
+            result["decode_pulls"] = stats.backend.counters.get("kv_pulls")
+            result["recomputed"] = stats.recomputed
             # the P/D path, not the decode-local fallback: the prefill engine ran the prompt, the
             # decode engine continued, and no transfer failed
-            result["prefill_requests"] = ray.get(p.stats.remote())["requests"]
-            result["fallbacks"] = dict(router.fallbacks)
-            result["transfer_failures"] = sum(router.transfer_failures.values())
+            result["prefill_requests"] = ray.get(p.stats.remote()).requests
+            result["fallbacks"] = dict(router.pool.fallbacks)
+            result["transfer_failures"] = sum(router.pool.transfer_failures.values())
         if backend == "synthetic":
             result.update(scale_up(cfg, cluster))
         shutdown_deployment(cfg.name)

@@ -34,7 +34,7 @@ def wait_blocks_at_baseline(deployment, baseline: dict[str, dict], timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while True:
         now = engine_stats(deployment)
-        if all(now[e]["free_blocks"] == baseline[e]["free_blocks"] and now[e]["held_leases"] == 0 for e in now):
+        if all(now[e].free_blocks == baseline[e].free_blocks and now[e].held_leases == 0 for e in now):
             return now
         if time.monotonic() > deadline:
             return now

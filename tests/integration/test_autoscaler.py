@@ -44,7 +44,7 @@ SHORT_PROMPT = "hello there"
 def scaled(coordinator):
     cfg = DeploymentConfig.from_dict(CONFIG)
     dep = launch(cfg)
-    baseline = {s["engine_id"]: s["free_blocks"] for s in ray.get([h.stats.remote() for h in dep.engines.values()])}
+    baseline = {s.engine_id: s.free_blocks for s in ray.get([h.stats.remote() for h in dep.engines.values()])}
     router = build_router(cfg, dep)
     yield {"cfg": cfg, "dep": dep, "router": router, "scaler": find_autoscaler(NAME), "baseline": baseline}
     shutdown_deployment(NAME, keep_coordinator=True)
@@ -148,6 +148,6 @@ def test_long_answers_grow_the_decode_pool_and_it_drains_back_to_min(scaled):
 
 def test_remaining_engines_hold_no_blocks_or_leases_after_scaling(scaled):
     stats = ray.get([h.stats.remote() for h in find_engines(NAME).values()])
-    assert sorted((s["engine_id"], s["free_blocks"], s["held_leases"]) for s in stats) == sorted(
+    assert sorted((s.engine_id, s.free_blocks, s.held_leases) for s in stats) == sorted(
         (eid, free, 0) for eid, free in scaled["baseline"].items())
     assert autoscaler_name(NAME) in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}

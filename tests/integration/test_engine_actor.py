@@ -48,13 +48,13 @@ def test_prefill_then_decode_equals_colocated(coordinator):
         assert not any(c.recomputed for c in chunks)
         for _ in range(200):  # the prefill engine frees its blocks once the decode ranks notified
             after = await asyncio.gather(p.stats.remote(), d.stats.remote())
-            if after[0]["free_blocks"] == base[0]["free_blocks"]:
+            if after[0].free_blocks == base[0].free_blocks:
                 break
             await asyncio.sleep(0.02)
-        assert [a["free_blocks"] for a in after] == [b["free_blocks"] for b in base]
-        assert after[0]["held_leases"] == 0
+        assert [a.free_blocks for a in after] == [b.free_blocks for b in base]
+        assert after[0].held_leases == 0
         engines = await coordinator.engines.remote()
-        assert {e["engine_id"] for e in engines} >= {"eng-p", "eng-d"}
+        assert {e.engine_id for e in engines} >= {"eng-p", "eng-d"}
         return True
 
     assert asyncio.run(scenario())

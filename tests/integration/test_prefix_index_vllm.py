@@ -48,7 +48,7 @@ def deployment(coordinator, cfg):
 
 @pytest.fixture(scope="module")
 def block(deployment):
-    return ray.get(next(iter(deployment.decodes.values())).stats.remote())["kv_events"]["block_size"]
+    return ray.get(next(iter(deployment.decodes.values())).stats.remote()).kv_events.block_size
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -85,8 +85,8 @@ def test_events_index_matches_what_vllm_reuses(deployment, coordinator, block):
     assert first[0].num_cached_tokens == 0
     assert cached_in_index == 3 * block  # the router's hashes find the engine's blocks
     assert again[0].num_cached_tokens == 3 * block  # and vLLM reused exactly those
-    stats = ray.get(decode.stats.remote())["kv_events"]
-    assert (stats["hash_checks"] > 0, stats["hash_mismatch"], stats["gaps"]) == (True, None, 0)
+    stats = ray.get(decode.stats.remote()).kv_events
+    assert (stats.hash_checks > 0, stats.hash_mismatch, stats.gaps) == (True, None, 0)
     engines = ray.get(coordinator.prefix_index_updates.remote(None)).ops
     assert {decode_id, prefill_id} <= {op.engine_id for op in engines}  # the prefill engine's prompt too
 

@@ -27,11 +27,11 @@ def test_build_app_deploys_on_the_local_cluster_and_answers(coordinator):
         serve.run(app, name=NAME, route_prefix="/", blocking=False)
         handle = serve.get_deployment_handle(INGRESS_NAME, app_name=NAME)
         status = handle.status.remote().result(timeout_s=120)
-        assert status["health"]["healthy"]
+        assert status.readiness.ready
         # both replicas attached to the same two engines (named, get-or-create, idempotent start)
         assert sorted(find_engines(NAME)) == [f"raypd-{NAME}-decode-0", f"raypd-{NAME}-prefill-0"]
         engines = ray.get(coordinator.engines.remote())
-        assert sorted(e["engine_id"] for e in engines if e["engine_id"].startswith(NAME)) == [
+        assert sorted(e.engine_id for e in engines if e.engine_id.startswith(NAME)) == [
             f"{NAME}-decode-0", f"{NAME}-prefill-0"]
 
         url = f"http://127.0.0.1:{port}"

@@ -38,8 +38,8 @@ def service(coordinator, tmp_path_factory):
     after = wait_blocks_at_baseline(dep, baseline)
     shutdown_deployment(NAME, keep_coordinator=True)
     for eid, stats in after.items():  # nothing leaked by any test of this module
-        assert stats["free_blocks"] == baseline[eid]["free_blocks"], (eid, stats)
-        assert stats["held_leases"] == 0, (eid, stats)
+        assert stats.free_blocks == baseline[eid].free_blocks, (eid, stats)
+        assert stats.held_leases == 0, (eid, stats)
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_completions_with_the_openai_client_go_through_prefill_and_decode(servic
     assert out.choices[0].text == decode_local_answer(service, prompt, 8)  # P/D == colocated
     after = engine_stats(service["dep"])
     (pid,) = service["dep"].prefills
-    assert after[pid]["requests"] == before[pid]["requests"] + 1  # the prefill engine did the prompt
+    assert after[pid].requests == before[pid].requests + 1  # the prefill engine did the prompt
 
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True,
                                             stream_options={"include_usage": True}))
@@ -98,7 +98,7 @@ def test_chat_with_the_openai_client_stream_and_not(service, client):
 def test_models_health_and_metrics(service, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     r = httpx.get(service["url"] + "/health")
-    assert r.status_code == 200 and r.json()["healthy"]
+    assert r.status_code == 200 and r.json()["ready"]
     assert r.json()["pd_paths"] == {f"{NAME}-decode-0": [f"{NAME}-prefill-0"]}
     text = httpx.get(service["url"] + "/metrics").text
     assert 'raypd_requests_total{endpoint="completions",status="200"}' in text
@@ -135,7 +135,7 @@ def test_openai_client_sees_typed_errors(client):
 
 def test_client_disconnect_mid_stream_aborts_on_the_engines(service):
     (did,) = service["dep"].decodes
-    before = engine_stats(service["dep"])[did]["aborted"]
+    before = engine_stats(service["dep"])[did].aborted
     body = {"model": MODEL, "prompt": "count slowly " * 4, "max_tokens": 3500, "stream": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", service["url"] + "/v1/completions", json=body, headers=auth()) as r:
@@ -145,12 +145,12 @@ def test_client_disconnect_mid_stream_aborts_on_the_engines(service):
             assert any(line.startswith("data: {") for line in got)
         # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 10
-    while engine_stats(service["dep"])[did]["aborted"] == before and time.monotonic() < deadline:
+    while engine_stats(service["dep"])[did].aborted == before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engine_stats(service["dep"])[did]["aborted"] > before
-    assert service["router"].counters["aborted"] >= 1
+    assert engine_stats(service["dep"])[did].aborted > before
+    assert service["router"].pool.counters["aborted"] >= 1
     now = wait_blocks_at_baseline(service["dep"], service["baseline"])
-    assert all(now[e]["free_blocks"] == service["baseline"][e]["free_blocks"] for e in now)
+    assert all(now[e].free_blocks == service["baseline"][e].free_blocks for e in now)
 
 
 def test_concurrent_streams_all_complete(service):
@@ -171,13 +171,13 @@ def test_concurrent_streams_all_complete(service):
             return await asyncio.gather(*(one(http, i) for i in range(24)))
 
     router = service["router"]
-    before = (sum(router.fallbacks.values()), sum(router.transfer_failures.values()))
+    before = (sum(router.pool.fallbacks.values()), sum(router.pool.transfer_failures.values()))
     results = asyncio.run(go())
     assert all(done and text.count(" w") == 5 for done, text in results)
     snap = router.snapshot()
-    assert all(load["requests"] == 0 for load in snap["decode_load"].values())
+    assert all(load.requests == 0 for load in snap.decode_load.values())
     # every one of them went prefill -> KV transfer -> decode (no failure hidden by the fallback)
-    assert (sum(router.fallbacks.values()), sum(router.transfer_failures.values())) == before
+    assert (sum(router.pool.fallbacks.values()), sum(router.pool.transfer_failures.values())) == before
 
 
 def test_status_collection_without_serve(service):

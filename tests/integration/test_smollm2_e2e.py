@@ -35,7 +35,7 @@ def all_free(dep, timeout_s: float = 10.0) -> dict[str, dict]:  # < the 30 s lea
     deadline = time.monotonic() + timeout_s
     while True:
         now = stats(dep)
-        if all(s["free_blocks"] == s["num_blocks"] for s in now.values()) or time.monotonic() > deadline:
+        if all(s.free_blocks == s.num_blocks for s in now.values()) or time.monotonic() > deadline:
             return now
         time.sleep(0.1)
 
@@ -75,11 +75,11 @@ def test_chat_answers_paris_through_prefill_and_decode(service):
     after = all_free(service["dep"])
     decode_id = next(e for e in after if "decode" in e)
     prefill_id = next(e for e in after if "prefill" in e)
-    assert after[prefill_id]["requests"] - before[prefill_id]["requests"] == 2  # both went to prefill
-    assert after[decode_id]["kv_pulls"] - before[decode_id]["kv_pulls"] == 2  # and pulled KV
-    assert after[decode_id]["recomputed"] == before[decode_id]["recomputed"]
+    assert after[prefill_id].requests - before[prefill_id].requests == 2  # both went to prefill
+    assert after[decode_id].backend.counters["kv_pulls"] - before[decode_id].backend.counters["kv_pulls"] == 2  # and pulled KV
+    assert after[decode_id].recomputed == before[decode_id].recomputed
     for eid, s in after.items():
-        assert s["free_blocks"] == s["num_blocks"], (eid, s)
+        assert s.free_blocks == s.num_blocks, (eid, s)
 
 
 def test_pd_equals_colocated_for_short_one_block_and_long_prompts(service):
@@ -104,7 +104,7 @@ def test_pd_equals_colocated_for_short_one_block_and_long_prompts(service):
     asyncio.run(go())
     after = all_free(dep)
     for eid, s in after.items():
-        assert s["free_blocks"] == s["num_blocks"], (eid, s)
+        assert s.free_blocks == s.num_blocks, (eid, s)
 
 
 
@@ -134,4 +134,4 @@ def test_small_soak_of_concurrent_streams_on_vllm(service):
     assert len(texts) == 1 and "Paris" in texts.pop()  # greedy: every stream the same answer
     after = all_free(service["dep"], timeout_s=20)
     for eid, s in after.items():
-        assert s["free_blocks"] == s["num_blocks"], (eid, s)
+        assert s.free_blocks == s.num_blocks, (eid, s)

@@ -72,7 +72,7 @@ def engines(coordinator, tmp_path_factory):
 @pytest.mark.parametrize("length", sorted(PROMPTS))
 def test_mla_latent_kv_pulled_over_nixl_gives_the_colocated_answer(engines, length):
     async def go():
-        base = {k: (await e.stats.remote())["num_blocks"] for k, e in engines.items()}
+        base = {k: (await e.stats.remote()).num_blocks for k, e in engines.items()}
         req = request(f"mla-{length}", token_ids=PROMPTS[length], max_tokens=12)
         pre = await engines["P"].prefill.remote(req)
         whole_prompt = pre.continuation(req).replace(num_resumed_tokens=0)  # no replay: pull every prompt token
@@ -80,7 +80,7 @@ def test_mla_latent_kv_pulled_over_nixl_gives_the_colocated_answer(engines, leng
         assert (chunks[0].num_cached_tokens, any(c.recomputed for c in chunks)) == (length, False)
         assert token_ids(pre, chunks) == await local(engines["D"], PROMPTS[length])
         for k in ("P", "D"):
-            assert (await wait_free(engines[k], base[k]))["free_blocks"] == base[k], k
+            assert (await wait_free(engines[k], base[k])).free_blocks == base[k], k
 
     asyncio.run(go())
 

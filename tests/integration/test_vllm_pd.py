@@ -84,7 +84,7 @@ async def wait_free(engine, baseline, timeout=20.0):
     deadline = time.monotonic() + timeout
     while True:
         stats = await engine.stats.remote()
-        if stats["free_blocks"] == baseline or time.monotonic() > deadline:
+        if stats.free_blocks == baseline or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.1)
 
@@ -93,8 +93,8 @@ async def baselines(engines):
     """At rest every block is free (prefix caching is off); wait for the previous test to settle."""
     out = {}
     for k, e in engines.items():
-        total = (await e.stats.remote())["num_blocks"]
-        out[k] = (await wait_free(e, total))["free_blocks"]
+        total = (await e.stats.remote()).num_blocks
+        out[k] = (await wait_free(e, total)).free_blocks
         assert out[k] == total, f"{k} holds blocks between tests"
     return out
 
@@ -111,7 +111,7 @@ def test_pd_equals_colocated_token_for_token(engines, length):
         want = await local(engines["D"], PROMPTS[length])
         assert tokens == want
         for k in ("P", "D"):
-            assert (await wait_free(engines[k], base[k]))["free_blocks"] == base[k], k
+            assert (await wait_free(engines[k], base[k])).free_blocks == base[k], k
 
     run(go())
 
@@ -135,7 +135,7 @@ def test_fail_policy_ends_with_an_error_and_frees_both_sides(engines):
         tokens, last = await pd(engines, "D", PROMPTS[32], forge=True)
         assert last.finish_reason == "error" and "KV transfer failed" in last.error
         for k in ("P", "D"):
-            assert (await wait_free(engines[k], base[k]))["free_blocks"] == base[k], k
+            assert (await wait_free(engines[k], base[k])).free_blocks == base[k], k
 
     run(go())
 
@@ -149,7 +149,7 @@ def test_recompute_policy_answers_from_a_local_prefill(engines):
         own = await local(engines["D2"], PROMPTS[150] + tokens[:1], max_tokens=len(tokens) - 1)
         assert tokens[1:] == own
         for k in ("P", "D2"):
-            assert (await wait_free(engines[k], base[k]))["free_blocks"] == base[k], k
+            assert (await wait_free(engines[k], base[k])).free_blocks == base[k], k
 
     run(go())
 
@@ -160,9 +160,9 @@ def test_unclaimed_prefill_frees_its_blocks_when_the_lease_expires(engines):
         pre = await engines["P"].prefill.remote(request("orphan", token_ids=PROMPTS[150], lease_ttl_s=2.0))
         held = len(pre.kv_transfer_params["remote_block_ids"])
         stats = await engines["P"].stats.remote()
-        assert stats["free_blocks"] == base["P"] - held
+        assert stats.free_blocks == base["P"] - held
         after = await wait_free(engines["P"], base["P"], timeout=15)
-        assert after["free_blocks"] == base["P"]
+        assert after.free_blocks == base["P"]
 
     run(go())
 
@@ -178,6 +178,6 @@ def test_aborted_decode_frees_blocks_on_both_sides(engines):
         await first
         await engines["D"].abort.remote("ab-d")
         for k in ("P", "D"):
-            assert (await wait_free(engines[k], base[k]))["free_blocks"] == base[k], k
+            assert (await wait_free(engines[k], base[k])).free_blocks == base[k], k
 
     run(go())

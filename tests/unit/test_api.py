@@ -12,7 +12,9 @@ from actors.engine.synthetic.tokenizer import chat_to_text, encode_text
 from serving.config import DeploymentConfig
 from serving.front import create_app
 from serving.front.served_model import SyntheticServedModel
-from serving.routing.router import RouteError
+from serving.routing.errors import InvalidRequest, NoPrefillEngine
+from serving.routing.status import Readiness
+from typed_fakes import router_snapshot
 
 MODEL = "synthetic-tiny"
 
@@ -64,19 +66,14 @@ class FakeRouter:
         self.streams.append(s)
         return s
 
-    async def health(self):
-        return {"healthy": self.healthy, "reason": None if self.healthy else "no decode engine is alive"}
+    async def readiness(self):
+        return Readiness(self.healthy, None if self.healthy else "no decode engine is alive")
 
     async def refresh_engine_stats(self):
-        self.engine_stats = {"d0": {"up": True, "role": "decode", "free_blocks": 5, "held_leases": 0}}
-        return self.engine_stats
+        return {}
 
     def snapshot(self):
-        return {"prefill_load": {"p0": {"requests": 0, "tokens": 0}},
-                "decode_load": {"d0": {"requests": 1, "tokens": 4}},
-                "breakers": {"p0->d0": {"state": "open", "opened_count": 1}},
-                "transfer_failures": {"p0->d0": 2}, "prefill_failures": {}, "fallbacks": {"no_prefill_engine": 3},
-                "counters": {"prefill_retries": 1}}
+        return router_snapshot()
 
 
 def make_client(defaults=None, **http):
@@ -342,10 +339,10 @@ def test_too_many_in_flight_is_429():
     assert accounting.inflight == 0
 
 
-@pytest.mark.parametrize("status, code", [(503, "no_prefill_engine"), (400, "invalid_prompt")])
-def test_router_errors_become_error_bodies(client, status, code):
-    client.router.error = RouteError(status, "nope", type="invalid_request_error" if status == 400 else "server_error",
-                                     code=code)
+@pytest.mark.parametrize("error, status, code", [(NoPrefillEngine("nope"), 503, "no_prefill_engine"),
+                                                 (InvalidRequest("nope"), 400, "invalid_prompt")])
+def test_router_errors_become_error_bodies(client, error, status, code):
+    client.router.error = error
     for stream in (False, True):
         r = post(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": stream})
         err = assert_error(r, status, code=code)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import ray.util.metrics
 
 from serving.ops.cluster_metrics import RouterExporter
@@ -29,7 +31,7 @@ def test_counters_are_exported_as_increments_and_gauges_as_values(monkeypatch):
     exporter = RouterExporter(lambda: router)
     exporter.export_once()
     snap = router.snapshot()
-    router.snapshot = lambda: {**snap, "fallbacks": {"no_prefill_engine": 4}}
+    router.snapshot = lambda: dataclasses.replace(snap, fallbacks={"no_prefill_engine": 4})
     exporter.export_once()
     fallbacks = FakeMetric.made["raypd_fallbacks"].calls
     breaker = FakeMetric.made["raypd_breaker_state"].calls

@@ -48,7 +48,7 @@ def test_a_draining_prefill_engine_leaves_the_routes_and_handoffs_count_per_engi
         counts = (await c.handoffs_in_flight("P"), await c.handoffs_in_flight("D"), await c.handoffs_in_flight("Q"))
         marked = (await c.set_draining("P"), await c.set_draining("nobody"))
         after = [r.prefill_id for r in (await c.routes()).decodes["D"]]
-        draining = {e["engine_id"]: e["draining"] for e in await c.engines()}
+        draining = {e.engine_id: e.draining for e in await c.engines()}
         for t in c._timers:
             t.cancel()
         return before, counts, marked, after, draining

@@ -9,7 +9,12 @@ from pathlib import Path
 import vllm.v1.metrics.loggers as vllm_loggers
 from prometheus_client.core import CounterMetricFamily
 
-from serving.ops.metrics import ENGINE_GAUGES, FRONT_METRICS, RouterCollector
+from actors.protocol import PairState
+from serving.cluster.autoscaler import AutoscalerStatus, RoleStatus
+from serving.ops.metrics import FRONT_METRICS, RouterCollector
+from serving.routing.pool import EngineStatus, Load
+from serving.routing.status import PlannerSnapshot, RouterSnapshot
+from typed_fakes import engine_stats, router_snapshot
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "raypd-pd.json"
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
@@ -24,17 +29,16 @@ def ray_names(name: str, kind: str) -> set[str]:
 class EveryFamilyRouter:
     """A router snapshot with every family populated."""
 
-    engine_stats = {"d0": {"up": True, "role": "decode", **{k: 1 for k in ENGINE_GAUGES}}}
-
-    def snapshot(self) -> dict:
-        return {"prefill_load": {"p0": {"requests": 0, "tokens": 0}}, "decode_load": {"d0": {"requests": 0, "tokens": 0}},
-                "breakers": {"p0->d0": {"state": "closed", "failures": 1, "opened_count": 1}},
-                "transfer_failures": {"p0->d0": 1}, "prefill_failures": {"p0": 1},
-                "fallbacks": {"no_prefill_engine": 1}, "migrations": {"decode_died": 1},
-                "counters": {"prefill_retries": 1, "aborted": 1}, "disagg_decisions": {"local/prefix_cached": 1},
-                "prefix_index": {"engines": {"d0": 3}, "error": None},
-                "pools": {"roles": {"decode": {"serving": ["d0"], "starting": [], "draining": [], "min": 1, "max": 2}},
-                          "counters": {"decode_scaled_up": 1}}}
+    def snapshot(self) -> RouterSnapshot:
+        return router_snapshot(
+            decode_load={"d0": Load()}, breakers=(PairState("p0", "d0", "closed", 1, 1),),
+            transfer_failures={("p0", "d0"): 1}, prefill_failures={"p0": 1}, fallbacks={"no_prefill_engine": 1},
+            migrations={"decode_died": 1}, counters={"prefill_retries": 1, "aborted": 1},
+            planner=PlannerSnapshot({("local", "prefix_cached"): 1}, {"d0": 3}),
+            pools=AutoscalerStatus("raypd", {"decode": RoleStatus(serving=["d0"], min=1, max=2)},
+                                   {"decode_scaled_up": 1}, []),
+            engines={"d0": EngineStatus(True, engine_stats(running=1, num_blocks=1, free_blocks=1, held_leases=1,
+                                                           transfer_bytes=1, handshakes=1))})
 
 
 def exported() -> set[str]:

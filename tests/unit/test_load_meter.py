@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from actors.protocol import BackendStats
 from actors.engine.load import EngineLoad, LoadMeter
 from actors.protocol import EngineRequest, SamplingSpec, TokenChunk
 
@@ -61,9 +64,10 @@ def test_decode_debt_is_paid_by_tokens_and_settled_on_exit_with_itl_from_gaps_af
 
 def test_an_engine_is_idle_only_without_streams_prefills_or_leases():
     meter = LoadMeter(clock=Clock())
-    stats = {"num_blocks": 100, "free_blocks": 75, "held_leases": 0}
+    stats = BackendStats("vllm", num_blocks=100, free_blocks=75, held_leases=0)
     load = EngineLoad.of("p0", "prefill", 0, stats, meter.snapshot())
     assert (load.idle, load.kv_usage) == (True, 0.25)
-    assert not EngineLoad.of("p0", "prefill", 0, {**stats, "held_leases": 1}, meter.snapshot()).idle
+    held = dataclasses.replace(stats, held_leases=1)
+    assert not EngineLoad.of("p0", "prefill", 0, held, meter.snapshot()).idle
     meter.prefill_started(req())
     assert not EngineLoad.of("p0", "prefill", 0, stats, meter.snapshot()).idle

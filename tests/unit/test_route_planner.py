@@ -76,7 +76,7 @@ def test_an_uncached_prompt_is_prefilled_remotely_and_counted():
 def test_a_saturated_prefill_engine_makes_the_decode_engine_prefill():
     async def go():
         router, ps, _, view = make(PrefixIndex(), decodes=("d0",), prefill_saturation_tokens=30)
-        router.prefill_load["p0"].tokens = 100  # another request's prompt queued there
+        router.pool.prefill_load["p0"].tokens = 100  # another request's prompt queued there
         stream = await router.open(req("r1"))
         await collect(stream)
         return router, stream

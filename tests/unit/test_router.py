@@ -8,15 +8,19 @@ import asyncio
 import pytest
 
 from actors.kv.aggregator import KVConnectorOutput
-from actors.control.ledger import BreakerConfig, PrefillRoute, RouteTable, TransferLedger
+from actors.control.ledger import BreakerConfig, TransferLedger
+from actors.protocol import PrefillRoute, RouteTable
 from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from serving.config import RouterConfig
-from serving.routing.router import (
+from serving.routing.errors import (
     EngineUnavailable,
+    InvalidRequest,
+    NoDecodeEngine,
+    NoPrefillEngine,
     RequestRejected,
-    RouteError,
-    Router,
 )
+from serving.routing.router import Router
+from typed_fakes import engine_stats
 
 
 class FakeClock:
@@ -91,7 +95,7 @@ class FakeEngine:
         self.aborted.append(request_id)
 
     async def stats(self):
-        return {"free_blocks": 10, "num_blocks": 10}
+        return engine_stats(self.engine_id, free_blocks=10, num_blocks=10)
 
 
 class FakeDirectory:
@@ -173,7 +177,7 @@ def test_pd_path_passes_transfer_params_and_streams_every_token():
         assert directory.state("d0", "p0") == "closed" and directory.ledger.verdicts["ok"] == 1
         await router.drain()
         assert ds["d0"].aborted == [] and ps["p0"].aborted == []  # finished: nothing to abort
-        assert router.decode_load["d0"].requests == 0 and router.decode_load["d0"].tokens == 0
+        assert router.pool.decode_load["d0"].requests == 0 and router.pool.decode_load["d0"].tokens == 0
 
     run(go())
 
@@ -190,7 +194,7 @@ def test_decode_is_chosen_by_least_outstanding_work():
         assert s3.decode_id == s1.decode_id
         for s in (s2, s3):
             await collect(s)
-        assert all(load.requests == 0 and load.tokens == 0 for load in router.decode_load.values())
+        assert all(load.requests == 0 and load.tokens == 0 for load in router.pool.decode_load.values())
 
     run(go())
 
@@ -214,7 +218,7 @@ def test_prefill_is_chosen_by_load_among_compatible_engines():
         ps["p1"].gate = gate
         first = asyncio.ensure_future(router.open(req("a")))
         await asyncio.sleep(0)  # a's prefill is now in flight on p1 (least loaded, first by id)
-        assert router.prefill_load["p1"].requests == 1
+        assert router.pool.prefill_load["p1"].requests == 1
         second = await router.open(req("b"))
         assert second.prefill_id == "p2"  # p1 is busy, p0 is not compatible with d0
         gate.set()
@@ -222,7 +226,7 @@ def test_prefill_is_chosen_by_load_among_compatible_engines():
         assert s1.prefill_id == "p1" and ps["p0"].prefills == []
         for s in (s1, second):
             await collect(s)
-        assert all(load.requests == 0 for load in router.prefill_load.values())
+        assert all(load.requests == 0 for load in router.pool.prefill_load.values())
 
     run(go())
 
@@ -235,9 +239,9 @@ def test_dead_decode_engine_is_not_chosen_and_none_alive_is_503():
         s.close()
         directory.routes_value = {}
         await router.routes(force=True)
-        with pytest.raises(RouteError) as err:
+        with pytest.raises(NoDecodeEngine) as err:
             await router.open(req("x"))
-        assert err.value.status == 503 and "no decode engine" in err.value.message
+        assert "no decode engine" in err.value.message
 
     run(go())
 
@@ -295,7 +299,7 @@ def test_fail_policy_ends_the_stream_after_the_first_token():
         chunks = await collect(s)
         assert texts(chunks) == [" first", ""] and chunks[-1].failed and "KV transfer failed" in chunks[-1].error
         assert len(ds["d0"].generates) == 1  # not continued anywhere: the policy said fail
-        assert router.transfer_failures[("d0", "p0")] == 1
+        assert router.pool.transfer_failures[("d0", "p0")] == 1
         assert {b.pair: b for b in directory.ledger.pair_states()}["p0->d0"].failures == 1
         await router.drain()
         assert ps["p0"].aborted == ["r1"]  # the failed pull's leased blocks are released
@@ -310,7 +314,7 @@ def test_recompute_policy_answer_is_delivered_but_counts_as_a_transfer_failure()
         s = await router.open(req())
         chunks = await collect(s)
         assert texts(chunks) == [" first", " t1", " t2"] and chunks[1].recomputed
-        assert router.transfer_failures[("d0", "p0")] == 1 and router.counters["recomputed"] == 1
+        assert router.pool.transfer_failures[("d0", "p0")] == 1 and router.pool.counters["recomputed"] == 1
         assert {b.pair: b for b in directory.ledger.pair_states()}["p0->d0"].failures == 1
 
     run(go())
@@ -324,7 +328,7 @@ def test_no_compatible_prefill_falls_back_to_decode_local():
         await collect(s)
         assert s.route.path == "fallback" and s.prefill_id is None
         assert ds["d0"].generates[0].kv_transfer_params is None
-        assert router.fallbacks["no_prefill_engine"] == 1
+        assert router.pool.fallbacks["no_prefill_engine"] == 1
         assert ps["p0"].prefills == [] and ps["p1"].prefills == []
 
     run(go())
@@ -333,11 +337,11 @@ def test_no_compatible_prefill_falls_back_to_decode_local():
 def test_no_compatible_prefill_with_reject_policy_is_503():
     async def go():
         router, _, ds, _ = make(routes={"d0": []}, no_prefill_fallback="reject")
-        with pytest.raises(RouteError) as err:
+        with pytest.raises(NoPrefillEngine) as err:
             await router.open(req())
-        assert err.value.status == 503 and err.value.code == "no_prefill_engine"
+        assert err.value.code == "no_prefill_engine"
         assert ds["d0"].generates == []
-        assert router.decode_load["d0"].requests == 0
+        assert router.pool.decode_load["d0"].requests == 0
 
     run(go())
 
@@ -363,7 +367,7 @@ def test_failed_prefill_is_retried_once_on_another_engine():
         s = await router.open(req())
         await collect(s)
         assert s.prefill_id == "p1" and s.route.attempts == 2
-        assert router.prefill_failures["p0"] == 1 and router.counters["prefill_retries"] == 1
+        assert router.pool.prefill_failures["p0"] == 1 and router.pool.counters["prefill_retries"] == 1
         assert {b.pair: b for b in directory.ledger.pair_states()}["p0->d0"].failures == 1
 
     run(go())
@@ -378,11 +382,11 @@ def test_retry_budget_is_one_then_fallback_or_503():
             if policy == "decode_local":
                 s = await router.open(req())
                 await collect(s)
-                assert s.route.path == "fallback" and router.fallbacks["prefill_failed"] == 1
+                assert s.route.path == "fallback" and router.pool.fallbacks["prefill_failed"] == 1
             else:
-                with pytest.raises(RouteError) as err:
+                with pytest.raises(NoPrefillEngine) as err:
                     await router.open(req())
-                assert err.value.status == 503 and "down" in err.value.message
+                assert "down" in err.value.message
             assert sum(len(p.prefills) for p in ps.values()) == 2  # the first try + one retry
 
     run(go())
@@ -393,9 +397,9 @@ def test_client_errors_are_400_never_retried_never_a_breaker_failure():
         router, ps, _, directory = make()
         ps["p0"].prefill_error = RequestRejected("token id 99999 is out of vocabulary")
         for i in range(30):
-            with pytest.raises(RouteError) as err:
+            with pytest.raises(InvalidRequest) as err:
                 await router.open(req(f"bad{i}"))
-            assert err.value.status == 400 and "vocabulary" in err.value.message
+            assert "vocabulary" in err.value.message
         assert ps["p1"].prefills == []  # a bad request is not retried
         assert directory.ledger.pair_states() == ()  # no breaker ever moved
         ps["p0"].prefill_error = None
@@ -410,11 +414,10 @@ def test_decode_engine_unavailable_before_first_token_is_503():
     async def go():
         router, ps, ds, _ = make(routes={"d0": []})
         ds["d0"].fail_after = 0
-        with pytest.raises(RouteError) as err:
+        with pytest.raises(NoDecodeEngine):
             await router.open(req())
-        assert err.value.status == 503
         await router.drain()
-        assert router.decode_load["d0"].requests == 0
+        assert router.pool.decode_load["d0"].requests == 0
 
     run(go())
 
@@ -448,9 +451,9 @@ def test_stream_migrates_to_another_decode_engine_token_for_token():
         moved = ds[other].generates[-1]
         assert moved.request_id == "r-m1" and moved.kv_transfer_params is None
         assert moved.prompt_token_ids == tuple(b"hello world") + (0, 1, 2) and moved.num_resumed_tokens == 3
-        assert moved.max_tokens == 3 and router.migrations["engine_died"] == 1
+        assert moved.max_tokens == 3 and router.pool.migrations["engine_died"] == 1
         assert s.num_prompt_tokens == len(b"hello world") and s.num_generated == 6
-        assert all(load.requests == 0 and load.tokens == 0 for load in router.decode_load.values())
+        assert all(load.requests == 0 and load.tokens == 0 for load in router.pool.decode_load.values())
 
     run(go())
 
@@ -495,7 +498,7 @@ def test_no_engine_to_take_the_stream_ends_it_with_an_error_after_what_was_strea
         chunks = await collect(s)
         assert texts(chunks[:2]) == [" first", " t1"]
         assert chunks[-1].finish_reason == "error" and "no engine could take" in chunks[-1].error
-        assert router.counters["migration_failed"] == 1 and ps["p1"].prefills == []
+        assert router.pool.counters["migration_failed"] == 1 and ps["p1"].prefills == []
         await router.drain()
         assert ps["p0"].aborted == ["r1"]  # the prefill side is told to let go
 
@@ -511,8 +514,8 @@ def test_client_disconnect_mid_stream_aborts_on_both_engines():
         s.close()  # what the front does when the client goes away
         await router.drain()
         assert ds["d0"].aborted == ["r1"] and ps["p0"].aborted == ["r1"]
-        assert router.counters["aborted"] == 1
-        assert router.decode_load["d0"].requests == 0 and router.decode_load["d0"].tokens == 0
+        assert router.pool.counters["aborted"] == 1
+        assert router.pool.decode_load["d0"].requests == 0 and router.pool.decode_load["d0"].tokens == 0
 
     run(go())
 
@@ -528,7 +531,7 @@ def test_cancel_during_prefill_aborts_the_prefill_engine():
             await task
         await router.drain()
         assert ps["p0"].aborted == ["r1"]
-        assert router.decode_load["d0"].requests == 0 and router.prefill_load["p0"].requests == 0
+        assert router.pool.decode_load["d0"].requests == 0 and router.pool.prefill_load["p0"].requests == 0
 
     run(go())
 
@@ -537,18 +540,18 @@ def test_cancel_during_prefill_aborts_the_prefill_engine():
 def test_health_reflects_usable_paths():
     async def go():
         router, _, _, directory = make(no_prefill_fallback="reject")
-        assert (await router.health())["healthy"]
+        assert (await router.readiness()).ready
         for _ in range(2):
             directory.ledger.prefill_failed("d0", "p0", "x")
             directory.ledger.prefill_failed("d0", "p1", "x")
         await router.routes(force=True)
-        h = await router.health()
-        assert not h["healthy"] and "reject" in h["reason"]
+        h = await router.readiness()
+        assert not h.ready and "reject" in h.reason
         router2, _, _, d2 = make(routes={})
-        h2 = await router2.health()
-        assert not h2["healthy"] and h2["reason"] == "no decode engine is alive"
+        h2 = await router2.readiness()
+        assert not h2.ready and h2.reason == "no decode engine is alive"
         router3, _, _, _ = make(routes={"d0": []})  # decode_local fallback: still serving
-        assert (await router3.health())["healthy"]
+        assert (await router3.readiness()).ready
 
     run(go())
 
@@ -566,21 +569,22 @@ def test_directory_is_cached_and_its_failure_keeps_the_last_view():
         await router.drain()
         assert s.prefill_id in ("p0", "p1") and directory.calls == 2
         s.close()
-        assert (await router.health())["directory_error"].startswith("RuntimeError")
+        assert (await router.readiness()).directory_error.startswith("RuntimeError")
 
     run(go())
 
 
-def test_snapshot_is_plain_data_with_the_ledgers_breakers():
+def test_snapshot_is_typed_with_the_ledgers_breakers():
     async def go():
         router, _, _, _ = make()
         await collect(await router.open(req()))
         await router.routes(force=True)
         snap = router.snapshot()
-        assert snap["breakers"]["p0->d0"]["state"] == "closed" and snap["breakers"]["p0->d0"]["failures"] == 0
-        assert snap["counters"]["requests"] == 1 and snap["migrations"] == {}
+        breaker = {b.pair: b for b in snap.breakers}["p0->d0"]
+        assert breaker.state == "closed" and breaker.failures == 0
+        assert snap.counters["requests"] == 1 and snap.migrations == {}
         stats = await router.refresh_engine_stats()
-        assert stats["d0"]["up"] and stats["p0"]["free_blocks"] == 10
+        assert stats["d0"].up and stats["p0"].stats.free_blocks == 10
 
     run(go())
 
@@ -596,7 +600,7 @@ def test_first_token_from_prefill_is_streamed_and_decode_continues_from_token_tw
         assert sent.prompt_token_ids == tuple(b"hello world") + (0,) and sent.max_tokens == 3 and sent.num_resumed_tokens == 1
         assert sent.kv_transfer_params["remote_engine_id"] == "p0"
         assert s.num_generated == 1 + 3 and directory.state("d0", "p0") == "closed"
-        assert router.decode_load["d0"].requests == 0 and router.decode_load["d0"].tokens == 0
+        assert router.pool.decode_load["d0"].requests == 0 and router.pool.decode_load["d0"].tokens == 0
 
     run(go())
 

@@ -35,19 +35,19 @@ def test_engines_listed_later_are_adopted_and_served():
     router, made, stream = asyncio.run(go())
     assert sorted(made) == ["d1", "p1"]
     assert stream.decode_id == "d1"
-    assert (sorted(router.decodes), sorted(router.prefills)) == (["d1"], ["p0", "p1"])
+    assert (sorted(router.pool.decodes), sorted(router.pool.prefills)) == (["d1"], ["p0", "p1"])
 
 
 def test_a_departed_engine_is_kept_while_a_request_of_ours_runs_there():
     async def go():
         router, directory, _ = make({"d0": ["p0"]})
-        router.decode_load["d0"].requests = 1
+        router.pool.decode_load["d0"].requests = 1
         directory.routes_value = {"d1": ["p0"]}
         await router.routes(force=True)
-        kept = sorted(router.decodes)
-        router.decode_load["d0"].requests = 0
+        kept = sorted(router.pool.decodes)
+        router.pool.decode_load["d0"].requests = 0
         await router.routes(force=True)
-        return kept, sorted(router.decodes)
+        return kept, sorted(router.pool.decodes)
 
     assert asyncio.run(go()) == (["d0", "d1"], ["d1"])
 
@@ -57,7 +57,7 @@ def test_a_departed_engine_whose_actor_still_exists_is_kept():
         router, directory, _ = make({"d0": ["p0"]}, gone=())
         directory.routes_value = {"d1": ["p0"]}  # d0 died but is restarting: still shown (as down)
         await router.routes(force=True)
-        return sorted(router.decodes)
+        return sorted(router.pool.decodes)
 
     assert asyncio.run(go()) == ["d0", "d1"]
 
@@ -67,6 +67,6 @@ def test_without_a_resolver_the_engine_set_is_fixed():
         router = Router({"p0": FakeEngine("p0")}, {"d0": FakeEngine("d0")},
                         FakeDirectory({"d0": ["p0"], "d9": ["p0"]}, FakeClock()))
         await router.routes()
-        return sorted(router.decodes)
+        return sorted(router.pool.decodes)
 
     assert asyncio.run(go()) == ["d0"]

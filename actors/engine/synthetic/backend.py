@@ -12,7 +12,7 @@ import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from actors.engine.config import EngineConfig
-from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
+from actors.protocol import BackendStats, EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
 from actors.engine.synthetic.engine import EngineShape, SyntheticEngine, TransferFailed
 from actors.engine.synthetic.pattern import generate_tokens
 from actors.engine.synthetic.rank import SyntheticModel
@@ -139,14 +139,14 @@ class SyntheticBackend:
     async def drop_engine(self, engine_id: str) -> None:
         return None  # the rank actors were told directly by the coordinator
 
-    async def stats(self) -> dict:
+    async def stats(self) -> BackendStats:
         s = self.engine.stats()
         ranks = await self.engine.rank_stats()  # what the ranks' NIXL transfers moved
-        return {"free_blocks": s["free_blocks"], "num_blocks": s["num_blocks"],
-                "held_leases": s["held_requests"], "decoding": len(self._decoding),
-                "transfer_bytes": sum(r.get("bytes_posted", 0) for r in ranks),
-                "handshakes": sum(r.get("handshakes", 0) for r in ranks),
-                "child_pids": s["rank_pids"], "rank_incarnation": s["incarnation"]}
+        return BackendStats("synthetic", num_blocks=s["num_blocks"], free_blocks=s["free_blocks"],
+                            held_leases=s["held_requests"],
+                            transfer_bytes=sum(r.get("bytes_posted", 0) for r in ranks),
+                            handshakes=sum(r.get("handshakes", 0) for r in ranks), child_pids=tuple(s["rank_pids"]),
+                            counters={"decoding": len(self._decoding), "rank_incarnation": s["incarnation"]})
 
     async def shutdown(self) -> None:
         if self.engine is not None:

@@ -60,7 +60,15 @@ from actors.kv.handshake import decode_handshake
 from actors.engine.vllm.kv_events import KVEventsSource, endpoint_in, vllm_kv_events_config
 from actors.control.prefix_index import DEFAULT_SEED, HashScheme
 from actors.engine.vllm.orphans import child_pids, forget, reap_children, reap_previous, record_children
-from actors.protocol import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, SamplingSpec, TokenChunk
+from actors.protocol import (
+    BackendStats,
+    EngineRequest,
+    EngineRequestError,
+    ModelInfo,
+    PrefillResult,
+    SamplingSpec,
+    TokenChunk,
+)
 from actors.engine.vllm.peer_payloads import PeerPayloads
 from actors.transfer_params import TransferParamsError
 
@@ -285,10 +293,13 @@ class VllmBackend:
                              kv_transfer_params=params, num_cached_tokens=cached)
 
     def _remember_unread(self, req_id: str, vllm_id: str, ttl: float) -> None:
+        self._forget_expired_unread()
+        self._unread[req_id] = (vllm_id, time.monotonic() + ttl)
+
+    def _forget_expired_unread(self) -> None:
         now = time.monotonic()
         for old in [r for r, (_, expiry) in self._unread.items() if expiry <= now]:
             del self._unread[old]  # its lease expired: nothing left to release
-        self._unread[req_id] = (vllm_id, now + ttl)
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
         ids = self._prompt(req)
@@ -408,13 +419,16 @@ class VllmBackend:
         # agents whose name changed (a restarted engine never meets stale metadata).
         self.peers.drop(engine_id)
 
-    async def stats(self) -> dict:
-        """Counters plus the scheduler's view as of its last step (vLLM reports per step)."""
+    async def stats(self) -> BackendStats:
+        """Counters plus the scheduler's view as of its last step (vLLM reports per step); held
+        leases are the prefills whose blocks still wait for their reader (until read or expired)."""
         u = self._usage
         total = int(u["num_blocks"])
-        return {"backend": "vllm", **self.counters, "num_blocks": total,
-                "free_blocks": round((1.0 - float(u["kv_cache_usage"])) * total),
-                "engine_running": u["running"], "engine_waiting": u["waiting"], "child_pids": child_pids()}
+        self._forget_expired_unread()
+        return BackendStats("vllm", num_blocks=total, free_blocks=round((1.0 - float(u["kv_cache_usage"])) * total),
+                            held_leases=len(self._unread), child_pids=tuple(child_pids()),
+                            counters={**self.counters, "engine_running": u["running"],
+                                      "engine_waiting": u["waiting"]})
 
     async def shutdown(self) -> None:
         if self.llm is not None:

@@ -41,6 +41,7 @@ from actors.control.prefix_index import (
     KVEventsBatch,
     external_key,
 )
+from actors.protocol import KVEventsStats
 
 logger = logging.getLogger("raypd.kv_events")
 
@@ -234,6 +235,5 @@ class KVEventsRelay:
                 logger.info("%s: KV events not delivered (%s); the next batch resets", self.engine_id, exc)
                 self._reset = True
 
-    def snapshot(self) -> dict:
-        return {"endpoint": self.endpoint, "block_size": self.scheme.block_size, "algo": self.scheme.algo,
-                **vars(self.stats)}
+    def snapshot(self) -> KVEventsStats:
+        return KVEventsStats(self.endpoint, self.scheme.block_size, self.scheme.algo, **vars(self.stats))

@@ -1,0 +1,95 @@
+"""The router's cached view of the directory (the coordinator): which engines serve, which pairs route.
+
+Life cycle of the view:
+
+  first lookup   waits for the directory once;
+  fresh          served as is for `ttl_s`;
+  expired        served as is while one refresh runs in the background, so no
+                 request pays the coordinator's round trip on its way to the
+                 first token;
+  invalidated    an outcome that may move a breaker was reported
+                 (`invalidate()`): the next lookup waits for a fresh view;
+  settling       a restarted coordinator whose engines are still registering
+                 again: engines it does not list yet are kept from the last view;
+  unreachable    the last view is kept (an empty one before any), the error is
+                 shown in readiness and status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
+
+from actors.protocol import RouteTable
+
+logger = logging.getLogger("raypd.router")
+
+
+class Directory(Protocol):
+    async def routes(self) -> RouteTable:
+        """Live decode engines -> usable prefill engines, and every pair's breaker."""
+        ...
+
+    async def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
+        """Win the half-open pair's probe (granted once, cluster-wide)."""
+        ...
+
+    def prefill_failed(self, decode_id: str, prefill_id: str, reason: str) -> None:
+        """Report an engine-caused prefill failure to the ledger (fire and forget)."""
+        ...
+
+
+class DirectoryView:
+    def __init__(self, directory: Directory, ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 on_refresh: Callable[[RouteTable], None] | None = None):
+        self.directory = directory
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.on_refresh = on_refresh  # the pool adopts the engines a fresh view lists
+        self.table: RouteTable | None = None
+        self.error: str | None = None
+        self._at = -math.inf
+        self._refreshing = False
+        self._stale = False
+        self._background: asyncio.Task | None = None
+
+    async def routes(self, force: bool = False) -> RouteTable:
+        """The view (see the module docstring); `force` waits for a fresh one."""
+        if force or self.table is None or self._stale:
+            self._stale = False
+            await self._refresh()
+        elif self.clock() - self._at >= self.ttl_s and not self._refreshing:
+            self._refreshing = True
+            self._background = asyncio.get_running_loop().create_task(self._refresh())
+        return self.table
+
+    def invalidate(self) -> None:
+        """An outcome was reported that may move a breaker: the next lookup asks the directory."""
+        self._stale = True
+
+    def generation_of(self, engine_id: str) -> int | None:
+        return self.table.generations.get(engine_id) if self.table else None
+
+    async def _refresh(self) -> None:
+        try:
+            fresh = await self.directory.routes()
+            if fresh.settling and self.table is not None:
+                kept = {d: ps for d, ps in self.table.decodes.items() if d not in fresh.decodes}
+                fresh = replace(fresh, decodes={**kept, **fresh.decodes},
+                                generations={**self.table.generations, **fresh.generations})
+            self.table, self.error = fresh, None
+            if self.on_refresh is not None:
+                self.on_refresh(fresh)
+        except Exception as exc:  # noqa: BLE001 - the directory being away must not crash routing
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.warning("directory unavailable, keeping the last view: %s", self.error)
+            if self.table is None:
+                self.table = RouteTable({})
+        finally:
+            self._at = self.clock()
+            self._refreshing = False

@@ -1,0 +1,201 @@
+"""The router's engines: the one owner of their clients, the work charged to them and the counters.
+
+Per engine it keeps the client (`EngineClient`: a Ray actor handle behind a small
+interface, a fake in unit tests) and the `Load` this router sent there; per pool
+the counters routing reports (requests, retries, fallbacks, migrations, transfer
+and prefill failures) and the engines' last stats. Everything else reads it:
+
+  membership  `sync(routes)` adopts engines the directory lists that the pool has
+              no client for (scaled up, recreated), and forgets departed ones
+              once nothing of ours runs there and their actor is gone;
+  selection   `live_decodes` / `usable_prefills` intersect the directory's view
+              with the engines the pool knows, least loaded first;
+  charges     `charge_decode` opens a `DecodeCharge` (paid back as tokens stream);
+              `prefilling` counts a prefill's prompt tokens while it runs;
+  cleanup     `abort_decode`, `abort_prefill`, `close_gen` run in the background
+              (safe from a cancelled task); `drain()` waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from actors.protocol import EngineRequest, EngineStats, PrefillResult, RouteTable, TokenChunk
+
+logger = logging.getLogger("raypd.router")
+
+
+class EngineClient(Protocol):
+    engine_id: str
+
+    async def prefill(self, req: EngineRequest) -> PrefillResult: ...
+    def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]: ...
+    async def abort(self, request_id: str) -> None: ...
+    async def stats(self) -> EngineStats: ...
+
+
+@dataclass
+class Load:
+    requests: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """An engine's last stats call as the pool saw it: its stats, or why there are none."""
+
+    up: bool
+    stats: EngineStats | None = None
+    error: str | None = None
+
+
+class DecodeCharge:
+    """The work a request owes its decode engine: charged on entry, paid back as tokens
+    arrive, and refunded in full on exit unless a stream took it over (`hand_over`)."""
+
+    def __init__(self, load: Load, tokens: int):
+        self.load, self.owed = load, tokens
+        self.open = True
+        self.handed_over = False
+        load.requests += 1
+        load.tokens += tokens
+
+    def __enter__(self) -> "DecodeCharge":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.handed_over:
+            self.settle()
+
+    def hand_over(self) -> "DecodeCharge":
+        self.handed_over = True
+        return self
+
+    def pay(self, tokens: int) -> None:
+        paid = min(tokens, self.owed)
+        self.owed -= paid
+        self.load.tokens = max(0, self.load.tokens - paid)
+
+    def settle(self) -> None:
+        """Refund what is still owed and the request slot (once)."""
+        if self.open:
+            self.open = False
+            self.pay(self.owed)
+            self.load.requests = max(0, self.load.requests - 1)
+
+
+class EnginePool:
+    def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
+                 resolve_engine: Callable[[str], EngineClient | None] | None = None):
+        self.prefills, self.decodes = dict(prefills), dict(decodes)
+        # engines the directory lists that the pool has no client for yet (scaled up, restarted)
+        self.resolve_engine = resolve_engine
+        self.decode_load: dict[str, Load] = {d: Load() for d in self.decodes}
+        self.prefill_load: dict[str, Load] = {p: Load() for p in self.prefills}
+        self.counters: Counter[str] = Counter()  # requests, retries, aborted, recomputed...
+        self.fallbacks: Counter[str] = Counter()  # reason -> count
+        self.migrations: Counter[str] = Counter()  # reason -> streams moved to another decode engine
+        self.transfer_failures: Counter[tuple[str, str]] = Counter()  # (decode, prefill), as observed
+        self.prefill_failures: Counter[str] = Counter()  # prefill id
+        self.engine_stats: dict[str, EngineStatus] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---------------------------------------------------------- membership
+    def sync(self, routes: RouteTable) -> None:
+        """Adopt the engines the directory lists; forget departed ones once nothing of ours runs there
+        and their actor is gone (a dead engine that is still there stays, shown as down)."""
+        if self.resolve_engine is None:
+            return
+        listed = {d: (self.decodes, self.decode_load) for d in routes.decodes}
+        listed.update({r.prefill_id: (self.prefills, self.prefill_load)
+                       for rs in routes.decodes.values() for r in rs})
+        for eid, (pool, loads) in listed.items():
+            if eid not in pool:
+                client = self.resolve_engine(eid)
+                if client is not None:
+                    pool[eid] = client
+                    loads.setdefault(eid, Load())
+        for pool, loads in ((self.decodes, self.decode_load), (self.prefills, self.prefill_load)):
+            for eid in [e for e in pool if e not in listed and not loads[e].requests
+                        and self.resolve_engine(e) is None]:
+                del pool[eid], loads[eid]
+                self.engine_stats.pop(eid, None)
+
+    # ----------------------------------------------------------- selection
+    def live_decodes(self, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
+        return [d for d in self.decodes if d in routes.decodes and d not in exclude]
+
+    def usable_prefills(self, decode_id: str, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
+        """Usable per the ledger, known here, not excluded; least loaded first."""
+        ids = [r.prefill_id for r in routes.decodes.get(decode_id, ())
+               if r.prefill_id in self.prefills and r.prefill_id not in exclude]
+        return sorted(ids, key=lambda p: (self.prefill_load[p].requests, self.prefill_load[p].tokens))
+
+    # ------------------------------------------------------------- charges
+    def charge_decode(self, decode_id: str, tokens: int) -> DecodeCharge:
+        return DecodeCharge(self.decode_load[decode_id], tokens)
+
+    @contextlib.contextmanager
+    def prefilling(self, prefill_id: str, tokens: int) -> Iterator[None]:
+        """A prefill in flight on `prefill_id` (its prompt tokens count as queued work there)."""
+        load = self.prefill_load[prefill_id]
+        load.requests += 1
+        load.tokens += tokens
+        try:
+            yield
+        finally:
+            load.requests -= 1
+            load.tokens -= tokens
+
+    # -------------------------------------------------------------- status
+    async def refresh_stats(self, timeout_s: float = 2.0) -> dict[str, EngineStatus]:
+        """Every engine's stats (a dead engine is a status, not an error)."""
+        engines = {**self.prefills, **self.decodes}
+
+        async def one(eid: str, eng: EngineClient) -> tuple[str, EngineStatus]:
+            try:
+                return eid, EngineStatus(True, await asyncio.wait_for(eng.stats(), timeout_s))
+            except Exception as exc:  # noqa: BLE001
+                return eid, EngineStatus(False, error=f"{type(exc).__name__}: {exc}")
+
+        self.engine_stats = dict(await asyncio.gather(*(one(e, h) for e, h in engines.items())))
+        return self.engine_stats
+
+    # ---------------------------------------------------------- background
+    def spawn(self, coro: Any) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:  # no loop (called at interpreter shutdown): best effort
+            coro.close()
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.info("background abort failed: %s", task.exception())
+
+    def abort_decode(self, decode_id: str, engine_req_id: str) -> None:
+        if decode_id in self.decodes:  # else it left the pool: nothing of the request is left there
+            self.spawn(self.decodes[decode_id].abort(engine_req_id))
+
+    def abort_prefill(self, prefill_id: str | None, engine_req_id: str) -> None:
+        if prefill_id in self.prefills:
+            self.spawn(self.prefills[prefill_id].abort(engine_req_id))
+
+    def close_gen(self, gen: Any) -> None:
+        aclose = getattr(gen, "aclose", None)
+        if aclose is not None:
+            self.spawn(aclose())
+
+    async def drain(self) -> None:
+        """Wait for background aborts (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

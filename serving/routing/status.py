@@ -1,0 +1,76 @@
+"""What a router reports about itself, typed: readiness (the front's `/health`) and its snapshot
+(`raypd status`, `/metrics`). `to_json()` is the one place they become plain dicts (HTTP, CLI)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.protocol import PairState, RouteTable
+from serving.routing.pool import EnginePool, EngineStatus, Load
+
+
+def jsonable(obj: Any) -> Any:
+    """Dataclasses, tuples and tuple-keyed dicts as JSON values (pair keys become "a->b")."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {("->".join(k) if isinstance(k, tuple) else str(k)): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Whether the router can place a request now, and why not."""
+
+    ready: bool
+    reason: str | None = None
+    decode_engines: tuple[str, ...] = ()
+    pd_paths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # decode -> usable prefill engines
+    decode_local: bool = False  # decode engines may prefill themselves
+    directory_error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return jsonable(self)
+
+
+@dataclass(frozen=True)
+class PlannerSnapshot:
+    decisions: dict[tuple[str, str], int] = field(default_factory=dict)  # (decision, reason) -> requests
+    prefix_index_engines: dict[str, int] | None = None  # engine -> blocks (cache-aware routing only)
+    prefix_index_error: str | None = None
+
+
+@dataclass(frozen=True)
+class RouterSnapshot:
+    decode_load: dict[str, Load]
+    prefill_load: dict[str, Load]
+    breakers: tuple[PairState, ...]
+    counters: dict[str, int]
+    fallbacks: dict[str, int]
+    migrations: dict[str, int]
+    transfer_failures: dict[tuple[str, str], int]  # (prefill, decode) -> failures this router saw
+    prefill_failures: dict[str, int]
+    routes: dict[str, tuple[str, ...]]  # decode -> usable prefill engines (the directory's view)
+    planner: PlannerSnapshot = PlannerSnapshot()
+    pools: Any = None  # serving.cluster.autoscaler.AutoscalerStatus when an autoscaler runs
+    engines: dict[str, EngineStatus] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, pool: EnginePool, routes: RouteTable, planner: PlannerSnapshot, pools: Any) -> "RouterSnapshot":
+        return cls(
+            decode_load={d: dataclasses.replace(x) for d, x in pool.decode_load.items()},
+            prefill_load={p: dataclasses.replace(x) for p, x in pool.prefill_load.items()},
+            breakers=routes.breakers, counters=dict(pool.counters), fallbacks=dict(pool.fallbacks),
+            migrations=dict(pool.migrations),
+            transfer_failures={(p, d): n for (d, p), n in pool.transfer_failures.items()},
+            prefill_failures=dict(pool.prefill_failures),
+            routes={d: tuple(r.prefill_id for r in rs) for d, rs in routes.decodes.items()},
+            planner=planner, pools=pools, engines=dict(pool.engine_stats),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return jsonable(self)
