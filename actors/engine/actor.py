@@ -274,7 +274,7 @@ class EngineActor:
             # the ledger watches this handoff until the transfer outcome is reported
             self._coordinator.open_handoff.remote(req_id, params.remote_engine_id, self.engine_id)
         try:
-            async for chunk in self.backend.generate(req):
+            async for chunk in self.backend.generate(req, params):
                 track.observe(chunk)
                 if chunk.recomputed:
                     self.counters["recomputed"] += 1

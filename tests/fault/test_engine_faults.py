@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from actors.engine.synthetic.engine import EngineShape, SyntheticEngine, TransferFailed
+from actors.transfer_params import TransferParams
 from actors.engine.synthetic.rank import SyntheticModel
 
 MODEL = SyntheticModel(model_id="fault-model", num_layers=2, num_kv_heads=2, head_size=32)
@@ -43,14 +44,14 @@ def test_killed_prefill_rank_fails_its_transfer_in_bounded_time_and_others_keep_
         p, p2, d = await engines(coordinator, ("kf-P", "prefill", 2), ("kf-P2", "prefill", 1), ("kf-D", "decode", 1))
         try:
             # warm up: D has handshaken with P, so the next read needs no wireup
-            out = await d.decode("warm", await p.prefill("warm", PROMPT), PROMPT)
+            out = await d.decode("warm", TransferParams.parse(await p.prefill("warm", PROMPT)), PROMPT)
             assert out["mismatches"] == 0
             await p.wait_released("warm")
             params = await p.prefill("victim", PROMPT)
             victim = await p.ranks[0].pid.remote()
             # Frozen, its NIXL progress thread too, rank 0 cannot complete a READ: one stays in flight.
             os.kill(victim, signal.SIGSTOP)
-            pull = asyncio.ensure_future(d.decode("victim", params, PROMPT, timeout_s=30))
+            pull = asyncio.ensure_future(d.decode("victim", TransferParams.parse(params), PROMPT, timeout_s=30))
             await asyncio.sleep(0.5)
             assert not pull.done(), "the read should still be in flight while P's rank is frozen"
             t0 = time.monotonic()
@@ -62,7 +63,7 @@ def test_killed_prefill_rank_fails_its_transfer_in_bounded_time_and_others_keep_
             assert failure.value.invalid_block_ids
             assert d.pool.num_free == d.pool.num_blocks
             # the decode engine keeps serving other producers
-            out = await d.decode("other", await p2.prefill("other", PROMPT), PROMPT)
+            out = await d.decode("other", TransferParams.parse(await p2.prefill("other", PROMPT)), PROMPT)
             assert out["mismatches"] == 0 and await settle(p2)
             stats = await d.rank_stats()
             assert all(s["transport_in_flight"] == 0 for s in stats)
@@ -77,7 +78,7 @@ def test_a_killed_rank_restarts_and_its_engine_rejoins_with_a_fresh_handshake(co
     async def go():
         p, d = await engines(coordinator, ("rs-P", "prefill", 1), ("rs-D", "decode", 1))
         try:
-            out = await d.decode("a", await p.prefill("a", PROMPT), PROMPT)
+            out = await d.decode("a", TransferParams.parse(await p.prefill("a", PROMPT)), PROMPT)
             assert out["mismatches"] == 0
             old_agent = (await p.rank_stats())[0]["agent"]
             old_generation = {e.engine_id: e for e in await coordinator.engines.remote()}["rs-P"].generation
@@ -88,7 +89,7 @@ def test_a_killed_rank_restarts_and_its_engine_rejoins_with_a_fresh_handshake(co
             now = {}
             while time.monotonic() < deadline:
                 now = {e.engine_id: e for e in await coordinator.engines.remote()}
-                if now.get("rs-P", {}).get("generation", old_generation) != old_generation:
+                if "rs-P" in now and now["rs-P"].generation != old_generation:
                     break
                 await asyncio.sleep(0.1)
             assert now["rs-P"].generation > old_generation, "the engine must rejoin as a new incarnation"
@@ -98,9 +99,9 @@ def test_a_killed_rank_restarts_and_its_engine_rejoins_with_a_fresh_handshake(co
             assert (await d.rank_stats())[0]["peers"] == 0, "decode ranks must drop the dead incarnation's agents"
             # the old params name the dead incarnation's blocks: the READ reaches the new incarnation's
             # memory, which holds no such prompt, and verification refuses it (the backend's TransferFailed)
-            stale = await d.decode("stale", held, PROMPT, timeout_s=15)
+            stale = await d.decode("stale", TransferParams.parse(held), PROMPT, timeout_s=15)
             assert stale["mismatches"] > 0
-            out = await d.decode("b", await p.prefill("b", PROMPT), PROMPT)  # a fresh handshake
+            out = await d.decode("b", TransferParams.parse(await p.prefill("b", PROMPT)), PROMPT)  # a fresh handshake
             assert out["mismatches"] == 0
             assert (await p.rank_stats())[0]["agent"] != old_agent
             assert await settle(p)
@@ -144,7 +145,7 @@ def test_failed_transfers_open_the_pair_breaker_in_the_ledger(coordinator):
                 await coordinator.open_handoff.remote(f"f{i}", "br-P", "br-D")
                 params = {**params, "remote_block_ids": [10_000] * len(params["remote_block_ids"])}
                 with pytest.raises(TransferFailed, match="BlockRangeError"):
-                    await d.decode(f"f{i}", params, PROMPT)
+                    await d.decode(f"f{i}", TransferParams.parse(params), PROMPT)
                 await p.abort(f"f{i}")
             deadline = time.monotonic() + 5
             while "br-P" in await usable(coordinator, "br-D") and time.monotonic() < deadline:
@@ -168,7 +169,7 @@ def test_a_decode_rank_killed_between_reporting_and_the_verdict_yields_exactly_o
         p, d = await engines(coordinator, ("sv-P", "prefill", 2), ("sv-D", "decode", 2))
         stopped = None
         try:
-            out = await d.decode("warm", await p.prefill("warm", PROMPT), PROMPT)  # handshakes done
+            out = await d.decode("warm", TransferParams.parse(await p.prefill("warm", PROMPT)), PROMPT)  # handshakes done
             assert out["mismatches"] == 0
             await p.wait_released("warm")
             params = await p.prefill("r", PROMPT)
@@ -178,7 +179,7 @@ def test_a_decode_rank_killed_between_reporting_and_the_verdict_yields_exactly_o
             os.kill(stopped, signal.SIGSTOP)
             await coordinator.open_handoff.remote("r", "sv-P", "sv-D")
             before = (await coordinator.transfers.remote()).verdicts
-            pull = asyncio.ensure_future(d.decode("r", params, PROMPT, timeout_s=60))
+            pull = asyncio.ensure_future(d.decode("r", TransferParams.parse(params), PROMPT, timeout_s=60))
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:  # D's rank 0 finishes its share and reports it
                 if (await coordinator.transfers.remote()).awaiting_units.get("r") == 1:

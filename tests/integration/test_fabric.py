@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 
+from actors.transfer_params import TransferParams
 from actors.engine.synthetic.engine import EngineShape, SyntheticEngine
 from actors.engine.synthetic.rank import SyntheticModel
 
@@ -52,7 +53,7 @@ async def run_case(coordinator, model, p_shape, d_shape):
         await asyncio.gather(p.start(), d.start(), ref.start())
         assert await coordinator.pair_verdict.remote(p.engine_id, d.engine_id) is None
         params = await p.prefill("req-1", PROMPT, seed=3)
-        out = await d.decode("req-1", params, PROMPT, seed=3, max_tokens=8)
+        out = await d.decode("req-1", TransferParams.parse(params), PROMPT, seed=3, max_tokens=8)
         await p.wait_released("req-1", timeout_s=10)
         want = await ref.generate_local("c", PROMPT, seed=3, max_tokens=8)
         p_stats, d_stats = await p.rank_stats(), await d.rank_stats()

@@ -12,6 +12,7 @@ import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from actors.engine.config import EngineConfig
+from actors.transfer_params import TransferParams
 from actors.protocol import BackendStats, EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
 from actors.engine.synthetic.engine import EngineShape, SyntheticEngine, TransferFailed
 from actors.engine.synthetic.pattern import generate_tokens
@@ -90,14 +91,13 @@ class SyntheticBackend:
             return PrefillResult(tuple(tokens), tuple(first), text, "stop" if stopped else "length")
         return PrefillResult(tuple(tokens), tuple(first), text, "length", kv_transfer_params=params)
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, req: EngineRequest, params: TransferParams | None) -> AsyncIterator[TokenChunk]:
         req_id = req.request_id
         tokens = self._tokens(req)
         # A continuation's prompt ends with tokens already generated: the model's state is the
         # original prompt's KV (pulled, or computed here), and generation resumes after them.
         resumed = min(req.num_resumed_tokens, len(tokens) - 1)
         prompt = tokens[:len(tokens) - resumed]
-        params = req.kv_transfer_params
         recomputed = False
         self._decoding.add(req_id)
         try:

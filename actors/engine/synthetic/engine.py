@@ -265,13 +265,9 @@ class SyntheticEngine:
             self.pool.free(held[0])
 
     # ------------------------------------------------------------- decode
-    async def decode(self, req_id: str, params: dict, token_ids: list[int], seed: int = 0,
+    async def decode(self, req_id: str, parsed: TransferParams, token_ids: list[int], seed: int = 0,
                      max_tokens: int = 8, timeout_s: float = 60.0) -> dict:
-        """Pull the prompt's KV from the prefill engine and 'generate' from it.
-
-        Malformed params raise `TransferParamsError` (a ValueError) before anything moves.
-        """
-        parsed = TransferParams.parse(params)
+        """Pull the prompt's KV from the prefill engine and 'generate' from it."""
         await self._serving()
         block_ids = self.pool.allocate(self.blocks_for(len(token_ids)))
         try:

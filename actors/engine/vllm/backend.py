@@ -45,11 +45,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 import shutil
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import ray
@@ -70,30 +70,21 @@ from actors.protocol import (
     TokenChunk,
 )
 from actors.engine.vllm.peer_payloads import PeerPayloads
-from actors.transfer_params import TransferParamsError
+from actors.engine.vllm.requests import engine_outputs, prompt_ids, sampling_params, usage_sink
+from actors.transfer_params import TransferParams
 
 logger = logging.getLogger("raypd.vllm")
 
 
-def _usage_logger_factory(sink: dict):
-    """A vLLM stat logger that keeps the last scheduler stats (KV usage, queue depths)."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
+@dataclass(frozen=True)
+class PullVerdict:
+    """How a decode request's prompt KV arrived, as vLLM's first delta tells it."""
 
-    class KVUsageLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0):
-            sink["num_blocks"] = vllm_config.cache_config.num_gpu_blocks or 0
+    num_cached_tokens: int  # prompt tokens vLLM did not compute (pulled, or in its prefix cache)
+    recomputed: bool  # the pull failed and the prompt was computed here (policy recompute)
 
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:
-            if scheduler_stats is not None:
-                sink["kv_cache_usage"] = scheduler_stats.kv_cache_usage
-                sink["running"] = scheduler_stats.num_running_reqs
-                sink["waiting"] = scheduler_stats.num_waiting_reqs
-
-        def log_engine_initialized(self) -> None:
-            return None
-
-    return KVUsageLogger
+    def on(self, chunk: TokenChunk) -> TokenChunk:
+        return chunk.replace(num_cached_tokens=self.num_cached_tokens, recomputed=self.recomputed)
 
 
 class VllmBackend:
@@ -160,7 +151,7 @@ class VllmBackend:
         (tagged with this engine's id and role) when running in a Ray process."""
         import ray
 
-        loggers: list[Any] = [_usage_logger_factory(self._usage)]
+        loggers: list[Any] = [usage_sink(self._usage)]
         if ray.is_initialized():
             from actors.engine.vllm.metrics import engine_stat_logger
 
@@ -213,72 +204,16 @@ class VllmBackend:
                          trust_remote_code=mc.trust_remote_code, default_sampling_params=defaults,
                          override_max_tokens=override)
 
-    def _prompt(self, req: EngineRequest) -> list[int]:
-        """The token ids (the front tokenized and checked them; this guards direct callers)."""
-        ids = list(req.prompt_token_ids)
-        if not ids:
-            raise EngineRequestError("the prompt is empty")
-        if len(ids) + req.max_tokens > self.cfg.max_model_len:
-            raise EngineRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context length "
-                f"{self.cfg.max_model_len}"
-            )
-        return ids
-
-    def _sampling(self, spec: SamplingSpec, max_tokens: int, kv_params: dict | None, already: int = 0) -> Any:
-        """vLLM's SamplingParams as the front derived them, streamed as deltas, with our transfer params;
-        `already`: tokens of the answer that are part of the prompt here (a plain continuation)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        if spec.vllm_params is not None:
-            sp = pickle.loads(spec.vllm_params)
-        else:  # a direct caller (tests, benchmarks) that only set the plain fields
-            try:
-                sp = SamplingParams(temperature=0.0 if spec.temperature is None else spec.temperature,
-                                    top_p=1.0 if spec.top_p is None else spec.top_p, seed=spec.seed,
-                                    stop=list(spec.stop) or None, ignore_eos=spec.ignore_eos)
-            except (ValueError, TypeError) as exc:  # vLLM refuses the sampling parameters
-                raise EngineRequestError(str(exc)) from None
-        sp.max_tokens = max_tokens
-        sp.min_tokens = min(max(0, sp.min_tokens - already), max_tokens)
-        sp.output_kind = RequestOutputKind.DELTA
-        extra = {k: v for k, v in (sp.extra_args or {}).items() if k != "kv_transfer_params"}
-        if kv_params:
-            extra["kv_transfer_params"] = kv_params
-        sp.extra_args = extra or None
-        return sp
-
-    async def _outputs(self, ids: list[int], sp: Any, request_id: str) -> AsyncIterator[Any]:
-        """AsyncLLM.generate; what vLLM refuses while admitting the request (vocabulary, length,
-        sampling parameters) is the client's fault. vLLM wraps admission errors other than its
-        client errors in EngineGenerateError."""
-        from vllm.exceptions import VLLMClientError
-        from vllm.v1.engine.exceptions import EngineGenerateError
-
-        admitted = False
-        try:
-            async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=request_id):
-                admitted = True
-                yield out
-        except VLLMClientError as exc:
-            raise EngineRequestError(str(exc)) from None
-        except (EngineGenerateError, ValueError, TypeError) as exc:
-            cause = exc.__cause__ if isinstance(exc, EngineGenerateError) else exc
-            if not admitted and isinstance(cause, (ValueError, TypeError)):
-                raise EngineRequestError(str(cause)) from None
-            raise
-
     async def prefill(self, req: EngineRequest) -> PrefillResult:
         """Prefill for remote decode: first token + transfer params."""
-        ids = self._prompt(req)
+        ids = prompt_ids(req, self.cfg.max_model_len)
         ttl = req.lease_ttl_s or self.cfg.lease_ttl_s
         # max_tokens 1: the first token is the whole answer, nothing to hand off
         remote = req.max_tokens > 1
-        sp = self._sampling(req.sampling, 1, {"do_remote_decode": True, "lease_ttl_s": ttl} if remote else None)
+        sp = sampling_params(req.sampling, 1, {"do_remote_decode": True, "lease_ttl_s": ttl} if remote else None)
         first_ids: list[int] = []
         text, finish, params, cached = "", None, None, None
-        async for out in self._outputs(ids, sp, req.request_id):
+        async for out in engine_outputs(self.llm, ids, sp, req.request_id):
             cached = out.num_cached_tokens if cached is None else cached
             o = out.outputs[0]
             first_ids.extend(o.token_ids)
@@ -301,9 +236,8 @@ class VllmBackend:
         for old in [r for r, (_, expiry) in self._unread.items() if expiry <= now]:
             del self._unread[old]  # its lease expired: nothing left to release
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
-        ids = self._prompt(req)
-        params = req.kv_transfer_params
+    async def generate(self, req: EngineRequest, params: TransferParams | None) -> AsyncIterator[TokenChunk]:
+        ids = prompt_ids(req, self.cfg.max_model_len)
         # Replay the prefill engine's first token (see the module docstring): the engine runs the
         # original prompt and the first delta must be that token, which is not streamed again.
         replay = tuple(ids[-1:]) if req.num_resumed_tokens == 1 and len(ids) > 1 else ()
@@ -312,15 +246,14 @@ class VllmBackend:
         num_prompt = len(ids) - req.num_resumed_tokens
         expected_external = 0
         handshake_failed = False
-        if params:
+        kv_params: dict | None = None  # what vLLM's connector reads (its own boundary)
+        if params is not None:
             try:
-                params = await self.peers.attach(params, self.coordinator)
-            except TransferParamsError as exc:
-                raise EngineRequestError(str(exc)) from None
+                kv_params = await self.peers.attach(params, self.coordinator)
             except HandshakeError as exc:
                 # the pull cannot even start: the ledger hears it as this pair's handshake failure,
                 # and the policy decides as for any failed pull
-                producer = str(params.get("remote_engine_id"))
+                producer = params.remote_engine_id
                 logger.warning("%s: handshake with %s failed: %s", req_id, producer, exc)
                 if self.coordinator is not None:
                     self.coordinator.handshake_failed.remote(self.engine_id, producer, str(exc), req_id)
@@ -328,14 +261,15 @@ class VllmBackend:
                 if self.cfg.kv_load_failure_policy == "fail":
                     yield TokenChunk.error_chunk(req_id, f"KV transfer failed: {exc}", num_prompt)
                     return
-                params, handshake_failed = None, True
+                handshake_failed = True
             else:
-                expected_external = min(int(params["num_tokens"]), len(engine_ids) - 1)
+                expected_external = min(params.num_tokens, len(engine_ids) - 1)
                 self.counters["kv_pulls"] += 1
-        sp = self._sampling(req.sampling, req.max_tokens + len(replay), params,
-                            already=req.num_resumed_tokens - len(replay))
-        verdict: dict[str, Any] | None = None
-        async for out in self._outputs(engine_ids, sp, req_id):
+        sp = sampling_params(req.sampling, req.max_tokens + len(replay), kv_params,
+                             already=req.num_resumed_tokens - len(replay))
+        verdict: PullVerdict | None = None
+        pending: PullVerdict | None = None  # put on the first chunk the client sees
+        async for out in engine_outputs(self.llm, engine_ids, sp, req_id):
             o = out.outputs[0]
             chunk = TokenChunk(req_id, tuple(o.token_ids), o.text, finished=out.finished,
                                num_prompt_tokens=num_prompt)
@@ -343,11 +277,11 @@ class VllmBackend:
                 # vLLM reports cached tokens on the first delta: fewer than we pulled means
                 # the pull failed and the prompt was recomputed (kv_load_failure_policy=recompute).
                 cached = out.num_cached_tokens or 0
-                recomputed = handshake_failed or bool(params and cached < expected_external and o.token_ids)
-                verdict = {"num_cached_tokens": cached, "recomputed": recomputed}
+                recomputed = handshake_failed or bool(kv_params and cached < expected_external and o.token_ids)
+                verdict = pending = PullVerdict(cached, recomputed)
                 if recomputed:
                     self.counters["recomputed"] += 1
-                if params:
+                if kv_params:
                     self._report(req_id, recomputed or (out.finished and str(o.finish_reason) == "error"))
                 if replay and not (out.finished and str(o.finish_reason) == "error"):
                     if chunk.token_ids == replay and not out.finished:
@@ -360,8 +294,8 @@ class VllmBackend:
                     async for cont in self._continue_after(req, ids, num_prompt, verdict):
                         yield cont
                     return
-            if verdict:
-                chunk, verdict = chunk.replace(**verdict), {}
+            if pending is not None:
+                chunk, pending = pending.on(chunk), None
             if out.finished:
                 reason = str(o.finish_reason) if o.finish_reason is not None else "stop"
                 chunk = chunk.replace(finish_reason=reason)
@@ -371,18 +305,19 @@ class VllmBackend:
             yield chunk
 
     async def _continue_after(self, req: EngineRequest, ids: list[int], num_prompt: int,
-                              verdict: dict[str, Any]) -> AsyncIterator[TokenChunk]:
+                              verdict: PullVerdict) -> AsyncIterator[TokenChunk]:
         """Generate after prompt + the streamed token(s), as a plain continuation (no pull)."""
         cont_id = f"{req.request_id}-cont"
         self._aliases[req.request_id] = cont_id
-        sp = self._sampling(req.sampling, req.max_tokens, None, already=req.num_resumed_tokens)
+        sp = sampling_params(req.sampling, req.max_tokens, None, already=req.num_resumed_tokens)
+        pending: PullVerdict | None = verdict
         try:
-            async for out in self._outputs(ids, sp, cont_id):
+            async for out in engine_outputs(self.llm, ids, sp, cont_id):
                 o = out.outputs[0]
                 chunk = TokenChunk(req.request_id, tuple(o.token_ids), o.text, finished=out.finished,
                                    num_prompt_tokens=num_prompt)
-                if verdict:
-                    chunk, verdict = chunk.replace(**verdict), {}
+                if pending is not None:
+                    chunk, pending = pending.on(chunk), None
                 if out.finished:
                     chunk = chunk.replace(finish_reason=str(o.finish_reason or "stop"))
                 yield chunk

@@ -34,11 +34,10 @@ class PeerPayloads:
         self._payloads.pop(engine_id, None)
         self._incarnation.pop(engine_id, None)
 
-    async def attach(self, params: dict, coordinator: Any) -> dict:
-        """`params` with the payloads our ranks need. Raises HandshakeError when the producer
-        cannot be met: not registered (dead, or restarted since it stamped the params), or a
-        payload that is malformed or incompatible."""
-        p = TransferParams.parse(params)
+    async def attach(self, p: TransferParams, coordinator: Any) -> dict:
+        """The params as vLLM's connector reads them (its own boundary, a dict), with the payloads our
+        ranks need. Raises HandshakeError when the producer cannot be met: not registered (dead, or
+        restarted since it stamped the params), or a payload that is malformed or incompatible."""
         engine, stamped = p.remote_engine_id, p.remote_incarnation
         if stamped and self._incarnation.get(engine, stamped) != stamped:
             self._payloads.pop(engine, None)  # cached before the producer restarted: fetch again
@@ -51,9 +50,9 @@ class PeerPayloads:
         if stamped and self._incarnation.get(engine) != stamped:
             raise HandshakeError("remote_incarnation", f"{engine} restarted since this prefill "
                                  f"({stamped} -> {self._incarnation.get(engine)})")
-        params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
-        # (vLLM would report the producer's prefix hits instead of what we pulled.)
-        return {**params, "do_remote_prefill": True, "handshakes": payloads}
+        # (vLLM's own remote_prefill_cached_tokens is not carried: vLLM would report the
+        # producer's prefix hits instead of what we pulled.)
+        return {**p.model_dump(mode="json"), "do_remote_prefill": True, "handshakes": payloads}
 
     async def _fetch(self, p: TransferParams, pp_rank: int, coordinator: Any) -> list[str]:
         own = self.own

@@ -1,0 +1,99 @@
+"""One request's way into vLLM: its prompt checked, its sampling parameters, its outputs.
+
+  prompt_ids       the token ids the front tokenized (checked again for direct callers);
+  sampling_params  vLLM's `SamplingParams` as the front derived them (pickled in
+                   `SamplingSpec.vllm_params`), streamed as deltas, carrying the KV
+                   transfer params at vLLM's own boundary (`extra_args`);
+  engine_outputs   `AsyncLLM.generate`, with what vLLM refuses while admitting the
+                   request (vocabulary, length, sampling) turned into `EngineRequestError`
+                   (the client's fault: a 400, never an engine failure);
+  usage_sink       a vLLM stat logger keeping the scheduler's last view (KV usage, queues).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import AsyncIterator
+from typing import Any
+
+from actors.protocol import EngineRequest, EngineRequestError, SamplingSpec
+
+
+def prompt_ids(req: EngineRequest, max_model_len: int) -> list[int]:
+    """The token ids (the front tokenized and checked them; this guards direct callers)."""
+    ids = list(req.prompt_token_ids)
+    if not ids:
+        raise EngineRequestError("the prompt is empty")
+    if len(ids) + req.max_tokens > max_model_len:
+        raise EngineRequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context length "
+            f"{max_model_len}"
+        )
+    return ids
+
+
+def sampling_params(spec: SamplingSpec, max_tokens: int, kv_params: dict | None, already: int = 0) -> Any:
+    """vLLM's SamplingParams as the front derived them, streamed as deltas, with our transfer params;
+    `already`: tokens of the answer that are part of the prompt here (a plain continuation)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    if spec.vllm_params is not None:
+        sp = pickle.loads(spec.vllm_params)
+    else:  # a direct caller (tests, benchmarks) that only set the plain fields
+        try:
+            sp = SamplingParams(temperature=0.0 if spec.temperature is None else spec.temperature,
+                                top_p=1.0 if spec.top_p is None else spec.top_p, seed=spec.seed,
+                                stop=list(spec.stop) or None, ignore_eos=spec.ignore_eos)
+        except (ValueError, TypeError) as exc:  # vLLM refuses the sampling parameters
+            raise EngineRequestError(str(exc)) from None
+    sp.max_tokens = max_tokens
+    sp.min_tokens = min(max(0, sp.min_tokens - already), max_tokens)
+    sp.output_kind = RequestOutputKind.DELTA
+    extra = {k: v for k, v in (sp.extra_args or {}).items() if k != "kv_transfer_params"}
+    if kv_params:
+        extra["kv_transfer_params"] = kv_params
+    sp.extra_args = extra or None
+    return sp
+
+
+async def engine_outputs(llm: Any, ids: list[int], sp: Any, request_id: str) -> AsyncIterator[Any]:
+    """AsyncLLM.generate; what vLLM refuses while admitting the request (vocabulary, length,
+    sampling parameters) is the client's fault. vLLM wraps admission errors other than its
+    client errors in EngineGenerateError."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    admitted = False
+    try:
+        async for out in llm.generate({"prompt_token_ids": ids}, sp, request_id=request_id):
+            admitted = True
+            yield out
+    except VLLMClientError as exc:
+        raise EngineRequestError(str(exc)) from None
+    except (EngineGenerateError, ValueError, TypeError) as exc:
+        cause = exc.__cause__ if isinstance(exc, EngineGenerateError) else exc
+        if not admitted and isinstance(cause, (ValueError, TypeError)):
+            raise EngineRequestError(str(cause)) from None
+        raise
+
+
+def usage_sink(sink: dict):
+    """A vLLM stat logger that keeps the last scheduler stats (KV usage, queue depths)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class KVUsageLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            sink["num_blocks"] = vllm_config.cache_config.num_gpu_blocks or 0
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                sink["kv_cache_usage"] = scheduler_stats.kv_cache_usage
+                sink["running"] = scheduler_stats.num_running_reqs
+                sink["waiting"] = scheduler_stats.num_waiting_reqs
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return KVUsageLogger
