@@ -281,6 +281,16 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class EngineStart:
+    """`EngineActor.start()`: the engine is up (registered, when a coordinator is configured)."""
+
+    engine_id: str
+    role: str
+    pairs: dict[str, str] = field(default_factory=dict)  # "prefill->decode" -> "ok" or why it is refused
+    restarted: bool = False  # this process is a restart by Ray
+
+
+@dataclass(frozen=True)
 class EngineSummary:
     """One registered engine incarnation as `Coordinator.engines()` lists it."""
 

@@ -53,6 +53,7 @@ from actors.protocol import (
     EngineRequest,
     EngineInfo,
     EngineRequestError,
+    EngineStart,
     EngineStats,
     ModelInfo,
     PrefillResult,
@@ -94,7 +95,7 @@ class EngineActor:
         self._kv_relay: Any = None  # actors.engine.vllm.kv_events.KVEventsRelay: KV cache events -> coordinator
         self.meter = LoadMeter()  # queues and latencies for the autoscaler
         self._start_lock = asyncio.Lock()
-        self._start_info: dict | None = None
+        self._start_info: EngineStart | None = None
         self._watcher: asyncio.Task | None = None
         self._running: dict[str, float] = {}
         self.counters = {"requests": 0, "finished": 0, "errors": 0, "aborted": 0, "recomputed": 0}
@@ -122,7 +123,7 @@ class EngineActor:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
-    async def start(self) -> dict:
+    async def start(self) -> EngineStart:
         """Build the backend and register with the coordinator (if any).
 
         Idempotent: several ingress replicas share one engine and each calls
@@ -133,7 +134,7 @@ class EngineActor:
                 self._start_info = await self._start()
             return self._start_info
 
-    async def _start(self) -> dict:
+    async def _start(self) -> EngineStart:
         if self.coordinator_name is not None:
             from actors.control.coordinator import NAMESPACE
 
@@ -154,7 +155,7 @@ class EngineActor:
             raise
         self.started = True
         self.startup.reached(READY)
-        return {"engine_id": self.engine_id, "role": self.cfg.role, "pairs": pairs, "restarted": self.restarted}
+        return EngineStart(self.engine_id, self.cfg.role, pairs, self.restarted)
 
     async def start_phases(self) -> list[StartPhase]:
         """Start-up phases reached so far (polled by the launcher while start() runs)."""

@@ -93,7 +93,8 @@ def run_compare(args: argparse.Namespace) -> int:
     from serving.bench.overhead import free_port, host_state
     from serving.config import DeploymentConfig, load_config
     from serving.ops.health_probe import wait_healthy
-    from serving.cluster.launcher import init_ray, launch, shutdown_deployment
+    from serving.cluster.ray_init import init_ray
+    from serving.cluster.launcher import launch, shutdown_deployment
 
     base = load_config(args.compare_routing).model_dump(mode="json")
     base["name"] = "raypd-bench-chat"

@@ -177,7 +177,8 @@ def _uvicorn_front_main(config_json: str, port: int, address: str) -> None:
 
     from serving.front import create_app, served_model_of
     from serving.config import DeploymentConfig
-    from serving.cluster.launcher import init_ray, launch
+    from serving.cluster.ray_init import init_ray
+    from serving.cluster.launcher import launch
     from serving.cluster.clients import build_router
 
     cfg = DeploymentConfig.from_dict(json.loads(config_json))
@@ -197,7 +198,8 @@ def run_overhead(args: argparse.Namespace) -> int:
 
     from serving.cluster.app import build_app
     from serving.config import DeploymentConfig, load_config
-    from serving.cluster.launcher import init_ray, launch, shutdown_deployment
+    from serving.cluster.ray_init import init_ray
+    from serving.cluster.launcher import launch, shutdown_deployment
 
     base = load_config(args.config)
     if base.backend != "synthetic":

@@ -38,7 +38,7 @@ DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "local.ya
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from serving.cluster.launcher import DEFAULT_TEMP_DIR
+    from serving.cluster.ray_init import DEFAULT_TEMP_DIR
     from serving.cli.quickstart import add_arguments as add_deployment_flags
 
     parser = argparse.ArgumentParser(
@@ -151,7 +151,7 @@ def _api_keys(cfg: Any, joining: bool) -> Any:
 
 
 def _auth_line() -> str:
-    from serving.cluster.launcher import ray_auth_mode
+    from serving.cluster.ray_init import ray_auth_mode
 
     if ray_auth_mode() != "token":
         return "Ray token authentication off"
@@ -168,7 +168,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from serving.front.api_keys import ApiKeyError
     from serving.cluster.app import build_app
     from serving.cli.status import engine_lines, phase_line
-    from serving.cluster.launcher import init_ray, launch, ray_auth_mode, ray_logs_dir, shutdown_deployment
+    from serving.cluster.ray_init import init_ray, ray_auth_mode, ray_logs_dir
+    from serving.cluster.launcher import launch, shutdown_deployment
 
     cfg = _checked(args, "up")
     if cfg is None:
@@ -220,7 +221,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             pid=os.getpid(), create_time=runstate.process_create_time(os.getpid()), name=cfg.name, url=url,
             config=args.config, gcs_address=ray.get_runtime_context().gcs_address,
             started_cluster=started_cluster, ray_auth_mode=ray_auth_mode()))
-        state = "ready" if health and health.get("healthy") else f"NOT ready ({(health or {}).get('reason')})"
+        state = "ready" if health and health.get("ready") else f"NOT ready ({(health or {}).get('reason')})"
         print(f"raypd: serving model {cfg.served_model_name!r} at {url}/v1 ({state})", flush=True)
         for line in engine_lines(dep):
             print(line, flush=True)
@@ -268,7 +269,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def _connect(args: argparse.Namespace, state: runstate.UpState | None) -> bool:
     import ray
 
-    from serving.cluster.launcher import init_ray, use_ray_token_auth
+    from serving.cluster.ray_init import init_ray, use_ray_token_auth
 
     address = args.address or (state.gcs_address if state else None)
     if not address:
@@ -290,7 +291,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from serving.cli.status import collect_status, print_status
 
-    from serving.cluster.launcher import RayAuthError
+    from serving.cluster.ray_init import RayAuthError
 
     state = runstate.read_state(args.temp_dir)
     try:
@@ -340,7 +341,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         if state.started_cluster:  # that cluster ended with its `raypd up`: nothing left to clean
             runstate.remove_state(args.temp_dir)
             return 0
-    from serving.cluster.launcher import RayAuthError
+    from serving.cluster.ray_init import RayAuthError
 
     try:
         connected = _connect(args, state)

@@ -51,7 +51,7 @@ def scale_up(cfg: DeploymentConfig, cluster: Cluster) -> dict:
     engine has no node until one with `prefill: 1` joins, and an unplaceable attempt leaves nothing."""
     import asyncio
 
-    from serving.cluster.launcher import Unschedulable, start_engine
+    from serving.cluster.engines import Unschedulable, start_engine
 
     out: dict = {}
     try:

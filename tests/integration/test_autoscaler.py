@@ -11,9 +11,11 @@ import ray
 
 from actors.protocol import EngineRequest, SamplingSpec
 from actors.engine.synthetic.tokenizer import encode_text
-from serving.cluster.autoscaler import autoscaler_name, find_autoscaler
+from serving.cluster.launcher import find_autoscaler
+from serving.cluster.names import launcher_name
 from serving.config import DeploymentConfig
-from serving.cluster.launcher import find_engines, launch, shutdown_deployment
+from serving.cluster.engines import find_engines
+from serving.cluster.launcher import launch, shutdown_deployment
 from serving.cluster.clients import build_router
 
 from service_helpers import SYNTHETIC
@@ -150,4 +152,4 @@ def test_remaining_engines_hold_no_blocks_or_leases_after_scaling(scaled):
     stats = ray.get([h.stats.remote() for h in find_engines(NAME).values()])
     assert sorted((s.engine_id, s.free_blocks, s.held_leases) for s in stats) == sorted(
         (eid, free, 0) for eid, free in scaled["baseline"].items())
-    assert autoscaler_name(NAME) in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert launcher_name(NAME) in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}

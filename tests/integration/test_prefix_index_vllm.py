@@ -17,7 +17,8 @@ import ray
 
 from actors.protocol import EngineRequest, SamplingSpec
 from serving.config import DeploymentConfig, load_config
-from serving.cluster.launcher import launch, shutdown_deployment, stop_engine
+from serving.cluster.engines import stop_engine
+from serving.cluster.launcher import launch, shutdown_deployment
 from serving.routing.prefix_view import PrefixCacheView
 from serving.cluster.clients import build_router
 
@@ -135,7 +136,7 @@ def test_a_prompt_cached_on_the_decode_engine_is_prefilled_there_and_counted(con
 
 def test_a_removed_engine_takes_its_entries_and_the_conversation_moves(conversation, deployment, cfg, coordinator):
     router, one, _, _, _, second_prompt = conversation
-    asyncio.run(stop_engine(cfg, one.decode_id, deployment.decodes.pop(one.decode_id)))
+    asyncio.run(stop_engine(one.decode_id, deployment.decodes.pop(one.decode_id)))
     view = PrefixCacheView(coordinator.prefix_index_updates.remote, refresh_s=0.0)
     asyncio.run(view.refresh())
     assert one.decode_id not in view.index.engines()

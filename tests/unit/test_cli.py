@@ -144,7 +144,7 @@ def test_inline_api_keys_are_refused_with_the_alternatives(tmp_path, capsys):
 
 
 def test_a_refused_ray_token_is_recognised_through_ray_inits_wrapping():
-    from serving.cluster.launcher import _refused_token
+    from serving.cluster.ray_init import _refused_token
 
     def wrapped(inner: Exception) -> ConnectionError:  # how ray.init 2.60 reports it
         try:
