@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from serving.bench.load import percentile
+from serving.bench.samples import percentile
 
 NAN = float("nan")
 

@@ -33,7 +33,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from serving.bench.load import write_results
+from serving.bench.samples import free_port, host_state, write_results
 from serving.bench.chat import ChatLevelResult, run_chat_load
 
 VARIANTS = ("off", "on")
@@ -90,7 +90,7 @@ def run_compare(args: argparse.Namespace) -> int:
     import httpx
     import ray
 
-    from serving.bench.overhead import free_port, host_state
+
     from serving.config import DeploymentConfig, load_config
     from serving.ops.health_probe import wait_healthy
     from serving.cluster.ray_init import init_ray
@@ -143,7 +143,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def write(path: str, args: argparse.Namespace, cfg: Any, results: dict, decisions: dict, before: dict,
           text: str) -> None:
-    from serving.bench.overhead import host_state
+
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     after = host_state()

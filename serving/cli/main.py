@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "status":
             cmd.add_argument("--json", action="store_true", help="print the status as JSON")
         if name == "bench":
-            from serving.bench.load import add_arguments
+            from serving.bench.command import add_arguments
 
             add_arguments(cmd)
     return parser
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "bench":
-        from serving.bench.load import run
+        from serving.bench.command import run
 
         return run(args)
     return {"up": cmd_up, "config": cmd_config, "status": cmd_status, "down": cmd_down}[args.command](args)

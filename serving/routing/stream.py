@@ -28,7 +28,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from actors.protocol import EngineRequest, TokenChunk
 from serving.routing.errors import EngineUnavailable, RequestRejected

@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from serving.cli import quickstart
-from serving.bench.load import LevelResult, Sample, percentile, plot, summarize
+from serving.bench.load import plot
+from serving.bench.samples import LevelResult, Sample, percentile, summarize
 from serving.cli.main import COMMANDS, DEFAULT_CONFIG, _load, build_parser, main
 from serving.config import load_config
 

@@ -14,7 +14,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from actors.engine.config import EngineConfig
 from actors.transfer_params import TransferParams
 from actors.protocol import BackendStats, EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
-from actors.engine.synthetic.engine import EngineShape, SyntheticEngine, TransferFailed
+from actors.engine.synthetic.engine import EngineShape, SyntheticEngine
+from actors.engine.synthetic.outcomes import TransferFailed
 from actors.engine.synthetic.pattern import generate_tokens
 from actors.engine.synthetic.rank import SyntheticModel
 from actors.engine.synthetic.tokenizer import render_token

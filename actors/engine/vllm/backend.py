@@ -52,8 +52,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-import ray
-
 from actors.engine.config import EngineConfig
 from actors.kv.errors import HandshakeError
 from actors.kv.handshake import decode_handshake
@@ -63,10 +61,8 @@ from actors.engine.vllm.orphans import child_pids, forget, reap_children, reap_p
 from actors.protocol import (
     BackendStats,
     EngineRequest,
-    EngineRequestError,
     ModelInfo,
     PrefillResult,
-    SamplingSpec,
     TokenChunk,
 )
 from actors.engine.vllm.peer_payloads import PeerPayloads
