@@ -106,20 +106,13 @@ def _checked(args: argparse.Namespace, command: str):
 
 
 def _wait_healthy(url: str, timeout_s: float) -> dict | None:
-    import httpx
+    """The front's readiness once ready, else its last answer (None: it never answered)."""
+    from serving.ops.health_probe import NotHealthy, wait_healthy
 
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"{url}/health", timeout=5)
-            last = r.json()
-            if r.status_code == 200:
-                return last
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    return last
+    try:
+        return wait_healthy(url, timeout_s, interval_s=0.5)
+    except NotHealthy as exc:
+        return exc.last
 
 
 def _prepare_model(model: str) -> None:
