@@ -1,0 +1,1 @@
+"""Pure asyncio routing: no Ray, no HTTP."""
