@@ -33,8 +33,10 @@ from actors.engine.config import (
 )
 from actors.control.ledger import BreakerConfig
 from serving.cluster.autoscale_policy import AutoscalerConfig
+from serving.routing.placement import PlacementConfig, chunked_prefill_budget
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "both")
+PREFILL_CAPABLE, DECODE_CAPABLE = ("prefill", "both"), ("decode", "both")
 
 
 class ConfigError(ValueError):
@@ -63,15 +65,16 @@ class EngineGroupConfig(_Strict):
 
 
 class RouterConfig(_Strict):
-    """Engine choice and remote-vs-local prefill; formula and rules: serving/routing/policy.py."""
+    """Engine choice and colocated-vs-disaggregated placement (serving/routing/planner.py)."""
 
-    # cache_aware: engines publish vLLM's KV cache events and the router scores cached prefix + load;
-    # least_outstanding: load alone, and engines run without KV events
+    # cache_aware: engines publish vLLM's KV cache events and the router counts each engine's cached
+    # prefix of the prompt; least_outstanding: load alone, and engines run without KV events
     policy: Literal["least_outstanding", "cache_aware"] = "cache_aware"
     cache_weight: float = Field(1.0, ge=0)  # cost of one uncached prompt token vs one token of queued work
-    short_prompt_tokens: int = Field(0, ge=0)  # uncached prompt tokens below this: the decode engine prefills
-    prefill_saturation_tokens: int = Field(0, ge=0)  # prefill queue that makes decode prefill itself (0: off)
-    decode_headroom_tokens: int = Field(4096, ge=0)  # ...only while the decode engine owes fewer tokens
+    # slo: per request, the SLO model (serving/routing/placement.py) picks colocated or disaggregated and
+    # where; disaggregate: every request is prefilled remotely whenever a prefill engine is usable
+    placement: Literal["slo", "disaggregate"] = "slo"
+    slo: PlacementConfig = PlacementConfig()  # targets, weights and the priors rates start from
     index_refresh_s: float = Field(0.1, gt=0)  # how stale the router's copy of the prefix index may get
     no_prefill_fallback: Literal["decode_local", "reject"] = "decode_local"
     prefill_retries: int = Field(1, ge=0, le=3)
@@ -132,6 +135,9 @@ class DeploymentConfig(_Strict):
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of both roles
     prefill: EngineGroupConfig = EngineGroupConfig()
     decode: EngineGroupConfig = EngineGroupConfig()
+    # role-flexible engines: each can prefill for a peer, decode a peer's prefill, or serve a request
+    # end to end; the router places every request (router.placement). Given alone, there are no fixed pools.
+    both: EngineGroupConfig = EngineGroupConfig(count=0)
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
     breaker: BreakerConfig = BreakerConfig()
@@ -147,6 +153,10 @@ class DeploymentConfig(_Strict):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        both = data.get("both")
+        if isinstance(both, dict) and both.get("count", 0):  # role-flexible engines only, unless pools are given
+            for role in ("prefill", "decode"):
+                data.setdefault(role, {"count": 0})
         explicit = {f: f for f in DEPLOYMENT_FIELDS if f in data}
         shared = lift_owned_kwargs(data, dict(data.get("engine_kwargs") or {}), DEPLOYMENT_FIELDS,
                                    "engine_kwargs", explicit)
@@ -173,38 +183,64 @@ class DeploymentConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_field(self) -> "DeploymentConfig":
-        if self.decode.count < 1:
-            raise ValueError("at least one decode engine is needed (decode.count >= 1)")
-        if self.prefill.count == 0 and self.router.no_prefill_fallback == "reject":
+        groups = {role: getattr(self, role) for role in ROLES if getattr(self, role).count}
+        if not any(r in groups for r in DECODE_CAPABLE):
+            raise ValueError("at least one decode-capable engine is needed (decode.count or both.count >= 1)")
+        if not any(r in groups for r in PREFILL_CAPABLE) and self.router.no_prefill_fallback == "reject":
             raise ValueError("no prefill engine and router.no_prefill_fallback=reject: nothing could be served")
-        p, d = self.prefill, self.decode
-        if self.prefill.count:
-            big, small = max(p.tp_size, d.tp_size), min(p.tp_size, d.tp_size)
-            if big % small:
-                raise ValueError(f"prefill tp_size {p.tp_size} and decode tp_size {d.tp_size} must divide one another")
-            pb, db = self.engine_config("prefill").effective_block_size, self.engine_config("decode").effective_block_size
-            if db % pb:
-                raise ValueError(f"prefill block_size {pb} must divide decode block_size {db}")
-        for role, group in (("prefill", p), ("decode", d)):
-            bounds = getattr(self.autoscaler, role)
-            if self.autoscaler.enabled and not bounds.min <= group.count <= bounds.max:
+        for pr in (r for r in PREFILL_CAPABLE if r in groups):
+            for dr in (r for r in DECODE_CAPABLE if r in groups and r != pr):
+                p, d = groups[pr], groups[dr]
+                if max(p.tp_size, d.tp_size) % min(p.tp_size, d.tp_size):
+                    raise ValueError(f"{pr} tp_size {p.tp_size} and {dr} tp_size {d.tp_size} must divide one another")
+                pb, db = self.engine_config(pr).effective_block_size, self.engine_config(dr).effective_block_size
+                if db % pb:
+                    raise ValueError(f"{pr} block_size {pb} must divide {dr} block_size {db}")
+        if self.autoscaler.enabled and "both" in groups:
+            raise ValueError("the autoscaler scales fixed prefill/decode pools: set both.count 0 with "
+                             "autoscaler.enabled")
+        for role in ROLES:
+            group = getattr(self, role)
+            bounds = getattr(self.autoscaler, role, None)
+            if bounds is not None and self.autoscaler.enabled and not bounds.min <= group.count <= bounds.max:
                 raise ValueError(f"{role}.count {group.count} must lie within autoscaler.{role} "
                                  f"min {bounds.min} .. max {bounds.max}")
             if group.cpu_bind is not None and len(group.cpu_bind) != group.count:
                 raise ValueError(f"{role}.cpu_bind needs one entry per engine ({group.count})")
-        for role in ("prefill", "decode"):
+        for role in ROLES:
+            if role not in groups and role != "decode" and role != "prefill":
+                continue
             try:
                 self.engine_config(role)  # surfaces per-engine rules (dcp, heads, block size)
             except ValidationError as exc:
                 raise ValueError(f"{role} engines: " + "; ".join(e["msg"] for e in exc.errors())) from None
         return self
 
+    def chunk_budget(self, role: str) -> int | None:
+        """vLLM's max_num_batched_tokens on `role`'s engines: the user's, else, on decode-capable vLLM
+        engines under SLO placement, one that keeps a step with a local prefill chunk within the ITL
+        target at the placement model's prior rates (None: vLLM's default)."""
+        group: EngineGroupConfig = getattr(self, role)
+        kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+        if "max_num_batched_tokens" in kwargs:
+            return int(kwargs["max_num_batched_tokens"])
+        if self.backend != "vllm" or role not in DECODE_CAPABLE or self.router.placement != "slo":
+            return None
+        slo = self.router.slo
+        block = group.block_size or 128  # vLLM's CPU default (GPU configs set their block size)
+        return chunked_prefill_budget(slo.prior_step_s, slo.prior_prefill_tokens_per_s, slo.itl_target_s,
+                                      max_num_seqs=int(kwargs.get("max_num_seqs", 128)), block_size=block)
+
     def engine_config(self, role: str, index: int = 0, engine_id: str | None = None) -> EngineConfig:
-        group: EngineGroupConfig = getattr(self, "decode" if role == "both" else role)
+        group: EngineGroupConfig = getattr(self, role)
+        kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+        budget = self.chunk_budget(role)
+        if budget is not None:
+            kwargs["max_num_batched_tokens"] = budget
         return EngineConfig(
             role=role, backend=self.backend, engine_id=engine_id, model=self.model,
             synthetic=self.synthetic, dtype=self.dtype, tp_size=group.tp_size, pp_size=group.pp_size,
-            engine_kwargs={**self.engine_kwargs, **group.engine_kwargs},
+            engine_kwargs=kwargs,
             dcp_size=group.dcp_size, block_size=group.block_size, max_model_len=self.max_model_len,
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
             kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
@@ -242,7 +278,7 @@ def check_engine_args(cfg: DeploymentConfig) -> list[str]:
     Raises ConfigError naming the key; returns notes on what raypd will override.
     Without vLLM installed (or for the synthetic backend) there is nothing to check here.
     """
-    if cfg.backend != "vllm" or not (cfg.engine_kwargs or cfg.prefill.engine_kwargs or cfg.decode.engine_kwargs):
+    if cfg.backend != "vllm" or not (cfg.engine_kwargs or any(getattr(cfg, r).engine_kwargs for r in ROLES)):
         return []
     from actors.engine.vllm.args import EngineArgsError, check_engine_kwargs, pd_overrides, vllm_available
 

@@ -169,7 +169,5 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-routing", metavar="CONFIG", default=None,
                    help="chat: start CONFIG's engines (e.g. configs/local.yaml) and run the workload through two "
                         "fronts on them, cache-aware routing + conditional P/D on vs off (serving/bench/chat_compare.py)")
-    p.add_argument("--local-prefill-tokens", type=int, default=256,
-                   help="--compare-routing, on: uncached prompt tokens below this are prefilled on the decode engine")
     p.add_argument("--chat-results", default="benchmarks/results/chat_routing.json",
                    help="--compare-routing: write the results here (JSON, and the printed table as .txt); '' for none")

@@ -5,11 +5,10 @@ SmolLM2, 1 prefill + 1 decode, prefix caching on, KV events on), then two
 fronts under uvicorn in child processes, attached to the same engines, that
 differ only in their router settings:
 
-  off  router.policy least_outstanding, short_prompt_tokens 0: every prompt is
-       prefilled on the prefill engine (raypd before issue 12);
-  on   router.policy cache_aware, short_prompt_tokens `--local-prefill-tokens`,
-       prefill_saturation_tokens 2048: the decode engine prefills a prompt whose
-       uncached part is short (or while the prefill engine is saturated).
+  off  router.policy least_outstanding, placement disaggregate: every prompt is
+       prefilled on a prefill engine, by load alone;
+  on   router.policy cache_aware, placement slo: each request colocated or
+       disaggregated by the SLO model, counting each engine's cached prefix.
 
 For each concurrency level the chat workload (serving.bench.chat) runs through
 `off`, then through `on`, with different seeds (the same shape of conversations,
@@ -41,9 +40,8 @@ VARIANTS = ("off", "on")
 
 def variant_router(variant: str, args: argparse.Namespace) -> dict:
     if variant == "off":
-        return {"policy": "least_outstanding", "short_prompt_tokens": 0, "prefill_saturation_tokens": 0}
-    return {"policy": "cache_aware", "short_prompt_tokens": args.local_prefill_tokens,
-            "prefill_saturation_tokens": 2048}
+        return {"policy": "least_outstanding", "placement": "disaggregate"}
+    return {"policy": "cache_aware", "placement": "slo"}
 
 
 def decisions_of(metrics_text: str) -> dict[str, float]:

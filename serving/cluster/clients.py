@@ -188,7 +188,8 @@ def build_router(cfg: Any, deployment: Any) -> Router:
         directory=directory,
         config=cfg.router,
         resolve_engine=resolve_engine(),
-        planner=planner_for(cfg.router, prefix_index_view(directory, cfg.router.index_refresh_s)),
+        planner=planner_for(cfg.router, prefix_index_view(directory, cfg.router.index_refresh_s),
+                            {r: b for r in ("prefill", "decode", "both") if (b := cfg.chunk_budget(r))}),
     )
     if cfg.autoscaler.enabled:  # the launcher runs the autoscaler; its status() is the autoscaler's
         handle = find_launcher(cfg.name)

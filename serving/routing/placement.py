@@ -19,7 +19,12 @@ For an option whose prefilling engine is E (Y, or X when colocated):
                for ceil(u / B) steps of this request
   first gap  colocated: s_X;  disaggregated: pull(Y->X, P - c_X) + s_X + min(q_X, B_X) / r_X
                (pull = the pair's overhead + tokens / its rate; X's own prefill chunks share its steps)
-  own ITL    = s_X + what one more stream adds to X's step
+  own ITL    = (s_X + what one more stream adds to X's step) / (1 - rho_X): rho_X is the share of
+               its recent time X spent prefilling (prefill tokens it was given per second / r_X,
+               capped at `max_prefill_busy`): a stream placed on an engine that keeps prefilling
+               is stalled by those prefills for its whole life. This is what makes the P/D split
+               emerge on role-flexible engines: streams gather where little is prefilled, prompts
+               go where few streams would be stalled.
 
 Targets: TTFT target = max(ttft_target_s, ttft_slowdown * P / fastest r) (a
 long prompt has a longer budget, as the benchmark's SLO gives it);
@@ -28,7 +33,9 @@ Violation (seconds, weighted):
 
   ttft_weight * max(0, TTFT - target)
   + itl_weight * (n * ceil(u/B) * max(0, stall gap - itl_target)   (the stream-seconds X's streams lose)
-                  + max(0, first gap - first_gap_target) + max(0, own ITL - itl_target))
+                  + max(0, first gap - first_gap_target)
+                  + A * max(0, own ITL - max(itl_target_mean, mean_itl_slowdown * bare step of X)))
+                  (A = the answer's tokens: the seconds its whole stream loses to a slow decode engine)
 
 Choice: least violation, then least TTFT, then the caller's order (it rotates
 equals for round robin). All options that meet both targets have violation 0,
@@ -98,6 +105,11 @@ class PlacementConfig(BaseModel):
     transfer_half_life_s: float = Field(120.0, gt=0)
     prior_weight: float = Field(1.0, gt=0)  # the priors count as this many average samples
     min_history_weight: float = Field(4.0, ge=0)  # idle time never decays what was learned below this
+    # a stream's mean inter-token gap: at most this x its decode engine's bare step (or itl_target_mean)
+    mean_itl_slowdown: float = Field(1.5, ge=1.0)
+    itl_target_mean_s: float = Field(0.0, ge=0)
+    prefill_busy_window_s: float = Field(10.0, gt=0)  # how far back an engine's prefill share is measured
+    max_prefill_busy: float = Field(0.9, gt=0, lt=1)
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,7 @@ class EngineEstimate:
     cached_tokens: int = 0  # prefix of this prompt whose KV the engine holds (prefix index)
     queued_prefill_tokens: int = 0  # prompt tokens waiting or being prefilled there
     decode_streams: int = 0  # streams decoding there now
+    prefill_busy: float = 0.0  # share of its recent time spent prefilling (0..1)
 
     def __post_init__(self) -> None:
         if (self.prefill_tokens_per_s <= 0 or self.decode_step_s < 0 or self.step_per_stream_s < 0
@@ -219,7 +232,7 @@ def ttft_target(prompt_tokens: int, engines: Sequence[EngineEstimate], config: P
 
 
 def predict(option: Option, engines: dict[str, EngineEstimate], prompt_tokens: int, config: PlacementConfig,
-            target_s: float, transfer: TransferOf | None = None) -> Prediction:
+            target_s: float, transfer: TransferOf | None = None, answer_tokens: int = 1) -> Prediction:
     """TTFT, gaps and violations of one option (the formulas of the module docstring)."""
     x, e = engines[option.decode_id], engines[option.prefilling_id]
     u = max(1, prompt_tokens - min(e.cached_tokens, prompt_tokens))
@@ -227,8 +240,10 @@ def predict(option: Option, engines: dict[str, EngineEstimate], prompt_tokens: i
     done = (q + u) / r + math.ceil((q + u) / b) * s
     wait = min(done, q / r + (q // b) * s)
     handoff = 0.0
-    own_itl = x.decode_step_s + x.step_per_stream_s
-    first_gap = own_itl
+    busy = min(config.max_prefill_busy, max(0.0, x.prefill_busy))
+    own_itl = (x.decode_step_s + x.step_per_stream_s) / (1.0 - busy)
+    mean_target = max(config.itl_target_mean_s, config.mean_itl_slowdown * (x.bare_step_s + x.step_per_stream_s))
+    first_gap = x.decode_step_s + x.step_per_stream_s
     if option.prefill_id is not None:
         handoff = config.remote_first_token_overhead_s
         pull = (transfer or _prior_transfer(config))(option.prefill_id, option.decode_id)
@@ -239,7 +254,8 @@ def predict(option: Option, engines: dict[str, EngineEstimate], prompt_tokens: i
     ttft = done + handoff
     ttft_v = max(0.0, ttft - target_s)
     itl_v = (streams * steps * max(0.0, stall_gap - config.itl_target_s)
-             + max(0.0, first_gap - config.first_gap_target_s) + max(0.0, own_itl - config.itl_target_s))
+             + max(0.0, first_gap - config.first_gap_target_s)
+             + max(1, answer_tokens) * max(0.0, own_itl - mean_target))
     return Prediction(option, u, wait, done - wait, handoff, first_gap, own_itl, streams,
                       steps if streams else 0, stall_gap, ttft_v, itl_v,
                       config.ttft_weight * ttft_v + config.itl_weight * itl_v)
@@ -251,7 +267,8 @@ def _prior_transfer(config: PlacementConfig) -> TransferOf:
 
 
 def place(prompt_tokens: int, engines: Sequence[EngineEstimate], config: PlacementConfig | None = None,
-          transfer: TransferOf | None = None, allowed: Allowed | None = None) -> Placement | None:
+          transfer: TransferOf | None = None, allowed: Allowed | None = None,
+          answer_tokens: int = 1) -> Placement | None:
     """The best allowed option for a prompt of `prompt_tokens`, with its reason; None without any option."""
     if prompt_tokens < 1:
         raise ValueError("a prompt has at least one token")
@@ -263,7 +280,7 @@ def place(prompt_tokens: int, engines: Sequence[EngineEstimate], config: Placeme
     if not opts:
         return None
     target = ttft_target(prompt_tokens, engines, config)
-    preds = [predict(o, by_id, prompt_tokens, config, target, transfer) for o in opts]
+    preds = [predict(o, by_id, prompt_tokens, config, target, transfer, answer_tokens) for o in opts]
     order = sorted(range(len(preds)), key=lambda i: (round(preds[i].violation, 6), round(preds[i].ttft_s, 6), i))
     ranked = tuple(preds[i] for i in order)
     best = ranked[0]

@@ -31,7 +31,7 @@ NAME = "prefix-smollm2"
 
 @pytest.fixture(scope="module")
 def cfg():
-    base = load_config("configs/local.yaml").model_dump(mode="json")
+    base = load_config("configs/local-pd.yaml").model_dump(mode="json")
     base.update(name=NAME, max_model_len=1024)
     base["decode"].update(count=2, cpu_bind=["1", "0"])
     base["router"].update(policy="cache_aware", short_prompt_tokens=128)
