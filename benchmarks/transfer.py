@@ -37,9 +37,11 @@ Measured per case (`--reps` times, pull and gather alternating):
   gather    for each of the 60 (layer, plane) tensors:
             dst.index_copy_(0, local_ids, src.index_select(0, remote_ids)).
 
-Patterns: `contiguous` (blocks 0..n-1 on both sides) and `scattered` (n random
-blocks of the pool in random order on both sides: what a warm vLLM cache hands
-out). The first pull of each case is verified byte for byte (sampled layers).
+Patterns (`benchmarks/kv_patterns.py`): `contiguous` (blocks 0..n-1 on both
+sides), `scattered` (n blocks drawn uniformly from the pool on each side: the
+worst case, every block its own extent) and `churned` (what vLLM's free queue
+hands out after requests came and went: descending runs). The first pull of
+each case is verified byte for byte (sampled layers).
 
 First handshake: the consumer meets the producer engine `--handshake-reps`
 times (dropping it in between): fetch its payload over Ray, decode it, add the
@@ -67,7 +69,6 @@ import json
 import os
 import platform
 import pstats
-import random
 import shlex
 import statistics
 import sys
@@ -80,6 +81,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.kv_patterns import PATTERNS, block_ids  # noqa: E402
+from benchmarks.transfer_report import plot, table  # noqa: E402
 
 NUM_LAYERS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE = 30, 3, 64, 16
 RAY_TEMP = "/tmp/raypd-bench-ray"
@@ -205,10 +209,7 @@ class Consumer:
 
     # ------------------------------------------------------------ helpers
     def ids(self, n_blocks: int, pattern: str, seed: int) -> tuple[list[int], list[int]]:
-        if pattern == "contiguous":
-            return list(range(n_blocks)), list(range(n_blocks))
-        rng = random.Random(seed)
-        return rng.sample(range(self.num_blocks), n_blocks), rng.sample(range(self.num_blocks), n_blocks)
+        return block_ids(pattern, self.num_blocks, n_blocks, seed)
 
     def _zero(self, local_ids: list[int]) -> None:
         import torch
@@ -251,7 +252,8 @@ class Consumer:
         ray.get(self.producer.hold.remote(req_id, remote_ids))  # the prefill's lease (not timed)
         req = PullRequest(PRODUCER, remote_ids, 1, 1, 1, local_ids, n_blocks * BLOCK_SIZE)
         prof = cProfile.Profile() if profile else None
-        before = self.xfer.transport.stats.descriptors_posted
+        stats = self.xfer.transport.stats
+        before, spans_before = stats.descriptors_posted, stats.spans_posted
         if prof:
             prof.enable()
         t0 = time.perf_counter()
@@ -269,8 +271,8 @@ class Consumer:
         if prof:
             prof.disable()
         ok = self.verify(local_ids, remote_ids) if verify else None
-        stats = self.xfer.transport.stats
-        row = {"pull_s": t2 - t0, "start_s": t1 - t0, "descs": stats.descriptors_posted - before, "verified": ok}
+        row = {"pull_s": t2 - t0, "start_s": t1 - t0, "descs": stats.descriptors_posted - before,
+               "spans": stats.spans_posted - spans_before, "verified": ok}
         if prof:
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
@@ -351,7 +353,7 @@ def measure_layout(ray, args, layout: str, tokens: list[int], patterns: list[str
                 nbytes = gathers[0]["bytes"]
                 rows.append({
                     "layout": layout, "tokens": n_tok, "pattern": pattern, "blocks": n_blocks, "bytes": nbytes,
-                    "descriptors": pulls[0]["descs"],
+                    "descriptors": pulls[0]["descs"], "spans": pulls[0]["spans"],
                     "pull_s": t_pull, "start_pull_s": median([p["start_s"] for p in pulls]),
                     "gather_s": t_gather, "pull_gbps": nbytes / t_pull / 1e9, "gather_gbps": nbytes / t_gather / 1e9,
                     "ratio_pull_over_gather": t_gather / t_pull,
@@ -404,98 +406,12 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-LAYOUT_NOTES = {
-    "HND": "K and V planes per layer (flash-attention style): 60 regions, 12 KiB per block",
-    "NHD": "K and V planes per layer, token-major: 60 regions, 12 KiB per block",
-    "HCND": "K/V packed per block (vLLM's CPU backend, what raypd serves here): 30 regions, 24 KiB per block",
-}
-
-
-def table(res: dict) -> str:
-    s, h = res["shape"], res["host"]
-    lines = [
-        f"# {res['date']}",
-        f"# command: {res['command']}",
-        f"# host: {h['cpus']} CPUs, load average {h['loadavg_before'][0]:.2f} before / "
-        f"{h['loadavg_after'][0]:.2f} after (1 min; shared machine)",
-        f"KV pull as raypd runs it (RankTransfer over NIXL/UCX, two Ray actors, loopback) vs in-process gather"
-        f" -- {s['layers']} layers x {s['kv_heads']} kv heads x {s['head_size']}, block {s['block_size']},"
-        f" {s['dtype']}; medians of {res['settings']['reps']} reps",
-    ]
-    mib = 2**20
-    for part in res["layouts"]:
-        layout = part["layout"]
-        lines += ["", f"layout {layout}: {LAYOUT_NOTES.get(layout, '')}"]
-        hdr = (f"{'tokens':>6} {'pattern':<10} {'MiB':>6} {'descs':>6} {'pull ms':>8} {'(start':>7} "
-               f"{'gather ms':>9} {'pull GB/s':>9} {'gather GB/s':>11} {'pull/gather':>11}")
-        lines += [hdr, "-" * len(hdr)]
-        for r in part["rows"]:
-            lines.append(f"{r['tokens']:>6} {r['pattern']:<10} {r['bytes'] / mib:>6.1f} {r['descriptors']:>6} "
-                         f"{r['pull_s'] * 1e3:>8.2f} {r['start_pull_s'] * 1e3:>7.2f} {r['gather_s'] * 1e3:>9.2f} "
-                         f"{r['pull_gbps']:>9.2f} {r['gather_gbps']:>11.2f} {r['ratio_pull_over_gather']:>11.2f}")
-        for r in part["rows"]:
-            if r["tokens"] in (4096, 8192):
-                verdict = "meets" if r["ratio_pull_over_gather"] >= 0.8 else "BELOW"
-                lines.append(f"goal ({layout}, {r['tokens']} tokens, {r['pattern']}): pull/gather = "
-                             f"{r['ratio_pull_over_gather']:.2f} -> {verdict} the 0.8 goal")
-        hs = part["first_handshake"]
-        if hs:
-            later = [x["total_s"] for x in hs[1:]]
-            worst = max(x["total_s"] / x["peer_ranks"] for x in hs)
-            lines.append(f"first handshake ({layout}; fetch payload over Ray + add peer + connect + prepare lists), "
-                         f"1 peer rank: first in process {hs[0]['total_s'] * 1e3:.1f} ms (fetch "
-                         f"{hs[0]['fetch_s'] * 1e3:.1f}), later median {median(later) * 1e3:.1f} ms of {len(later)} -> "
-                         f"{'meets' if worst <= 0.050 else 'BELOW'} the 50 ms per peer rank goal "
-                         f"(worst {worst * 1e3:.1f} ms)")
-        idle = part["idle_agent"]
-        lines.append(f"idle agent ({layout}; producer, nothing held, no pump): its {idle['threads']} threads used "
-                     f"{idle['cpu_s'] * 1e3:.0f} ms CPU in {idle['wall_s']:.1f} s = {idle['core_pct']:.2f} % of a core")
-        lines.append(f"huge pages (2 MiB) under the data: producer KV {part['producer']['huge_page_bytes'] // mib} MiB,"
-                     f" consumer KV {part['consumer']['huge_page_bytes'] // mib} MiB, baseline source "
-                     f"{part['consumer']['baseline_src_huge_page_bytes'] // mib} MiB")
-    lines += [
-        "",
-        "pull = RankTransfer.start_pull -> step() until done (plan lookup + vectorised id checks + descriptor",
-        "  indices + NIXL post, in which UCX's CMA copy runs, + completion + layout post-processing); start =",
-        "  start_pull alone; gather = index_select + index_copy_ of the same blocks for every (layer, plane)",
-        "  tensor in the consumer; descs = descriptors posted (NIXL merges neighbours itself)",
-        f"wall {res['wall_s']:.0f} s",
-    ]
-    return "\n".join(lines)
-
-
-def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    all_rows = [r for part in res["layouts"] for r in part["rows"]]
-    patterns = sorted({r["pattern"] for r in all_rows})
-    fig, axes = plt.subplots(1, len(patterns), figsize=(6 * len(patterns), 4), squeeze=False)
-    for ax, pattern in zip(axes[0], patterns):
-        for part in res["layouts"]:
-            rows = [r for r in part["rows"] if r["pattern"] == pattern]
-            xs = [r["tokens"] for r in rows]
-            ax.plot(xs, [r["pull_gbps"] for r in rows], marker="o", label=f"raypd pull, {part['layout']}")
-            ax.plot(xs, [r["gather_gbps"] for r in rows], marker="s", linestyle="--",
-                    label=f"in-process gather, {part['layout']}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("GB/s (median)")
-        ax.set_title(f"{pattern} blocks")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("KV pull, 30 layers x 3 heads x 64, block 16, fp32")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1024,4096,8192", help="comma-separated token counts")
-    p.add_argument("--patterns", default="contiguous,scattered", help="block patterns: contiguous,scattered")
+    p.add_argument("--patterns", default="contiguous,scattered,churned",
+                   help=f"block patterns ({', '.join(PATTERNS)}; benchmarks/kv_patterns.py)")
     p.add_argument("--reps", type=int, default=7, help="repetitions per case (medians are reported)")
     p.add_argument("--handshake-reps", type=int, default=6, help="first handshakes measured")
     p.add_argument("--layouts", default="HND,HCND",

@@ -169,9 +169,9 @@ class RankTransfer:
             remote_ids = checked_block_ids("remote", req.remote_block_ids, plan.remote_num_blocks)
             posts = [(stage, src, *src.indices(local_ids, remote_ids, req.num_tokens))
                      for stage in plan.stages for src in stage.reads]  # every index, before any post
-            for stage, src, li, ri, nbytes in posts:
+            for stage, src, li, ri, nbytes, spans in posts:
                 notice = self._notice(pull, req_id, stage.consumers, True)
-                self.transport.start_read(req_id, src.key, src.local, li, src.remote, ri, notice, nbytes)
+                self.transport.start_read(req_id, src.key, src.local, li, src.remote, ri, notice, nbytes, spans)
             for stage in plan.stages:
                 for key in stage.skipped:  # replicas we do not read from free their copy now
                     self._send_quietly(key, self._notice(pull, req_id, stage.consumers, True))
@@ -327,6 +327,7 @@ class RankTransfer:
             "lists_prepared": s.lists_prepared,
             "reads_posted": s.reads_posted,
             "descriptors_posted": s.descriptors_posted,
+            "spans_posted": s.spans_posted,
             "bytes_posted": s.bytes_posted,
             "requests_done": s.requests_done,
             "requests_failed": s.requests_failed,

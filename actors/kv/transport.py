@@ -58,6 +58,7 @@ class _Pending:
 class TransportStats:
     reads_posted: int = 0
     descriptors_posted: int = 0
+    spans_posted: int = 0  # extents once NIXL merged descriptors adjacent in both caches
     bytes_posted: int = 0
     requests_done: int = 0
     requests_failed: int = 0
@@ -168,8 +169,9 @@ class TransportBase:
 
     # -------------------------------------------------------------- reads
     def start_read(self, req_id: str, key: PeerKey, local: Any, li: np.ndarray, remote: Any,
-                   ri: np.ndarray, notif: bytes, nbytes: int) -> None:
-        """Post one READ of descriptors `ri` of a peer's list into `li` of ours."""
+                   ri: np.ndarray, notif: bytes, nbytes: int, spans: int | None = None) -> None:
+        """Post one READ of descriptors `ri` of a peer's list into `li` of ours (`spans`: the
+        extents they merge into, for the stats)."""
         self._require_open()
         hs = self.peer(key)
         pending = self._pending.setdefault(req_id, _Pending([], self._clock()))
@@ -181,6 +183,7 @@ class TransportBase:
         pending.handles.append((key, handle))
         self.stats.reads_posted += 1
         self.stats.descriptors_posted += int(li.size)
+        self.stats.spans_posted += int(li.size) if spans is None else int(spans)
         self.stats.bytes_posted += nbytes
 
     def fail_request(self, req_id: str, reason: str) -> None:
