@@ -32,6 +32,7 @@ from actors.kv.errors import BlockRangeError, LayoutError
 from actors.kv.handshake import RankHandshake
 from actors.kv.layout import BlockLayout, CacheGeometry
 from actors.kv.read_plan import ReadPlan, ReadSpec
+from actors.kv.topology import rank_global_heads
 
 PeerKey = tuple[str, int, int]  # (engine id, pp rank, tp rank)
 
@@ -54,6 +55,11 @@ class SourceRead:
     # adjacent positions are adjacent bytes on both sides (one run tiling each unit), so NIXL
     # merges pairs adjacent in both caches into one extent
     merges: bool = False
+    # what the lease confirmation needs to recompute this source's checksums (actors.kv.confirm)
+    local_heads: tuple[int, int] = (0, 1)
+    remote_heads: tuple[int, int] = (0, 1)  # in the source's own head indices
+    remote_head0: int = 0  # the source's first global head
+    all_layers: tuple[int, ...] | None = None  # layers read, when they are every layer the source holds
 
     def indices(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int
                 ) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -189,6 +195,9 @@ def build_stage(transport: Any, local: CacheGeometry, plan: ReadPlan, peers: dic
             bytes_per_item=l_cut.bytes_per_unit * len(l_regions),
             dtype=index_dtype(max(len(l_table), len(r_table))),
             merges=spec.token_shard is None and _tiles(l_cut) and _tiles(r_cut),
+            local_heads=spec.local_heads, remote_heads=spec.remote_heads,
+            remote_head0=rank_global_heads(hs.tp_rank, hs.tp_size, hs.compat.num_kv_heads, hs.compat.is_mla)[0],
+            all_layers=tuple(layers) if layers == list(remote.layers) else None,
         ))
         if spec.token_shard is None:
             remote_layout, ratio = remote.layout, spec.block_size_ratio
