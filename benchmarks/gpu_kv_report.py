@@ -119,7 +119,7 @@ def table(res: dict) -> str:
     lines += [
         "",
         "pull = RankTransfer.start_pull -> step() until done + device sync (plan lookup, id checks, descriptor",
-        "  indices, NIXL post, completion, layout permute on receive); gather = index_select",
+        "  indices, NIXL post, completion, the lease confirmation, layout permute on receive); gather = index_select",
         "  + index_copy_ of the same blocks per (layer, plane) on the same device; copy = one contiguous copy;",
         "  descs = descriptors posted, spans = extents once NIXL merged pairs adjacent in both caches",
         f"wall {res['wall_s']:.0f} s",

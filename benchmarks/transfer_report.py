@@ -16,6 +16,24 @@ LAYOUT_NOTES = {
 }
 
 
+def verify_lines(part: dict) -> list[str]:
+    """The transfer.verify table of one layout: what checksums cost the producer (hold) and the reader."""
+    rows = part.get("verify_rows") or []
+    if not rows:
+        return []
+    off = {r["tokens"]: r["pull_s"] for r in rows if r["verify"] == "off"}
+    hdr = (f"{'tokens':>6} {'verify':<7} {'blocks':>6} {'pull ms':>8} {'confirm':>7} {'check ms':>8} "
+           f"{'hold ms':>8} {'pull vs off':>11}")
+    out = ["", f"transfer.verify ({part['layout']}, {rows[0]['pattern']} blocks): hold = the producer's lease grant "
+           "(+ its checksums); check = the reader's recomputation; blocks = blocks checked", hdr, "-" * len(hdr)]
+    for r in rows:
+        base = off.get(r["tokens"])
+        vs = f"{(r['pull_s'] / base - 1) * 100:>+10.0f}%" if base else f"{'-':>11}"
+        out.append(f"{r['tokens']:>6} {r['verify']:<7} {r['checked_blocks']:>6} {r['pull_s'] * 1e3:>8.2f} "
+                   f"{r['confirm_s'] * 1e3:>7.2f} {r['verify_s'] * 1e3:>8.2f} {r['hold_s'] * 1e3:>8.2f} {vs}")
+    return out
+
+
 def table(res: dict) -> str:
     s, h = res["shape"], res["host"]
     lines = [
@@ -32,18 +50,20 @@ def table(res: dict) -> str:
         layout = part["layout"]
         lines += ["", f"layout {layout}: {LAYOUT_NOTES.get(layout, '')}"]
         hdr = (f"{'tokens':>6} {'pattern':<10} {'MiB':>6} {'descs':>6} {'spans':>6} {'pull ms':>8} {'(start':>7} "
-               f"{'gather ms':>9} {'pull GB/s':>9} {'gather GB/s':>11} {'pull/gather':>11}")
+               f"{'confirm':>7} {'gather ms':>9} {'pull GB/s':>9} {'gather GB/s':>11} {'pull/gather':>11}")
         lines += [hdr, "-" * len(hdr)]
         for r in part["rows"]:
             lines.append(f"{r['tokens']:>6} {r['pattern']:<10} {r['bytes'] / mib:>6.1f} {r['descriptors']:>6} "
                          f"{r.get('spans', r['descriptors']):>6} "
-                         f"{r['pull_s'] * 1e3:>8.2f} {r['start_pull_s'] * 1e3:>7.2f} {r['gather_s'] * 1e3:>9.2f} "
+                         f"{r['pull_s'] * 1e3:>8.2f} {r['start_pull_s'] * 1e3:>7.2f} "
+                         f"{r.get('confirm_s', float('nan')) * 1e3:>7.2f} {r['gather_s'] * 1e3:>9.2f} "
                          f"{r['pull_gbps']:>9.2f} {r['gather_gbps']:>11.2f} {r['ratio_pull_over_gather']:>11.2f}")
         for r in part["rows"]:
             if r["tokens"] in (4096, 8192):
                 verdict = "meets" if r["ratio_pull_over_gather"] >= 0.8 else "BELOW"
                 lines.append(f"goal ({layout}, {r['tokens']} tokens, {r['pattern']}): pull/gather = "
                              f"{r['ratio_pull_over_gather']:.2f} -> {verdict} the 0.8 goal")
+        lines += verify_lines(part)
         hs = part["first_handshake"]
         if hs:
             later = [x["total_s"] for x in hs[1:]]
@@ -63,7 +83,9 @@ def table(res: dict) -> str:
         "",
         "pull = RankTransfer.start_pull -> step() until done (plan lookup + vectorised id checks + descriptor",
         "  indices + NIXL post, in which UCX's CMA copy runs, + completion + layout post-processing); start =",
-        "  start_pull alone; gather = index_select + index_copy_ of the same blocks for every (layer, plane)",
+        "  start_pull alone; confirm = data READs done -> every source's lease record READ back HELD (the",
+        "  fail-closed check: a small READ round trip, in the same step when it lands at once); gather =",
+        "  index_select + index_copy_ of the same blocks for every (layer, plane)",
         "  tensor in the consumer; descs = descriptors posted; spans = extents once NIXL merged the pairs",
         "  adjacent in both caches (raypd sorts each READ by local block so such runs line up ascending);",
         "  on one host each extent is one process_vm_readv call (~2.5 us kernel overhead + the copy)",

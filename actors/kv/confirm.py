@@ -80,8 +80,9 @@ class SourceConfirm:
 class Confirmer:
     """Landing memory and per-source lists of one reader rank; posts and reads confirmations."""
 
-    def __init__(self, transport: Any, num_blocks: int, verify: str):
+    def __init__(self, transport: Any, num_blocks: int, verify: str, with_sums: bool):
         self.transport, self.num_blocks, self.verify = transport, num_blocks, verify
+        self.with_sums = with_sums  # landing rows for checksums (a rank built with verify on)
         self._landings: dict[tuple[int, int, int, int], Landing] = {}
 
     def prepare(self, position: int, src: SourceRead, board: BoardInfo | None, layers: tuple[int, ...] | None,
@@ -93,7 +94,7 @@ class Confirmer:
         landing = self._landings.get(shape)
         if landing is None:
             landing = self._landings[shape] = Landing(self.transport, self.num_blocks, board.bucket, ratio,
-                                                      board.heads, with_sums=self.verify != "off")
+                                                      board.heads, with_sums=self.with_sums)
         records = self.transport.remote_list(src.key, _rows(board.records_addr, board.buckets, board.bucket * 8),
                                              "DRAM")
         sums = None

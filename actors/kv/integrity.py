@@ -11,15 +11,21 @@ lease's tag to 0 mod `SAMPLE_EVERY`: both sides pick the same ones, so the
 producer only computes those.
 
 The checksum is position-weighted and layout-independent, so the two sides
-agree whatever their axis order, block size (ratio) or TP split:
+agree whatever their axis order, block size (ratio) or TP split. Per (layer,
+K/V, block, head) the block's elements of that head, in canonical (token, dim)
+order, are read as 32-bit words (D is the innermost axis of every layout, so
+the words are the same on both sides) and
 
-    sum over (layer, plane-or-kv, n, d) of  bits(x) * b(n, d) * a(layer, kv, global head)   (mod 2^64)
+    s = sum over words of  word * b(position)          (mod 2^32)
+    checksum(block, head) = sum over (layer, kv) of  a(layer, kv, global head) * s   (mod 2^64)
 
-with `bits(x)` the element's integer bit pattern, `b`, `a` odd 64-bit
-constants of the canonical coordinates (token within the producer's block,
-dim; global layer, K/V, global head). One flipped bit changes it always
-(odd weights are invertible mod 2^64); moved or swapped elements change it
-but for chance collisions. Computed with torch on the cache's own device.
+with `b` odd 32-bit and `a` odd 64-bit constants (token within the producer's
+block, word; global layer, K/V, global head). One flipped bit changes it
+always (an odd weight is invertible mod 2^32); moved or swapped elements
+change it but for chance collisions. Computed with torch on the cache's own
+device: on CPU `s` is an integer matrix-vector product (~5.5 GiB/s on one
+core here, twice a multiply-then-sum; `benchmarks/transfer.py` reports it),
+elsewhere a multiply-and-sum truncated to 32 bits, which gives the same value.
 """
 
 from __future__ import annotations
@@ -62,24 +68,27 @@ def _mix(v: int) -> int:
     return _signed((v ^ (v >> 29)) | 1)
 
 
-_WEIGHTS: dict[tuple[int, int, str], torch.Tensor] = {}
+_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def token_weights(n: int, d: int, device: torch.device) -> torch.Tensor:
-    """b(n, d) as an int64 [n, d] tensor (cached per shape and device)."""
-    key = (n, d, str(device))
+def _narrow(v: int, bits: int) -> int:
+    """The low `bits` bits of v as a signed int of that width (v odd stays odd)."""
+    v &= (1 << bits) - 1
+    return v - (1 << bits) if v >= 1 << (bits - 1) else v
+
+
+def word_weights(k: int, device: torch.device) -> torch.Tensor:
+    """b: k odd 32-bit weights, one per word of a (block, head) slice (cached per length and device)."""
+    key = (k, str(device))
     w = _WEIGHTS.get(key)
     if w is None:
-        w = _WEIGHTS[key] = torch.tensor([[_mix(1 + i * d + j) for j in range(d)] for i in range(n)],
-                                         dtype=torch.int64, device=device)
+        w = _WEIGHTS[key] = torch.tensor([_narrow(_mix(1 + i), 32) for i in range(k)], dtype=torch.int32,
+                                         device=device)
     return w
 
 
 def head_weight(layer: int, kv: int, head: int) -> int:
     return _mix((layer << 32) ^ (kv << 24) ^ (head + 0x5151))
-
-
-_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def kv_rows(plane: torch.Tensor, layout: BlockLayout, plane_index: int) -> list[tuple[int, torch.Tensor]]:
@@ -92,13 +101,23 @@ def kv_rows(plane: torch.Tensor, layout: BlockLayout, plane_index: int) -> list[
     return [(plane_index, view)]
 
 
+def word_sums(words: torch.Tensor, w: torch.Tensor, matvec: bool) -> torch.Tensor:
+    """Per row of int32 words: the sum of word * weight mod 2^32, as int32 (two ways, one value)."""
+    if matvec:  # CPU: an integer matrix-vector product
+        return torch.mv(words, w)
+    return (words * w).sum(dim=1, dtype=torch.int64).to(torch.int32)  # CUDA has no integer mv
+
+
 def region_sums(rows: torch.Tensor, layer: int, kv: int, heads: list[int]) -> torch.Tensor:
-    """Checksum contribution [blocks, heads] of one (layer, kv) slice [blocks, heads, n, d]."""
-    bits = rows.contiguous().view(_INTS[rows.element_size()]).to(torch.int64)
-    n, d = rows.shape[-2:]
-    per_head = (bits * token_weights(n, d, rows.device)).sum(dim=(-2, -1))  # [blocks, heads]
-    a = torch.tensor([head_weight(layer, kv, h) for h in heads], dtype=torch.int64, device=rows.device)
-    return per_head * a
+    """Checksum contribution [blocks, heads] of one (layer, kv) slice [blocks, heads, n, d] (int64)."""
+    r = rows.contiguous()
+    if (r.shape[-1] * r.element_size()) % 4:
+        raise ValueError(f"a head row of {r.shape[-1]} x {r.element_size()} bytes is not whole 32-bit words")
+    b, h = r.shape[:2]
+    words = r.view(torch.int32).reshape(b * h, -1)
+    s = word_sums(words, word_weights(words.shape[1], r.device), matvec=r.device.type == "cpu")
+    a = torch.tensor([head_weight(layer, kv, g) for g in heads], dtype=torch.int64, device=r.device)
+    return s.to(torch.int64).view(b, h) * a
 
 
 def producer_sums(planes: list[list[torch.Tensor]], layout: BlockLayout, first_layer: int, head0: int,
@@ -135,8 +154,9 @@ def reader_sums(planes: list[list[torch.Tensor]], layout: BlockLayout, first_lay
         for p, plane in enumerate(planes[layer - first_layer]):
             for kv, rows in kv_rows(plane, layout, p):
                 got = rows.index_select(0, blocks)[:, local_heads[0]:local_heads[1]]
-                m, h, n, d = got.shape
-                got = got.reshape(m, h, ratio, n // ratio, d)[rows_of, :, unit]  # [items, heads, n_remote, d]
+                if ratio > 1:
+                    m, h, n, d = got.shape
+                    got = got.reshape(m, h, ratio, n // ratio, d)[rows_of, :, unit]  # [items, heads, n_remote, d]
                 part = region_sums(got, layer, kv, remote_heads)
                 total = part if total is None else total + part
     return total.cpu().numpy().view(np.uint64)

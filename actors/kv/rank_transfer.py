@@ -103,7 +103,7 @@ class RankTransfer:
         self.board = new_board(geometry, identity.role, verify, transport)
         self.keeper = LeaseKeeper(geometry, planes, head0, verify, self.board, faults, clock, early_notice_ttl_s)
         self.leases = self.keeper.leases
-        self.confirmer = Confirmer(transport, geometry.num_blocks, verify)
+        self.confirmer = Confirmer(transport, geometry.num_blocks, verify, with_sums=verify != "off")
         self._confirms: dict[PeerKey, SourceConfirm] = {}
         self._plans: dict[Shape, PeerPlan] = {}
         self._pulls: dict[str, _Pull] = {}
@@ -346,6 +346,10 @@ class RankTransfer:
     def needs_step(self) -> bool:
         """Whether `step()` has anything to report or release (pulls, leases, early notices)."""
         return bool(self._pulls or self.keeper.busy)
+
+    def set_verify(self, mode: str) -> None:
+        """Switch `transfer.verify` (checksums need a rank built with verify on: it owns their memory)."""
+        self.verify = self.keeper.verify = self.confirmer.verify = check_mode(mode)
 
     # -------------------------------------------------------------- producer
     def hold(self, req_id: str, block_ids: Sequence[int], ttl_s: float) -> None:

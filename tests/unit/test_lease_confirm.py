@@ -192,3 +192,16 @@ def test_the_sample_both_sides_pick_is_the_same_and_about_one_in_eight():
     assert abs(picked.mean() - 1 / SAMPLE_EVERY) < 0.01
     assert np.array_equal(picked[ids[::7]], sampled(lease_tag("x"), ids[::7]))
     assert not np.array_equal(picked, sampled(lease_tag("y"), ids))
+
+
+def test_both_ways_of_summing_words_give_one_checksum():
+    import torch
+
+    from actors.kv.integrity import word_sums, word_weights
+
+    words = torch.randint(-2**31, 2**31 - 1, (50, 1024), dtype=torch.int32)
+    w = word_weights(1024, torch.device("cpu"))
+    assert torch.equal(word_sums(words, w, matvec=True), word_sums(words, w, matvec=False))
+    flipped = words.clone()
+    flipped[7, 300] ^= 1 << 17
+    assert (word_sums(flipped, w, True) != word_sums(words, w, True)).nonzero().flatten().tolist() == [7]
