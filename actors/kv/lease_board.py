@@ -120,8 +120,11 @@ class LeaseBoard:
             self.release(lease_id)
         tag = lease_tag(lease_id)
         first = (tag % self.buckets) * BUCKET
-        states = self.records[first:first + BUCKET] & np.uint64(3)
-        free = np.flatnonzero(states == EMPTY)
+        words = self.records[first:first + BUCKET]
+        states = words & np.uint64(3)
+        free = np.flatnonzero((words >> np.uint64(4)) == np.uint64(tag))  # a re-grant: its own slot
+        if not free.size:
+            free = np.flatnonzero(states == EMPTY)
         if not free.size:
             free = np.flatnonzero(states == RELEASED)
         if not free.size:

@@ -145,6 +145,9 @@ def test_a_full_bucket_publishes_nothing_and_a_released_slot_is_reused():
     assert board.publish("late", "off")
     assert find(board.records, lease_tag("late")) == (HELD, 0)
     assert find(board.records, lease_tag("r3")) is None  # its slot was reused: readers fail closed
+    board.release("r5")
+    assert board.publish("r5", "off")  # granted again: the same slot, so no stale RELEASED twin
+    assert find(board.records, lease_tag("r5")) == (HELD, 0)
 
 
 @pytest.mark.parametrize("mode", ["all", "sample"])
