@@ -88,6 +88,10 @@ class TransferConfig(_Strict):
     read_timeout_s: float = Field(10.0, gt=0)
     handoff_deadline_s: float = Field(60.0, gt=0)
     fault_rate: float = Field(0.0, ge=0.0, le=1.0)  # test knob: fail this fraction of KV pulls on purpose
+    # KV integrity (actors.kv.integrity): producers checksum each (block, head) when they lease a
+    # prefill, readers check all blocks or a 1-in-8 sample of them after the pull; a mismatch fails it.
+    # Off by default: on CPU `all` adds 1.6-6x the pull's time, `sample` 20-140 % (benchmarks/transfer.py).
+    verify: Literal["off", "sample", "all"] = "off"
 
 
 class RestartConfig(_Strict):
@@ -245,6 +249,7 @@ class DeploymentConfig(_Strict):
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
             kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
             read_timeout_s=self.transfer.read_timeout_s, fault_rate=self.transfer.fault_rate,
+            kv_verify=self.transfer.verify,
             num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
             resources=group.resources,
             cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,

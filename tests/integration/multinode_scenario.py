@@ -28,7 +28,8 @@ from serving.cluster.clients import build_router  # noqa: E402
 
 
 def deployment(backend: str) -> DeploymentConfig:
-    common = {"name": f"mn-{backend}", "transfer": {"failure_policy": "fail", "lease_ttl_s": 20}}
+    common = {"name": f"mn-{backend}", "transfer": {"failure_policy": "fail", "lease_ttl_s": 20},
+              "router": {"placement": "disaggregate"}}  # the P/D path across nodes, not a colocated answer
     if backend == "synthetic":
         return DeploymentConfig.from_dict({
             **common, "backend": "synthetic",

@@ -65,7 +65,7 @@ def test_colocated_and_both_directions_of_disaggregation_give_the_colocated_answ
     assert cached == (len(PROMPT) - 1, len(PROMPT) - 1)  # pulled all but the replayed last prompt token
 
 
-def test_slo_placement_colocates_on_idle_engines_and_disaggregates_beside_busy_streams(both):
+def test_slo_placement_colocates_on_idle_engines_and_splits_prefill_from_busy_decoding(both):
     async def go():
         router = Router({"bx-X": RayEngineClient("bx-X", both["X"]), "bx-Y": RayEngineClient("bx-Y", both["Y"])},
                         {"bx-X": RayEngineClient("bx-X", both["X"]), "bx-Y": RayEngineClient("bx-Y", both["Y"])},
@@ -79,17 +79,19 @@ def test_slo_placement_colocates_on_idle_engines_and_disaggregates_beside_busy_s
             await asyncio.sleep(0.1)
         idle = await router.open(request("idle", token_ids=PROMPT, max_tokens=4))
         idle_answer = [t for c in [ch async for ch in idle] for t in c.token_ids]
-        for d in ("bx-X", "bx-Y"):
-            router.pool.decode_load[d].requests = 8  # as if streams decoded on both: a local prefill stalls them
+        # X decodes eight streams (a local prefill there would stall them) and Y has been prefilling
+        # most of the time (a stream there would wait behind its prefills): prefill on Y, decode on X
+        router.pool.decode_load["bx-X"].requests += 8
+        with router.pool.prefilling("bx-Y", 100_000):
+            pass
         long_prompt = [rng.randrange(1000, 40000) for _ in range(400)]
         busy = await router.open(request(f"busy{time.monotonic_ns()}", token_ids=long_prompt, max_tokens=4))
         busy_chunks = [ch async for ch in busy]
-        for d in ("bx-X", "bx-Y"):
-            router.pool.decode_load[d].requests -= 8
+        router.pool.decode_load["bx-X"].requests -= 8
         await router.drain()
         return idle, idle_answer, busy, busy_chunks
 
     idle, idle_answer, busy, busy_chunks = asyncio.run(go())
     assert (idle.route.path, len(idle_answer)) == ("local", 4)
-    assert busy.route.path == "pd" and busy.prefill_id != busy.decode_id
+    assert (busy.route.path, busy.prefill_id, busy.decode_id) == ("pd", "bx-Y", "bx-X")
     assert not any(c.failed or c.recomputed for c in busy_chunks)

@@ -38,7 +38,7 @@ class SyntheticBackend:
         # Registration is done by the EngineActor (it adds itself as a liveness handle).
         self.engine = SyntheticEngine(self.engine_id, self.cfg.role, self.model, self.shape, coordinator,
                                       lease_ttl_s=self.cfg.lease_ttl_s, read_timeout_s=self.cfg.read_timeout_s,
-                                      register=False, fault_rate=self.cfg.fault_rate,
+                                      register=False, fault_rate=self.cfg.fault_rate, verify=self.cfg.kv_verify,
                                       on_new_incarnation=on_new_incarnation)
         await self.engine.start()
 

@@ -63,7 +63,7 @@ class EngineShape:
 class SyntheticEngine:
     def __init__(self, engine_id: str, role: str, model: SyntheticModel, shape: EngineShape,
                  coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0,
-                 register: bool = True, fault_rate: float = 0.0,
+                 register: bool = True, fault_rate: float = 0.0, verify: str = "off",
                  on_new_incarnation: Callable[[], Awaitable[Any]] | None = None):
         self.engine_id, self.role, self.model, self.shape = engine_id, role, model, shape
         self.coordinator = coordinator
@@ -77,7 +77,7 @@ class SyntheticEngine:
                 RankConfig(engine_id=engine_id, role=role, model=model, tp_rank=t, tp_size=shape.tp_size,
                            pp_rank=p, pp_size=shape.pp_size, dcp_size=shape.dcp_size,
                            block_size=shape.block_size, num_blocks=shape.num_blocks,
-                           layout=shape.layout, read_timeout_s=read_timeout_s),
+                           layout=shape.layout, read_timeout_s=read_timeout_s, verify=verify),
                 coordinator, faults,
             )
             for p in range(shape.pp_size) for t in range(shape.tp_size)

@@ -112,6 +112,7 @@ class VllmBackend:
             "lease_ttl_s": cfg.lease_ttl_s,
             "read_timeout_s": cfg.read_timeout_s,
             "fault_rate": cfg.fault_rate,
+            "verify": cfg.kv_verify,
             "incarnation": self.incarnation,
         }) if cfg.kv_connector else None  # None: plain vLLM (baseline)
         for note in pd_overrides(cfg):
