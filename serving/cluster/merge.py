@@ -1,0 +1,32 @@
+"""Taking an engine's stream one chunk per wake-up: the items that already arrived, merged.
+
+An engine yields one `TokenChunk` per vLLM output (at most one per engine step
+per request: vLLM's output collector merges steps for a consumer that fell
+behind), and Ray delivers each as one item of a streaming generator. When this
+side falls behind (its event loop busy with other streams), several items wait;
+`merge_ready` folds every item that is already here into the chunk just taken
+(`TokenChunk.merge`), so the front writes one SSE event for all of them instead
+of a burst of events microseconds apart. It never waits for an item.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.protocol import TokenChunk
+
+
+async def merge_ready(gen: Any, chunk: TokenChunk) -> tuple[TokenChunk, BaseException | None]:
+    """`chunk` with the items of `gen` (a Ray `ObjectRefGenerator`) that are ready now merged in.
+
+    An item that fails ends the merge: its exception is returned, to be raised once the
+    merged chunk (what arrived before the failure) has been handed on."""
+    while not chunk.finished and gen.next_ready():
+        try:
+            ref = await gen.__anext__()
+            chunk = chunk.merge(await ref)
+        except StopAsyncIteration:
+            break
+        except Exception as exc:  # noqa: BLE001 - raised by the caller after this chunk
+            return chunk, exc
+    return chunk, None
