@@ -105,6 +105,8 @@ class HttpConfig(_Strict):
     max_inflight_requests: int = Field(512, ge=1)  # per ingress replica; beyond it: 429
     num_replicas: int = Field(1, ge=1, le=64)  # Ray Serve ingress replicas
     replica_num_cpus: float = Field(0.0, ge=0)  # CPUs reserved per ingress replica
+    # answer requests sent with `X-Raypd-Trace: 1` with their first token's hop stamps (serving.front.trace)
+    trace: bool = False
 
     @model_validator(mode="before")
     @classmethod

@@ -42,7 +42,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from actors.protocol import EngineRequest, PrefillResult, RouteTable, TokenChunk
+from actors.protocol import EngineRequest, PrefillResult, RouteTable, Stamps, TokenChunk
 from serving.config import RouterConfig
 from serving.routing.directory import Directory, DirectoryView
 from serving.routing.errors import (
@@ -166,8 +166,10 @@ class Router:
             route.path = "fallback"
             self.pool.fallbacks[reason] += 1
         engine_req = req.replace(request_id=req.request_id if route.attempts == 0 else f"{req.request_id}-local")
+        routed = Stamps.now(Stamps.ROUTED)
         gen = self.pool.decodes[route.decode_id].generate(engine_req)
         first = await self._first_chunk(route, engine_req, gen)
+        first = first.replace(stamps=(routed, *first.stamps, Stamps.now(Stamps.ROUTER_IN)))
         if first.failed_before_output:  # a local run has no transfer to fail: the engine failed
             self.pool.close_gen(gen)
             raise EngineFailed(f"decode engine {route.decode_id} failed: {first.error}")
@@ -182,7 +184,9 @@ class Router:
         p, d = route.prefill_id, route.decode_id
         with self.pool.prefilling(p, estimate):
             try:
-                return await self.pool.prefills[p].prefill(req)
+                routed = Stamps.now(Stamps.ROUTED)
+                out = await self.pool.prefills[p].prefill(req)
+                return out.replace(stamps=(routed, *out.stamps, Stamps.now(Stamps.ROUTER_IN)))
             except RequestRejected as exc:  # the client's mistake: no retry, no breaker
                 raise InvalidRequest(str(exc)) from None
             except asyncio.CancelledError:
@@ -228,7 +232,8 @@ class Router:
         """A stream whose first chunk is the prefill engine's token; the decode engine goes on
         (and answers a failed pull per its `kv_load_failure_policy`)."""
         first = TokenChunk(engine_req.request_id, out.first_token_ids, out.first_text,
-                           num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
+                           num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+                           stamps=out.stamps)
         if engine_req.max_tokens <= len(out.first_token_ids) or not out.needs_decode:
             first = first.replace(finished=True, finish_reason=out.finish_reason or "length")
             if out.kv_transfer_params:  # nobody will read the KV: release the prefill engine's lease now
