@@ -11,6 +11,15 @@ are moved into raypd's fields here, so each has one value (see
 actors/engine/config.py). `check_engine_args` checks the rest against vLLM's
 own argument classes where vLLM is importable (the CLI calls it; the engines
 check again when they start).
+
+One default differs from vLLM's: a prefill engine runs one prompt at a time
+(`max_num_seqs` 1, `PREFILL_DEFAULT_KWARGS`; set it in `prefill.engine_kwargs` to
+change it). vLLM would pack every queued prompt into one step of up to
+`max_num_batched_tokens`, so that each of them gets its first token only when the
+whole pack is computed (four 512-token prompts: ~4x one prompt's time for all four
+on a CPU core); one at a time, first come first served, the first of them is
+back after its own prefill. A prefill's request leaves vLLM's running set with its
+first token (its blocks stay under their lease), so this bounds only the compute.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ from actors.control.ledger import BreakerConfig
 from serving.cluster.autoscale_policy import AutoscalerConfig
 
 ROLES = ("prefill", "decode")
+# vLLM engine arguments a prefill engine gets unless its engine_kwargs set them (see the module docstring)
+PREFILL_DEFAULT_KWARGS: dict[str, Any] = {"max_num_seqs": 1}
 
 
 class ConfigError(ValueError):
@@ -203,10 +214,13 @@ class DeploymentConfig(_Strict):
 
     def engine_config(self, role: str, index: int = 0, engine_id: str | None = None) -> EngineConfig:
         group: EngineGroupConfig = getattr(self, "decode" if role == "both" else role)
+        kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+        if role == "prefill" and self.backend == "vllm":
+            kwargs = {**PREFILL_DEFAULT_KWARGS, **kwargs}
         return EngineConfig(
             role=role, backend=self.backend, engine_id=engine_id, model=self.model,
             synthetic=self.synthetic, dtype=self.dtype, tp_size=group.tp_size, pp_size=group.pp_size,
-            engine_kwargs={**self.engine_kwargs, **group.engine_kwargs},
+            engine_kwargs=kwargs,
             dcp_size=group.dcp_size, block_size=group.block_size, max_model_len=self.max_model_len,
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
             kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
