@@ -70,6 +70,7 @@ class EngineGroupConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
     cpu_bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
+    compute_nice: int = Field(10, ge=0, le=19)  # CPU hosts: vLLM's worker threads yield to the serving path
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of this role (over the shared ones)
 
 
@@ -228,6 +229,7 @@ class DeploymentConfig(_Strict):
             num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
             resources=group.resources,
             cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,
+            compute_nice=group.compute_nice,
         )
 
     @property
