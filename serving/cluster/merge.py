@@ -16,12 +16,26 @@ from typing import Any
 from actors.protocol import TokenChunk
 
 
+def arrived(gen: Any) -> bool:
+    """Whether the next item of `gen` is already in this process's memory store.
+
+    `ObjectRefGenerator.next_ready()` answers the same but, whenever the item is not there
+    (the common case: the consumer keeps up), also calls `ray.wait(timeout=0)`, which costs
+    more than the rest of a token's way through the ingress (py-spy under load). Small items
+    (a TokenChunk is inlined in Ray's reply) are in the memory store as soon as they arrive,
+    so the store's own peek is the whole answer; `next_ready()` is the fallback."""
+    try:
+        return bool(gen.worker.core_worker.peek_object_ref_stream(gen._generator_ref)[1])
+    except AttributeError:  # not Ray's generator (tests) or another Ray version
+        return bool(gen.next_ready())
+
+
 async def merge_ready(gen: Any, chunk: TokenChunk) -> tuple[TokenChunk, BaseException | None]:
     """`chunk` with the items of `gen` (a Ray `ObjectRefGenerator`) that are ready now merged in.
 
     An item that fails ends the merge: its exception is returned, to be raised once the
     merged chunk (what arrived before the failure) has been handed on."""
-    while not chunk.finished and gen.next_ready():
+    while not chunk.finished and arrived(gen):
         try:
             ref = await gen.__anext__()
             chunk = chunk.merge(await ref)
