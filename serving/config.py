@@ -11,6 +11,15 @@ are moved into raypd's fields here, so each has one value (see
 actors/engine/config.py). `check_engine_args` checks the rest against vLLM's
 own argument classes where vLLM is importable (the CLI calls it; the engines
 check again when they start).
+
+One default differs from vLLM's: a prefill engine runs one prompt at a time
+(`max_num_seqs` 1, `PREFILL_DEFAULT_KWARGS`; set it in `prefill.engine_kwargs` to
+change it). vLLM would pack every queued prompt into one step of up to
+`max_num_batched_tokens`, so that each of them gets its first token only when the
+whole pack is computed (four 512-token prompts: ~4x one prompt's time for all four
+on a CPU core); one at a time, first come first served, the first of them is
+back after its own prefill. A prefill's request leaves vLLM's running set with its
+first token (its blocks stay under their lease), so this bounds only the compute.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from serving.routing.placement import PlacementConfig, chunked_prefill_budget
 
 ROLES = ("prefill", "decode", "both")
 PREFILL_CAPABLE, DECODE_CAPABLE = ("prefill", "both"), ("decode", "both")
+# vLLM engine arguments a prefill engine gets unless its engine_kwargs set them (see the module docstring)
+PREFILL_DEFAULT_KWARGS: dict[str, Any] = {"max_num_seqs": 1}
 
 
 class ConfigError(ValueError):
@@ -61,6 +72,7 @@ class EngineGroupConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
     cpu_bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
+    compute_nice: int = Field(10, ge=0, le=19)  # CPU hosts: vLLM's worker threads yield to the serving path
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of this role (over the shared ones)
 
 
@@ -112,6 +124,8 @@ class HttpConfig(_Strict):
     max_inflight_requests: int = Field(512, ge=1)  # per ingress replica; beyond it: 429
     num_replicas: int = Field(1, ge=1, le=64)  # Ray Serve ingress replicas
     replica_num_cpus: float = Field(0.0, ge=0)  # CPUs reserved per ingress replica
+    # answer requests sent with `X-Raypd-Trace: 1` with their first token's hop stamps (serving.front.trace)
+    trace: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -238,6 +252,8 @@ class DeploymentConfig(_Strict):
     def engine_config(self, role: str, index: int = 0, engine_id: str | None = None) -> EngineConfig:
         group: EngineGroupConfig = getattr(self, role)
         kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+        if role == "prefill" and self.backend == "vllm":
+            kwargs = {**PREFILL_DEFAULT_KWARGS, **kwargs}
         budget = self.chunk_budget(role)
         if budget is not None:
             kwargs["max_num_batched_tokens"] = budget
@@ -253,6 +269,7 @@ class DeploymentConfig(_Strict):
             num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
             resources=group.resources,
             cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,
+            compute_nice=group.compute_nice,
         )
 
     @property

@@ -47,6 +47,7 @@ import ray
 
 from actors.engine.config import EngineConfig
 from actors.engine.vllm.kv_events import relay_for
+from actors.engine.vllm.trace import timer_for
 from actors.engine.load import EngineLoad, LoadMeter
 from actors.protocol import (
     Backend,
@@ -57,6 +58,7 @@ from actors.protocol import (
     EngineStats,
     ModelInfo,
     PrefillResult,
+    Stamps,
     TokenChunk,
 )
 from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
@@ -93,6 +95,7 @@ class EngineActor:
         self._handshakes: list[bytes] = []
         self._register_lock = asyncio.Lock()
         self._kv_relay: Any = None  # actors.engine.vllm.kv_events.KVEventsRelay: KV cache events -> coordinator
+        self._timer: Any = None  # actors.engine.vllm.trace.RequestTimer: vLLM's queued/compute split per request
         self.meter = LoadMeter()  # queues and latencies for the autoscaler
         self._start_lock = asyncio.Lock()
         self._start_info: EngineStart | None = None
@@ -143,6 +146,11 @@ class EngineActor:
         self.startup.reached(LOADING, self.cfg.model if self.cfg.backend == "vllm" else "synthetic")
         try:
             await self.backend.start(self._coordinator, on_new_incarnation=self._register)
+            self._timer = timer_for(self.backend)
+            if self.cfg.backend == "vllm":
+                from actors.engine.vllm.compute_priority import lower_compute_priority
+
+                await asyncio.to_thread(lower_compute_priority, self.cfg.compute_nice)
             self.startup.reached(KV_REGISTERED)
             if self._coordinator is not None:
                 self._kv_relay = relay_for(self.backend, self.engine_id, self._relay_kv_events)
@@ -243,11 +251,13 @@ class EngineActor:
     @ray.method(max_task_retries=0)
     async def prefill(self, req: EngineRequest) -> PrefillResult:
         """Run the prompt for remote decode: the first token and the transfer params."""
+        entered = Stamps.now(Stamps.ENGINE_IN)
         self._check_role("prefill", "both")
         self.counters["requests"] += 1
         started = self.meter.prefill_started(req)
         try:
-            return await self.backend.prefill(req)
+            out = await self.backend.prefill(req)
+            return out.replace(stamps=out.stamps + self._engine_stamps(entered, req.request_id))
         except EngineRequestError:
             raise
         except Exception as exc:
@@ -256,9 +266,15 @@ class EngineActor:
         finally:
             self.meter.prefill_done(started)
 
+    def _engine_stamps(self, entered: tuple[str, float], request_id: str) -> tuple[tuple[str, float], ...]:
+        """This engine's hops of a request's first token: entry, vLLM's queue and compute, exit."""
+        inside = self._timer.take(request_id) if self._timer is not None else ()
+        return (entered, *inside, Stamps.now(Stamps.ENGINE_OUT))
+
     @ray.method(max_task_retries=0)
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
         """Stream token deltas; the last chunk has `finished` and `finish_reason`."""
+        entered: tuple[str, float] | None = Stamps.now(Stamps.ENGINE_IN)
         self._check_role("decode", "both")
         req_id = req.request_id
         params = None
@@ -281,6 +297,9 @@ class EngineActor:
                     self.counters["recomputed"] += 1
                 if chunk.failed:
                     self.counters["errors"] += 1
+                if entered is not None and (chunk.token_ids or chunk.finished):
+                    chunk = chunk.replace(stamps=(entered, Stamps.now(Stamps.ENGINE_OUT)))
+                    entered = None
                 yield chunk
             self.counters["finished"] += 1
         except (asyncio.CancelledError, GeneratorExit):

@@ -24,6 +24,7 @@ from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, actor_name_of
 from actors.protocol import RouteTable
 from actors.control.prefix_index import IndexCursor, IndexUpdate
 from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
+from serving.cluster.merge import merge_ready
 from serving.routing.prefix_view import PrefixCacheView
 from serving.routing.planner import planner_for
 from serving.routing.router import EngineUnavailable, RequestRejected, Router
@@ -95,11 +96,14 @@ class RayEngineClient:
         try:
             async for ref in gen:
                 try:
-                    chunk = await ref
+                    chunk, failure = await merge_ready(gen, await ref)  # and whatever else arrived
                 except (ray.exceptions.RayError, EngineRequestError) as exc:
                     raise self._error(exc) from None
                 finished = chunk.finished
                 yield chunk
+                if failure is not None:
+                    raise self._error(failure) if isinstance(failure, (ray.exceptions.RayError, EngineRequestError)) \
+                        else failure
         except ray.exceptions.RayError as exc:
             raise self._error(exc) from None
         finally:

@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from actors.protocol import EngineRequest, PrefillResult, RouteTable, TokenChunk
+from actors.protocol import EngineRequest, PrefillResult, RouteTable, Stamps, TokenChunk
 from serving.config import RouterConfig
 from serving.routing.directory import Directory, DirectoryView
 from serving.routing.errors import (
@@ -175,11 +175,13 @@ class Router:
             route.path = "fallback"
             self.pool.fallbacks[reason] += 1
         engine_req = req.replace(request_id=req.request_id if route.attempts == 0 else f"{req.request_id}-local")
+        routed = Stamps.now(Stamps.ROUTED)
         gen = self.pool.decodes[route.decode_id].generate(engine_req)
         d = route.decode_id
         with self._timed_prefill(d, req.num_prompt_tokens) as timing:  # its queue is visible to placement
             first = await self._first_chunk(route, engine_req, gen)
             timing.ok, timing.cached = not first.failed_before_output, first.num_cached_tokens
+        first = first.replace(stamps=(routed, *first.stamps, Stamps.now(Stamps.ROUTER_IN)))
         if first.failed_before_output:  # a local run has no transfer to fail: the engine failed
             self.pool.close_gen(gen)
             raise EngineFailed(f"decode engine {route.decode_id} failed: {first.error}")
@@ -194,9 +196,10 @@ class Router:
         p, d = route.prefill_id, route.decode_id
         with self._timed_prefill(p, estimate) as timing:
             try:
+                routed = Stamps.now(Stamps.ROUTED)
                 out = await self.pool.prefills[p].prefill(req)
                 timing.ok, timing.cached = True, out.num_cached_tokens
-                return out
+                return out.replace(stamps=(routed, *out.stamps, Stamps.now(Stamps.ROUTER_IN)))
             except RequestRejected as exc:  # the client's mistake: no retry, no breaker
                 raise InvalidRequest(str(exc)) from None
             except asyncio.CancelledError:
@@ -259,7 +262,8 @@ class Router:
         """A stream whose first chunk is the prefill engine's token; the decode engine goes on
         (and answers a failed pull per its `kv_load_failure_policy`)."""
         first = TokenChunk(engine_req.request_id, out.first_token_ids, out.first_text,
-                           num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
+                           num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+                           stamps=out.stamps)
         if engine_req.max_tokens <= len(out.first_token_ids) or not out.needs_decode:
             first = first.replace(finished=True, finish_reason=out.finish_reason or "length")
             if out.kv_transfer_params:  # nobody will read the KV: release the prefill engine's lease now

@@ -84,6 +84,7 @@ class RoutedStream:
         self.route = route
         self._gen = gen
         self._pending: TokenChunk | None = first
+        self.first_stamps = first.stamps  # the hops of the first token (actors.protocol.Stamps)
         self._charge = charge.hand_over()
         self.token_ids: list[int] = []  # every token streamed so far
         self.num_prompt_tokens = first.num_prompt_tokens

@@ -84,7 +84,7 @@ def test_owned_engine_kwargs_move_into_raypds_fields():
 
 def test_defaults_follow_vllm_but_decode_capable_engines_get_a_chunk_budget_within_the_itl_target():
     cfg = DeploymentConfig.from_dict({})
-    assert cfg.dtype == "auto" and cfg.engine_config("prefill").engine_kwargs == {}
+    assert cfg.dtype == "auto" and cfg.engine_config("prefill").engine_kwargs == {"max_num_seqs": 1}  # FCFS prefills
     # a step with a local prefill chunk stays near the ITL target (prior rates; vLLM's floor: one block)
     assert cfg.engine_config("decode").engine_kwargs == {"max_num_batched_tokens": 128}
     assert DeploymentConfig.from_dict({"router": {"placement": "disaggregate"}}).engine_config(
@@ -131,3 +131,15 @@ def test_cache_aware_routing_is_the_default_and_turns_the_engines_kv_events_on()
     assert [c.engine_config(r).kv_events for c in (cache_aware, by_load) for r in ("prefill", "decode")] == [
         True, True, False, False]
     assert planner_for(by_load.router).settings.cache_weight == 0.0
+
+
+def test_a_prefill_engine_runs_one_prompt_at_a_time_unless_its_engine_kwargs_say_otherwise():
+    """vLLM would pack queued prompts into one step (each gets its first token when the whole pack is
+    done); raypd's prefill engines default to max_num_seqs 1 (FCFS). Decode engines keep vLLM's default."""
+    cfg = DeploymentConfig.from_dict({"backend": "vllm", "model": "m"})
+    assert cfg.engine_config("prefill").engine_kwargs["max_num_seqs"] == 1
+    assert "max_num_seqs" not in cfg.engine_config("decode").engine_kwargs
+    own = DeploymentConfig.from_dict({"backend": "vllm", "model": "m", "prefill": {"engine_kwargs": {"max_num_seqs": 8}}})
+    assert own.engine_config("prefill").engine_kwargs["max_num_seqs"] == 8
+    shared = DeploymentConfig.from_dict({"backend": "vllm", "model": "m", "engine_kwargs": {"max_num_seqs": 4}})
+    assert shared.engine_config("prefill").engine_kwargs["max_num_seqs"] == 4
