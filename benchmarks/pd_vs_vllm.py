@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """raypd P/D against colocated vLLM, vLLM's NixlConnector P/D and Ray Serve LLM's P/D, one run, one client.
 
-  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py                   # groups A,B,E,AP, ~40 min
-  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --profile anchors  # + C,DC,D (1 round)
-  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --quick            # development
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py                   # groups A,B,E,AP, ~38 min
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --profile anchors  # + C,DC,D (1 round), ~59
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --quick            # development, ~7 min
+  .venv/bin/python benchmarks/pd_vs_vllm.py [--quick] --plan   # the planned duration; starts nothing
 
 Set-ups (benchmarks/pdbench/setups.py; all SmolLM2-135M-Instruct, float32, block
 size 128, prefix caching on, max_model_len 2304, 1 GiB KV cache and one core per
@@ -24,7 +25,8 @@ Per group and round: start, confine each vLLM worker to its core, warm up, an
 idle CPU window, the low-load requests, then the open-loop Poisson load (rates
 ascending in odd rounds, descending in even ones). Every phase records the
 host's load average before/after and the CPU used by processes outside the
-set-up. Results: --out JSON (+ .txt table) and --plot PNG, written only here.
+set-up. Results: --out JSON (+ .txt table) and --plot PNG, written only here (defaults: OUTPUTS;
+--plan prints the schedule and planned duration and starts nothing).
 """
 
 from __future__ import annotations
@@ -61,10 +63,16 @@ PROFILES = {
                   load_requests=4, load_max_tokens=16, drain_s=30.0, idle_s=3.0, settle_s=2.0,
                   mix="128:0.6,512:0.4", groups="A,B,E,AP", setups="a,a2,ap,b,e", one_round_groups="C,DC,D"),
 }
+# a --quick run never overwrites a committed result (benchmarks/out/ is git-ignored)
+OUTPUTS = {"full": dict(out="benchmarks/results/pd_vs_vllm.json", plot="benchmarks/results/pd_vs_vllm.png"),
+           "anchors": dict(out="benchmarks/results/pd_vs_vllm_anchors.json",
+                           plot="benchmarks/results/pd_vs_vllm_anchors.png"),
+           "quick": dict(out="benchmarks/out/pd_vs_vllm_quick.json", plot="benchmarks/out/pd_vs_vllm_quick.png")}
 ENGINE_SETTINGS = dict(served_model_name="smollm2", dtype="float32", max_model_len=2304, block_size=128,
                        enable_prefix_caching=True, max_num_seqs=128, max_num_batched_tokens=2048,
                        kv_cache_gib=1, raypd_config="benchmarks/configs/pd_1p1d.yaml",
                        raypd_default_config="benchmarks/configs/pd_default.yaml")
+SMOLLM2_VOCAB = 49152  # --plan only (no model read): the streams' timing does not depend on it
 
 
 def log(msg: str) -> None:
@@ -211,15 +219,6 @@ class Run:
             return {"error": now.get("error") or before.get("error")}
         return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
 
-    def plan(self, schedule: list[tuple[int, str]]) -> dict:
-        streams = {(rnd, rate): client.poisson_requests(self.args.seed, rnd, rate, self.args.load_requests, self.mix,
-                                                        self.args.load_max_tokens, self.vocab)
-                   for rnd in range(1, self.args.rounds + 1) for rate in self.rates}
-        return budget.plan(schedule, LOW_SETUP, LOAD_SETUP, self.setups, lengths=self.lengths, reps=self.args.reps,
-                           low_max_tokens=self.args.low_max_tokens, streams=streams,
-                           load_max_tokens=self.args.load_max_tokens, drain_s=self.args.drain_s,
-                           settle_s=self.args.settle_s, idle_s=self.args.idle_s)
-
     # ------------------------------------------------------------ main
     def run(self) -> None:
         from actors.models.local import resolve_model
@@ -234,11 +233,9 @@ class Run:
         self.setups = set(self.args.setups.split(","))
         schedule = make_schedule(self.args)
         self.res["schedule"] = schedule
-        self.res["planned"] = self.plan(schedule)
+        self.res["planned"] = plan(self.args, schedule, self.vocab)
         self.res["planned_s"] = self.res["planned"]["total"]
-        p = self.res["planned"]
-        log(f"planned: {p['total'] / 60:.0f} min ({p['start'] / 60:.1f} start/stop, {p['low'] / 60:.1f} low load, "
-            f"{p['load'] / 60:.1f} load, {p['other'] / 60:.1f} warm-up/idle) for {' '.join(g for _, g in schedule)}")
+        log(plan_line(self.res["planned"], schedule))
         for rnd, key in schedule:
             self.start_group(rnd, key)
             self.pin(key, f"round {rnd} after start")
@@ -258,6 +255,25 @@ def make_schedule(args: argparse.Namespace) -> list[tuple[int, str]]:
     once = {g for g in (args.one_round_groups or "").split(",") if g}
     return [(r, g) for r in range(1, args.rounds + 1) for g in (groups if r % 2 else list(reversed(groups)))
             if r == 1 or g not in once]
+
+
+def plan(args: argparse.Namespace, schedule: list[tuple[int, str]], vocab: int) -> dict:
+    """The planned seconds per part (pdbench.budget) of this schedule; the load streams are the
+    run's own (their arrival times do not depend on `vocab`, only their prompts' tokens do)."""
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rates = [float(x) for x in args.rates.split(",")]
+    mix = {int(k): float(v) for k, v in (kv.split(":") for kv in args.mix.split(","))}
+    streams = {(rnd, rate): client.poisson_requests(args.seed, rnd, rate, args.load_requests, mix,
+                                                    args.load_max_tokens, vocab)
+               for rnd in range(1, args.rounds + 1) for rate in rates}
+    return budget.plan(schedule, LOW_SETUP, LOAD_SETUP, set(args.setups.split(",")), lengths=lengths, reps=args.reps,
+                       low_max_tokens=args.low_max_tokens, streams=streams, load_max_tokens=args.load_max_tokens,
+                       drain_s=args.drain_s, settle_s=args.settle_s, idle_s=args.idle_s)
+
+
+def plan_line(p: dict, schedule: list[tuple[int, str]]) -> str:
+    return (f"planned: {p['total'] / 60:.0f} min ({p['start'] / 60:.1f} start/stop, {p['low'] / 60:.1f} low load, "
+            f"{p['load'] / 60:.1f} load, {p['other'] / 60:.1f} warm-up/idle) for {' '.join(g for _, g in schedule)}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -284,14 +300,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=None, help="logs of every process started (default /tmp/pdbench-<time>)")
-    p.add_argument("--out", default="benchmarks/results/pd_vs_vllm.json", help="results JSON (+ .txt table)")
-    p.add_argument("--plot", default="benchmarks/results/pd_vs_vllm.png", help="PNG plot")
+    p.add_argument("--out", default=None, help="results JSON (+ .txt table); default per profile: OUTPUTS")
+    p.add_argument("--plot", default=None, help="PNG plot; default per profile: OUTPUTS")
+    p.add_argument("--plan", action="store_true",
+                   help="start nothing: print the schedule and its planned duration (pdbench/budget.py)")
     p.add_argument("--render", default=None, metavar="JSON",
                    help="start nothing: re-print the table (and --plot) of an earlier run's JSON")
     args = p.parse_args(argv)
     if args.quick:
         args.profile = "quick"
-    for k, v in PROFILES[args.profile].items():
+    for k, v in dict(PROFILES[args.profile], **OUTPUTS[args.profile]).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     lengths = {int(x) for x in args.lengths.split(",")}
@@ -306,6 +324,10 @@ def on_sigterm(signum: int, _frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plan:
+        schedule = make_schedule(args)
+        print(plan_line(plan(args, schedule, SMOLLM2_VOCAB), schedule))
+        return 0
     if args.render:
         res = json.loads(Path(args.render).read_text())
         res["summary"] = summary.summarize(res)
@@ -353,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".txt").write_text(report.header(res) + text + "\n")
         log(f"results written to {out} (+ .txt)")
     if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot.plot(res, args.plot)
         log(f"plot written to {args.plot}")
     return rc

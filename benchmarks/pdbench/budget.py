@@ -10,7 +10,7 @@ half speed (vLLM's NixlConnector thread shares their engine's core). Good to ~15
 
 from __future__ import annotations
 
-START_S = {"A": 40.0, "AP": 30.0, "B": 60.0, "E": 60.0, "C": 60.0, "D": 100.0, "DC": 70.0}
+START_S = {"A": 30.0, "AP": 30.0, "B": 60.0, "E": 60.0, "C": 60.0, "D": 100.0, "DC": 70.0}
 STOP_S = {"A": 5.0, "AP": 4.0, "B": 20.0, "E": 20.0, "C": 8.0, "D": 25.0, "DC": 20.0}
 SPEED = {"c": 2.2, "d": 2.4, "ap": 0.6}  # compute time against one plain vLLM engine on one core
 PREFILL_TOKENS_PER_S = 330.0
@@ -35,7 +35,7 @@ def load_phase_s(setup: str, arrivals: list[float], lengths: list[int], max_toke
     last = arrivals[-1] if arrivals else 0.0
     work = sum(prefill_s(n) + max_tokens * STEP_S / 4 for n in lengths) * SPEED.get(setup, 1.0)
     backlog = max(0.0, work / CORES - last)
-    tail = max_tokens * STEP_S * 1.5 + prefill_s(max(lengths, default=0))  # the last request's own time
+    tail = max_tokens * STEP_S * 1.2 + prefill_s(lengths[-1] if lengths else 0)  # the last request's own time
     return last + min(drain_s, backlog + tail)
 
 

@@ -34,7 +34,7 @@ def _row(goal: str, value: str, met: bool | None) -> dict:
 
 
 def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else ("= (both 0)" if not a else "inf")
+    return f"{a / b:.2f}x" if b else ("both 0" if not a else "inf")
 
 
 def issue18(sm: dict, lengths: list[int], rates: list[float]) -> list[dict]:

@@ -28,12 +28,13 @@ def git_state(root: Path) -> dict:
             "dirty_files": len(dirty)}
 
 
-_BUDGET = re.compile(r"Chunked prefill is enabled with max_num_batched_tokens=(\d+)")
+_SCHED = re.compile(r"'(max_num_seqs|max_num_batched_tokens)': (\d+)")
 
 
 def engine_config_lines(group) -> list[str]:
-    """The engine settings vLLM itself logged ('Initializing a V1 LLM engine ... with config:'), with the
-    chunked-prefill budget vLLM logged before it in the same file ('Chunked prefill is enabled with ...')."""
+    """The engine settings vLLM itself logged ('Initializing a V1 LLM engine ... with config:'), with
+    max_num_seqs / max_num_batched_tokens from the API server's 'non-default args' line before it
+    in the same file (vLLM's config line omits them; raypd's engines: `RaypdUp.engine_settings`)."""
     keys = ("dtype", "max_seq_len", "enable_prefix_caching", "enable_chunked_prefill")
     out = []
     for f in group.log_files():
@@ -41,13 +42,13 @@ def engine_config_lines(group) -> list[str]:
             text = f.read_text(errors="replace")
         except OSError:
             continue
-        budget = None
+        sched: list[str] = []
         for line in text.splitlines():
-            if m := _BUDGET.search(line):
-                budget = m.group(1)
+            if "non-default args:" in line:
+                sched = [f"{k}={v}" for k, v in _SCHED.findall(line)]
             if "with config:" in line and "Initializing" in line:
                 vals = [f"{k}={m.group(1)}" for k in keys if (m := re.search(rf"\b{k}=([^,]+)", line))]
-                s = ", ".join(vals + ([f"max_num_batched_tokens={budget}"] if budget else []))
+                s = ", ".join(vals + sched)
                 if s not in out:
                     out.append(s)
     return out
