@@ -214,9 +214,6 @@ class DeploymentConfig(_Strict):
                 pb, db = self.engine_config(pr).effective_block_size, self.engine_config(dr).effective_block_size
                 if db % pb:
                     raise ValueError(f"{pr} block_size {pb} must divide {dr} block_size {db}")
-        if self.autoscaler.enabled and "both" in groups:
-            raise ValueError("the autoscaler scales fixed prefill/decode pools: set both.count 0 with "
-                             "autoscaler.enabled")
         for role in ROLES:
             group = getattr(self, role)
             bounds = getattr(self.autoscaler, role, None)
