@@ -217,7 +217,9 @@ class DeploymentConfig(_Strict):
         for role in ROLES:
             group = getattr(self, role)
             bounds = getattr(self.autoscaler, role, None)
-            if bounds is not None and self.autoscaler.enabled and not bounds.min <= group.count <= bounds.max:
+            # a role with no engines is never scaled (the autoscaler scales only the roles deployed)
+            if (bounds is not None and self.autoscaler.enabled and group.count
+                    and not bounds.min <= group.count <= bounds.max):
                 raise ValueError(f"{role}.count {group.count} must lie within autoscaler.{role} "
                                  f"min {bounds.min} .. max {bounds.max}")
             if group.cpu_bind is not None and len(group.cpu_bind) != group.count:
