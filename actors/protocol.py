@@ -248,6 +248,12 @@ class LoadSnapshot:
     outstanding_tokens_avg: float
     prefill_latency_p90_s: float | None
     itl_p90_s: float | None
+    # what the engine measured of itself (moving averages; None before any sample), for scaling
+    prefill_tokens_per_s: float | None = None  # prompt tokens per second of its prefills' wall time
+    step_s: float | None = None  # its decode streams' per-token gaps
+    arrivals_per_s: float = 0.0  # decode requests started per second, recently
+    prompt_tokens_avg: float | None = None  # of the requests it decoded
+    output_tokens_avg: float | None = None
 
 
 @dataclass(frozen=True)

@@ -214,13 +214,12 @@ class DeploymentConfig(_Strict):
                 pb, db = self.engine_config(pr).effective_block_size, self.engine_config(dr).effective_block_size
                 if db % pb:
                     raise ValueError(f"{pr} block_size {pb} must divide {dr} block_size {db}")
-        if self.autoscaler.enabled and "both" in groups:
-            raise ValueError("the autoscaler scales fixed prefill/decode pools: set both.count 0 with "
-                             "autoscaler.enabled")
         for role in ROLES:
             group = getattr(self, role)
             bounds = getattr(self.autoscaler, role, None)
-            if bounds is not None and self.autoscaler.enabled and not bounds.min <= group.count <= bounds.max:
+            # a role with no engines is never scaled (the autoscaler scales only the roles deployed)
+            if (bounds is not None and self.autoscaler.enabled and group.count
+                    and not bounds.min <= group.count <= bounds.max):
                 raise ValueError(f"{role}.count {group.count} must lie within autoscaler.{role} "
                                  f"min {bounds.min} .. max {bounds.max}")
             if group.cpu_bind is not None and len(group.cpu_bind) != group.count:

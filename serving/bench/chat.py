@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from serving.bench.samples import WORDS, LevelResult, Sample, closed_loop, percentile, print_level, summarize
-from serving.bench.sse import stream_request
+from serving.bench.sse import stream_request, target
 
 
 @dataclass(frozen=True)
@@ -121,19 +121,9 @@ def print_chat_level(r: ChatLevelResult) -> None:
 async def run_chat_load(args: argparse.Namespace, url: str | None = None, seed: int | None = None
                         ) -> list[ChatLevelResult]:
     """Every concurrency level against `url` (default `--url`); `seed` (default `--seed`) picks the texts."""
-    import httpx
-
-    url = (url or args.url).rstrip("/")
     seed = args.seed if seed is None else seed
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
-    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        model = args.model
-        if model is None:
-            r = await client.get(url + "/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+    async with target(args, url) as t:
+        client, url, headers, model, levels = t.client, t.url, t.headers, t.model, t.levels
         warm = Conversation("Warm-up.", ("warm up " * 8,))
         await run_conversation(client, url, model, warm, args, headers)  # handshakes, connections
         results = []

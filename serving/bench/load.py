@@ -28,23 +28,13 @@ from dataclasses import asdict
 from typing import Any
 
 from serving.bench.samples import LevelResult, Sample, closed_loop, make_prompt, print_level, summarize
-from serving.bench.sse import stream_request
+from serving.bench.sse import stream_request, target
 
 
 async def run_load(args: argparse.Namespace) -> list[LevelResult]:
-    import httpx
-
-    url = args.url.rstrip("/")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        model = args.model
-        if model is None:
-            r = await client.get(url + "/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+    async with target(args) as t:
+        client, url, headers, model = t.client, t.url, t.headers, t.model
         chat = args.endpoint == "chat"
 
         def body() -> dict:
@@ -60,7 +50,7 @@ async def run_load(args: argparse.Namespace) -> list[LevelResult]:
 
         await stream_request(client, url, body(), headers, chat, Sample(ok=False))  # warm-up (handshakes)
         results = []
-        for c in levels:
+        for c in t.levels:
             samples, wall = await closed_loop(
                 lambda i: stream_request(client, url, body(), headers, chat, Sample(ok=False)), c, args.requests)
             res = summarize(c, samples, wall, args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)

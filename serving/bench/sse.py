@@ -9,13 +9,46 @@ exception).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from serving.bench.samples import Sample
 
 S = TypeVar("S", bound=Sample)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a load run sends its requests: the client, the base URL, its headers, the model, the levels."""
+
+    client: Any
+    url: str
+    headers: dict
+    model: str
+    levels: list[int]
+
+
+@contextlib.asynccontextmanager
+async def target(args: argparse.Namespace, url: str | None = None) -> AsyncIterator[Target]:
+    """An httpx client sized for the largest concurrency level; the model is `--model` or the server's first."""
+    import httpx
+
+    url = (url or args.url).rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        model = args.model
+        if model is None:
+            r = await client.get(url + "/v1/models", headers=headers)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        yield Target(client, url, headers, model, levels)
 
 
 async def stream_request(client: Any, url: str, body: dict, headers: dict, chat: bool, sample: S) -> S:

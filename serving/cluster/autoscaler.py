@@ -37,6 +37,8 @@ import ray
 from actors.control.coordinator import get_coordinator
 from actors.engine.load import EngineLoad
 from serving.cluster.autoscale_policy import PoolSignals, RolePolicy, ScaleDecision
+from serving.routing.placement import EngineEstimate
+from serving.routing.pool_pressure import LoadMix, ScaleAdvice, pool_pressure
 from serving.cluster.engines import Unschedulable, handle_of
 from serving.cluster.names import engine_id, engine_index
 from serving.config import DeploymentConfig
@@ -45,7 +47,7 @@ logger = logging.getLogger("raypd.autoscaler")
 
 LOAD_TIMEOUT_S = 5.0
 DRAIN_POLL_S = 0.5
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "both")
 
 
 class EngineHands(Protocol):
@@ -88,8 +90,10 @@ class Autoscaler:
     def __init__(self, cfg: DeploymentConfig, hands: EngineHands):
         self.cfg, self.hands = cfg, hands
         acfg = self.cfg.autoscaler
-        self.policies = {role: RolePolicy(role, getattr(acfg, role), acfg) for role in ROLES}
-        self.roles = {role: RoleStatus(min=getattr(acfg, role).min, max=getattr(acfg, role).max) for role in ROLES}
+        self.active = [r for r in ROLES if getattr(cfg, r).count]  # the roles this deployment runs
+        self.policies = {role: RolePolicy(role, getattr(acfg, role), acfg) for role in self.active}
+        self.roles = {role: RoleStatus(min=getattr(acfg, role).min, max=getattr(acfg, role).max)
+                      for role in self.active}
         self.changes: dict[str, asyncio.Task] = {}  # role -> the change in progress
         self.draining: dict[str, asyncio.Task] = {}  # engine -> its drain
         self.counters: Counter[str] = Counter()
@@ -136,7 +140,8 @@ class Autoscaler:
             logger.warning("coordinator unavailable: %s", exc)
             return []
         decisions = []
-        for role in ROLES:
+        loads: dict[str, list[EngineLoad]] = {}
+        for role in self.active:
             mine = [e for e in listed if engine_index(self.cfg.name, role, e.engine_id) is not None]
             st = self.roles[role]
             st.serving = sorted((e.engine_id for e in mine if not e.draining), key=self._index_of(role))
@@ -144,11 +149,14 @@ class Autoscaler:
             for engine in st.draining:  # e.g. after this actor restarted: finish what was started
                 if engine not in self.draining:
                     self._drain(role, engine, ScaleEvent(now, role, "down", "resumed", engine))
-            signals = await self._signals(st.serving)
-            st.signals = signals
+            loads[role] = await self._loads(st.serving)
+            st.signals = self._signals(len(st.serving), loads[role])
+        advice = self._advice(loads) if self.cfg.autoscaler.policy == "model" else None
+        for role in self.active:
+            st = self.roles[role]
             if role in self.changes or st.draining:
                 continue
-            decision = self.policies[role].decide(signals, now)
+            decision = self.policies[role].decide(st.signals, now, advice)
             st.last_decision = f"{decision.direction}: {decision.reason}"
             decisions.append(decision)
             if decision.direction == "up":
@@ -160,7 +168,7 @@ class Autoscaler:
     def _index_of(self, role: str) -> Any:
         return lambda engine: engine_index(self.cfg.name, role, engine)
 
-    async def _signals(self, serving: list[str]) -> PoolSignals:
+    async def _loads(self, serving: list[str]) -> list[EngineLoad]:
         async def one(engine: str) -> EngineLoad | None:
             handle = self.handle(engine)
             if handle is None:
@@ -172,17 +180,39 @@ class Autoscaler:
                 self._handles.pop(engine, None)
                 return None
 
-        loads = [x for x in await asyncio.gather(*(one(e) for e in serving)) if x is not None]
+        return [x for x in await asyncio.gather(*(one(e) for e in serving)) if x is not None]
+
+    @staticmethod
+    def _signals(engines: int, loads: list[EngineLoad]) -> PoolSignals:
         p90s = [x.meter.prefill_latency_p90_s for x in loads if x.meter.prefill_latency_p90_s is not None]
         itls = [x.meter.itl_p90_s for x in loads if x.meter.itl_p90_s is not None]
         return PoolSignals(
-            engines=len(serving),
+            engines=engines,
             queued_prompt_tokens=sum(x.meter.queued_prompt_tokens_avg for x in loads),
             prefill_latency_p90_s=max(p90s) if p90s else None,
             outstanding_tokens=sum(x.meter.outstanding_tokens_avg for x in loads),
             kv_usage=max((x.kv_usage for x in loads), default=0.0),
             itl_p90_s=max(itls) if itls else None,
         )
+
+    def _advice(self, loads: dict[str, list[EngineLoad]]) -> ScaleAdvice:
+        """The placement model's pool predictions, from what the engines measured of themselves."""
+        slo = self.cfg.router.slo
+        estimates = []
+        for role, xs in loads.items():
+            budget = self.cfg.chunk_budget(role) or slo.default_chunk_budget_tokens
+            for x in xs:
+                m = x.meter
+                estimates.append(EngineEstimate(
+                    x.engine_id, role, m.prefill_tokens_per_s or slo.prior_prefill_tokens_per_s,
+                    m.step_s or slo.prior_step_s, budget, slo.prior_step_per_stream_s,
+                    queued_prefill_tokens=m.queued_prompt_tokens, decode_streams=x.running))
+        deciding = [x for r in ("decode", "both") for x in loads.get(r, ())]
+        prompts = [x.meter.prompt_tokens_avg for x in deciding if x.meter.prompt_tokens_avg is not None]
+        outputs = [x.meter.output_tokens_avg for x in deciding if x.meter.output_tokens_avg is not None]
+        mix = LoadMix(sum(prompts) / len(prompts) if prompts else 0.0, sum(outputs) / len(outputs) if outputs else 0.0)
+        rate = sum(x.meter.arrivals_per_s for x in deciding)  # every request decodes on one engine
+        return pool_pressure(estimates, rate, mix, slo, self.cfg.autoscaler.down_fraction)
 
     # ------------------------------------------------------------------ grow
     def _grow(self, role: str, decision: ScaleDecision, now: float) -> None:

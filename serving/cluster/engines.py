@@ -90,9 +90,11 @@ def create_engine(cfg: DeploymentConfig, role: str, index: int, pg: Any) -> Any:
 
 
 async def start_engine(cfg: DeploymentConfig, role: str, index: int, timeout_s: float,
-                       place_timeout_s: float = 60.0) -> Any:
+                       place_timeout_s: float = 60.0,
+                       on_failed: Callable[[list[StartPhase]], None] | None = None) -> Any:
     """Create and start engine `index` of `role`; nothing is left behind when it cannot be placed
-    (within `place_timeout_s`) or does not start (within `timeout_s`)."""
+    (within `place_timeout_s`) or does not start (within `timeout_s`). `on_failed` gets a failed
+    engine's start-up phases (its last says why) before its actor goes."""
     from ray.util.placement_group import remove_placement_group
 
     pg = engine_placement_group(cfg, role, index)
@@ -105,6 +107,12 @@ async def start_engine(cfg: DeploymentConfig, role: str, index: int, timeout_s: 
     try:
         await asyncio.wait_for(handle.start.remote(), timeout_s)
     except BaseException:
+        if on_failed is not None:
+            try:
+                ref = handle.start_phases.options(concurrency_group=STARTUP_GROUP).remote()
+                on_failed(await asyncio.wait_for(ref, 5.0))
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
+                pass  # the actor itself died: the launch's error says why
         ray.kill(handle)
         remove_placement_group(pg)
         raise
@@ -165,8 +173,9 @@ def remove_placement_groups(name: str) -> None:
 
 
 def report_phases(name: str, done: Callable[[], bool], deadline: float,
-                  on_phase: Callable[[StartPhase], None]) -> None:
-    """Poll the deployment's engines' start-up phases until `done()` (or the deadline); each phase once."""
+                  on_phase: Callable[[StartPhase], None]) -> set[tuple[str, str, float]]:
+    """Poll the deployment's engines' start-up phases until `done()` (or the deadline); each phase once.
+    Returns the phases reported (engine, phase, time)."""
     seen: set[tuple[str, str, float]] = set()
     polls: dict[str, Any] = {}
     final = False
@@ -189,7 +198,7 @@ def report_phases(name: str, done: Callable[[], bool], deadline: float,
                     seen.add((phase.engine_id, phase.phase, phase.at))
                     on_phase(phase)
         if final or time.monotonic() > deadline:
-            return
+            return seen
         final = done()  # one last poll shows the last phases
         if not final:
             time.sleep(PHASE_POLL_S / 2)

@@ -61,6 +61,11 @@ class Launcher:
         self.cfg = DeploymentConfig.from_dict(config)
         self._launch: asyncio.Task | None = None
         self.autoscaler: Autoscaler | None = None
+        self._failed_phases: list[StartPhase] = []  # start-up phases of engines whose start failed
+
+    async def failed_phases(self) -> list[StartPhase]:
+        """Start-up phases of engines whose start failed (their actors are gone)."""
+        return list(self._failed_phases)
 
     async def launch(self) -> Deployment:
         """The deployment, launched once (see the module docstring); a failed launch is tried again."""
@@ -95,7 +100,8 @@ class Launcher:
             raise TimeoutError(f"no node offers the resources of {cfg.name!r}'s engines (bundles: "
                                f"{[pg.bundle_specs for pg in pgs]}); check the node labels/resources") from None
         t0 = time.monotonic()
-        handles = await asyncio.gather(*(start_engine(cfg, role, i, timeout_s) for role, i in wanted))
+        handles = await asyncio.gather(*(start_engine(cfg, role, i, timeout_s, on_failed=self._failed_phases.extend)
+                                         for role, i in wanted))
         dep = Deployment(cfg.name, coordinator)
         for (role, i), handle in zip(wanted, handles):
             dep.add(role, engine_id(cfg.name, role, i), handle)
@@ -150,15 +156,21 @@ def launch(cfg: DeploymentConfig, timeout_s: float | None = None,
     `on_phase` is called once per engine per start-up phase while the engines start.
     """
     timeout_s = timeout_s or default_start_timeout(cfg)
-    ref = _launcher(cfg).launch.remote()
+    launcher = _launcher(cfg)
+    ref = launcher.launch.remote()
     deadline = time.monotonic() + timeout_s
+    seen = set()
     if on_phase is not None:
-        report_phases(cfg.name, lambda: bool(ray.wait([ref], timeout=0)[0]), deadline, on_phase)
+        seen = report_phases(cfg.name, lambda: bool(ray.wait([ref], timeout=0)[0]), deadline, on_phase)
     try:
         return ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
     except ray.exceptions.GetTimeoutError:
         raise TimeoutError(f"engines of {cfg.name!r} did not start within {timeout_s:.0f}s") from None
     except ray.exceptions.RayTaskError as exc:
+        if on_phase is not None:  # a failed engine's last phases: its actor was gone before the last poll
+            for phase in ray.get(launcher.failed_phases.remote(), timeout=30):
+                if (phase.engine_id, phase.phase, phase.at) not in seen:
+                    on_phase(phase)
         raise exc.as_instanceof_cause() from None
 
 

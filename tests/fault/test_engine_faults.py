@@ -77,7 +77,7 @@ def test_killed_prefill_rank_fails_its_transfer_in_bounded_time_and_others_keep_
 
 def test_a_killed_rank_restarts_and_its_engine_rejoins_with_a_fresh_handshake(coordinator):
     async def go():
-        p, d = await engines(coordinator, ("rs-P", "prefill", 1), ("rs-D", "decode", 1))
+        p, d = await engines(coordinator, ("rs-P", "prefill", 1), ("rs-D", "decode", 1), read_timeout_s=5)
         try:
             out = await d.decode("a", TransferParams.parse(await p.prefill("a", PROMPT)), PROMPT)
             assert out["mismatches"] == 0
@@ -98,10 +98,10 @@ def test_a_killed_rank_restarts_and_its_engine_rejoins_with_a_fresh_handshake(co
             assert any(e["event"] == "removed" and "died" in e["reason"] for e in events), events
             assert p.pool.num_free == p.pool.num_blocks  # the dead rank's held blocks were freed
             assert (await d.rank_stats())[0]["peers"] == 0, "decode ranks must drop the dead incarnation's agents"
-            # the old params name the dead incarnation's blocks: the READ reaches the new incarnation's
-            # memory, which holds no such prompt, and verification refuses it (the backend's TransferFailed)
-            stale = await d.decode("stale", TransferParams.parse(held), PROMPT, timeout_s=15)
-            assert stale["mismatches"] > 0
+            # the old params name the dead incarnation's lease: the new incarnation's lease board holds
+            # no record of it, so the read fails closed (never KV another prompt left in those blocks)
+            with pytest.raises(TransferFailed, match="no lease record"):
+                await d.decode("stale", TransferParams.parse(held), PROMPT, timeout_s=15)
             out = await d.decode("b", TransferParams.parse(await p.prefill("b", PROMPT)), PROMPT)  # a fresh handshake
             assert out["mismatches"] == 0
             assert (await p.rank_stats())[0]["agent"] != old_agent

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 
 import httpx
@@ -56,8 +55,9 @@ def service(coordinator):
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, tag: int) -> tuple[int, str, int, bool]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, "user": str(tag)}
-    text, chunks, done = "", 0, False
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, "user": str(tag),
+            "stream_options": {"include_usage": True}}
+    text, tokens, done = "", 0, False
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -67,11 +67,12 @@ async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, tag: int)
             if data == "[DONE]":
                 done = True
                 continue
-            piece = json.loads(data)["choices"][0]["text"]
-            if piece:
-                chunks += 1
-                text += piece
-    return tag, text, chunks, done
+            event = json.loads(data)
+            if event.get("usage"):  # the last event: tokens the stream delivered (chunks merge engine steps)
+                tokens = event["usage"]["completion_tokens"]
+            for choice in event["choices"]:
+                text += choice["text"]
+    return tag, text, tokens, done
 
 
 async def reference(url: str) -> dict[str, str]:
@@ -104,8 +105,8 @@ def test_soak_concurrent_streams(service):
         results = asyncio.run(round_())
         elapsed = time.monotonic() - t0
         assert sorted(tag for tag, *_ in results) == list(range(CONCURRENCY))  # none lost or duplicated
-        for tag, text, chunks, done in results:
-            assert done and chunks == MAX_TOKENS, (tag, chunks, done)
+        for tag, text, tokens, done in results:
+            assert done and tokens == MAX_TOKENS, (tag, tokens, done)
             assert text == want[PROMPTS[tag % len(PROMPTS)]], tag  # correct, not just complete
         after = wait_blocks_at_baseline(dep, service["baseline"], timeout_s=30)
         for eid, s in after.items():

@@ -31,7 +31,7 @@ CONFIG = {
     "prefill": {**SYNTHETIC["prefill"], "num_blocks": 2048},
     "decode": {**SYNTHETIC["decode"], "num_blocks": 1024},
     "autoscaler": {
-        "enabled": True, "interval_s": 0.5, "up_delay_s": 0.5, "up_cooldown_s": 1.0, "down_delay_s": 2.0,
+        "enabled": True, "policy": "thresholds", "interval_s": 0.5, "up_delay_s": 0.5, "up_cooldown_s": 1.0, "down_delay_s": 2.0,
         "cooldown_s": 3.0, "drain_quiet_s": 1.5,
         "prefill": {"min": 1, "max": 2, "queued_tokens_per_engine": 300, "ttft_target_s": 30},
         "decode": {"min": 1, "max": 2, "outstanding_tokens_per_engine": 200, "kv_usage_high": 1.0,

@@ -199,6 +199,7 @@ class SyntheticEngine:
             "num_tokens": len(token_ids), "tp_size": self.shape.tp_size, "pp_size": self.shape.pp_size,
             "dcp_size": self.shape.dcp_size, "block_size": self.shape.block_size,
             "lease_expiry": time.time() + self.lease_ttl_s,
+            "remote_request_id": req_id,  # names the lease whose record readers confirm
         }
 
     async def poll(self) -> list[str]:
