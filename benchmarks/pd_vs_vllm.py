@@ -1,25 +1,32 @@
 #!/usr/bin/env python
 """raypd P/D against colocated vLLM, vLLM's NixlConnector P/D and Ray Serve LLM's P/D, one run, one client.
 
-  flock /work/ray.lock .venv/bin/python benchmarks/pd_vs_vllm.py            # full run, ~50 min here
-  flock /work/ray.lock .venv/bin/python benchmarks/pd_vs_vllm.py --quick    # development, ~10 min
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py                   # groups A,B,E,AP, ~38 min
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --profile anchors  # + C,DC,D (1 round), ~59
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --quick            # development, ~7 min
+  .venv/bin/python benchmarks/pd_vs_vllm.py [--quick] --plan   # the planned duration; starts nothing
 
 Set-ups (benchmarks/pdbench/setups.py; all SmolLM2-135M-Instruct, float32, block
-size 128, prefix caching on, max_num_seqs 128, max_num_batched_tokens 2048,
-max_model_len 2304, 1 GiB KV cache and one core per engine):
-  (a)  vLLM's OpenAI server, one engine (core 0)
-  (a2) two such servers (cores 0, 1) behind a least-loaded balancer
-  (b)  `raypd up`: 1 prefill (core 0) + 1 decode (core 1), through its real front
-  (c)  vLLM NixlConnector P/D: two vLLM OpenAI servers + vLLM's documented proxy logic
+size 128, prefix caching on, max_model_len 2304, 1 GiB KV cache and one core per
+engine; vLLM's own set-ups max_num_seqs 128, max_num_batched_tokens 2048):
+  (a)  vLLM's OpenAI server, one engine (core 0)                                  group A
+  (a2) two such servers (cores 0, 1) behind a least-loaded balancer               group A
+  (a') one such server computing on both cores (the CPU twin of TP 2 colocated)   group AP
+  (b)  `raypd up`: 1 prefill (core 0) + 1 decode (core 1), placement disaggregate group B
+  (e)  `raypd up` as shipped: 2 engines of role both (cores 0, 1), placement slo  group E
+       (raypd picks these engines' max_num_batched_tokens; the table prints what they run)
+  (c)  vLLM NixlConnector P/D: two vLLM OpenAI servers + vLLM's documented proxy logic  group C
   (d)  Ray Serve LLM `build_pd_openai_app` (NixlConnector), as shipped; (dc) its twin `build_openai_app`
 Every request goes through the official `openai` client, streaming over HTTP
 (pdbench/client.py). Set-ups run one at a time, in the order of --groups, then
-reversed, over --rounds rounds (a group adjacent to itself is not restarted).
+reversed, over --rounds rounds (a group adjacent to itself is not restarted; the
+groups of --one-round-groups run in round 1 only). The planned duration is printed first.
 Per group and round: start, confine each vLLM worker to its core, warm up, an
 idle CPU window, the low-load requests, then the open-loop Poisson load (rates
 ascending in odd rounds, descending in even ones). Every phase records the
 host's load average before/after and the CPU used by processes outside the
-set-up. Results: --out JSON (+ .txt table) and --plot PNG, written only here.
+set-up. Results: --out JSON (+ .txt table) and --plot PNG, written only here (defaults: OUTPUTS;
+--plan prints the schedule and planned duration and starts nothing).
 """
 
 from __future__ import annotations
@@ -40,21 +47,32 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
-from pdbench import client, procs, report, setups  # noqa: E402
+from pdbench import budget, client, plot, procs, report, setups, summary  # noqa: E402
 
-LOW_SETUP = {"A": "a", "B": "b", "C": "c", "D": "d", "DC": "dc"}
-LOAD_SETUP = {"A": "a2", "B": "b", "C": "c", "D": "d"}
+LOW_SETUP = {"A": "a", "AP": "ap", "B": "b", "E": "e", "C": "c", "D": "d", "DC": "dc"}
+LOAD_SETUP = {"A": "a2", "AP": "ap", "B": "b", "E": "e", "C": "c", "D": "d"}
+_FULL = dict(lengths="128,512,2048", reps=8, rounds=2, low_max_tokens=8, rates="0.3,0.6,0.9",
+             load_requests=20, load_max_tokens=64, drain_s=60.0, idle_s=10.0, settle_s=4.0,
+             mix="128:0.5,512:0.3,2048:0.2", one_round_groups="C,DC,D")
 PROFILES = {
-    "full": dict(lengths="128,512,2048", reps=8, rounds=2, low_max_tokens=8, rates="0.2,0.4,0.6,0.8",
-                 load_requests=6, load_max_tokens=64, drain_s=60.0, idle_s=10.0, settle_s=4.0,
-                 mix="128:0.5,512:0.3,2048:0.2"),
+    # issues 18 and 19: colocated (a)/(a2)/(a'), raypd 1P+1D (b) and raypd's default (e)
+    "full": dict(_FULL, groups="A,B,E,AP", setups="a,a2,ap,b,e"),
+    # the same + the slow (c)/(d)/(dc) anchors, one round of them
+    "anchors": dict(_FULL, groups="A,B,E,AP,C,DC,D", setups="a,a2,ap,b,e,c,d,dc"),
     "quick": dict(lengths="128,512", reps=2, rounds=1, low_max_tokens=8, rates="0.3,0.8",
                   load_requests=4, load_max_tokens=16, drain_s=30.0, idle_s=3.0, settle_s=2.0,
-                  mix="128:0.6,512:0.4"),
+                  mix="128:0.6,512:0.4", groups="A,B,E,AP", setups="a,a2,ap,b,e", one_round_groups="C,DC,D"),
 }
+# a --quick run never overwrites a committed result (benchmarks/out/ is git-ignored)
+OUTPUTS = {"full": dict(out="benchmarks/results/pd_vs_vllm.json", plot="benchmarks/results/pd_vs_vllm.png"),
+           "anchors": dict(out="benchmarks/results/pd_vs_vllm_anchors.json",
+                           plot="benchmarks/results/pd_vs_vllm_anchors.png"),
+           "quick": dict(out="benchmarks/out/pd_vs_vllm_quick.json", plot="benchmarks/out/pd_vs_vllm_quick.png")}
 ENGINE_SETTINGS = dict(served_model_name="smollm2", dtype="float32", max_model_len=2304, block_size=128,
                        enable_prefix_caching=True, max_num_seqs=128, max_num_batched_tokens=2048,
-                       kv_cache_gib=1, raypd_config="benchmarks/configs/pd_1p1d.yaml")
+                       kv_cache_gib=1, raypd_config="benchmarks/configs/pd_1p1d.yaml",
+                       raypd_default_config="benchmarks/configs/pd_default.yaml")
+SMOLLM2_VOCAB = 49152  # --plan only (no model read): the streams' timing does not depend on it
 
 
 def log(msg: str) -> None:
@@ -115,6 +133,8 @@ class Run:
         if g is None:
             return
         self.res["engine_configs"].setdefault(g.key, report.engine_config_lines(g))
+        if isinstance(g, setups.RaypdUp):
+            self.res["raypd_engines"].setdefault(g.key, g.engine_settings())
         left = g.stop()
         if left:
             self.res["leftover_pids"] += left
@@ -160,8 +180,11 @@ class Run:
             return
         reqs = client.low_load_requests(self.args.seed, rnd, self.lengths, self.args.reps,
                                         self.args.low_max_tokens, self.vocab)
+        before = self.decisions()
         recs = self.phase(rnd, key, "low", setup, lambda: asyncio.run(client.low_load(
             self.group.endpoints[setup], self.settings["served_model_name"], reqs, self.args.request_timeout_s)))
+        if before is not None:
+            self.res["low_decisions"].setdefault(setup, []).append(self.decisions_since(before))
         store = self.res["low"].setdefault(setup, {})
         for r in recs:
             store.setdefault(str(r.length), []).append({"round": rnd, **r.to_json()})
@@ -175,12 +198,26 @@ class Run:
             reqs = client.poisson_requests(self.args.seed, rnd, rate, self.args.load_requests, self.mix,
                                            self.args.load_max_tokens, self.vocab)
             cpu: dict = {}
+            before = self.decisions()
             recs, duration = self.phase(rnd, key, "load", f"{setup}@{rate}", lambda: asyncio.run(client.poisson(
                 self.group.endpoints[setup], self.settings["served_model_name"], reqs,
                 self.args.request_timeout_s, self.args.drain_s)), cpu_out=cpu)
             cpu["tokens"] = sum(r.completion_tokens or 0 for r in recs if r.ok)
-            self.res["load"].setdefault(setup, {}).setdefault(str(rate), []).append(
-                {"round": rnd, "duration_s": duration, "cpu": cpu, "records": [r.to_json() for r in recs]})
+            run = {"round": rnd, "duration_s": duration, "cpu": cpu, "records": [r.to_json() for r in recs]}
+            if before is not None:
+                run["decisions"] = self.decisions_since(before)
+                log(f"  {setup}@{rate} placement: {run['decisions']}")
+            self.res["load"].setdefault(setup, {}).setdefault(str(rate), []).append(run)
+
+    def decisions(self) -> dict | None:
+        """raypd's placement counters now (None for a set-up that is not raypd)."""
+        return self.group.decisions() if isinstance(self.group, setups.RaypdUp) else None
+
+    def decisions_since(self, before: dict) -> dict:
+        now = self.decisions() or {}
+        if "error" in now or "error" in before:
+            return {"error": now.get("error") or before.get("error")}
+        return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
 
     # ------------------------------------------------------------ main
     def run(self) -> None:
@@ -194,10 +231,11 @@ class Run:
         self.res["model"] = {"path": self.model_path, "layers": cfg["num_hidden_layers"],
                              "kv_heads": cfg["num_key_value_heads"], "vocab": self.vocab}
         self.setups = set(self.args.setups.split(","))
-        groups = [g for g in self.args.groups.split(",") if g]
-        schedule = [(r, g) for r in range(1, self.args.rounds + 1)
-                    for g in (groups if r % 2 else list(reversed(groups)))]
+        schedule = make_schedule(self.args)
         self.res["schedule"] = schedule
+        self.res["planned"] = plan(self.args, schedule, self.vocab)
+        self.res["planned_s"] = self.res["planned"]["total"]
+        log(plan_line(self.res["planned"], schedule))
         for rnd, key in schedule:
             self.start_group(rnd, key)
             self.pin(key, f"round {rnd} after start")
@@ -210,12 +248,43 @@ class Run:
         self.stop_group()
 
 
+def make_schedule(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """(round, group) in run order: --groups, reversed every other round; the groups of
+    --one-round-groups only in round 1."""
+    groups = [g for g in args.groups.split(",") if g]
+    once = {g for g in (args.one_round_groups or "").split(",") if g}
+    return [(r, g) for r in range(1, args.rounds + 1) for g in (groups if r % 2 else list(reversed(groups)))
+            if r == 1 or g not in once]
+
+
+def plan(args: argparse.Namespace, schedule: list[tuple[int, str]], vocab: int) -> dict:
+    """The planned seconds per part (pdbench.budget) of this schedule; the load streams are the
+    run's own (their arrival times do not depend on `vocab`, only their prompts' tokens do)."""
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rates = [float(x) for x in args.rates.split(",")]
+    mix = {int(k): float(v) for k, v in (kv.split(":") for kv in args.mix.split(","))}
+    streams = {(rnd, rate): client.poisson_requests(args.seed, rnd, rate, args.load_requests, mix,
+                                                    args.load_max_tokens, vocab)
+               for rnd in range(1, args.rounds + 1) for rate in rates}
+    return budget.plan(schedule, LOW_SETUP, LOAD_SETUP, set(args.setups.split(",")), lengths=lengths, reps=args.reps,
+                       low_max_tokens=args.low_max_tokens, streams=streams, load_max_tokens=args.load_max_tokens,
+                       drain_s=args.drain_s, settle_s=args.settle_s, idle_s=args.idle_s)
+
+
+def plan_line(p: dict, schedule: list[tuple[int, str]]) -> str:
+    return (f"planned: {p['total'] / 60:.0f} min ({p['start'] / 60:.1f} start/stop, {p['low'] / 60:.1f} low load, "
+            f"{p['load'] / 60:.1f} load, {p['other'] / 60:.1f} warm-up/idle) for {' '.join(g for _, g in schedule)}")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes for development (~10 min)")
-    p.add_argument("--groups", default="A,B,C,DC,D", help="set-up groups, in round-1 order")
-    p.add_argument("--setups", default="a,a2,b,c,d,dc", help="which set-ups of those groups to measure")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="full",
+                   help="full: groups A,B,E,AP (issues 18 and 19, ~40 min); anchors: + C,DC,D in round 1; quick")
+    p.add_argument("--quick", action="store_true", help="= --profile quick (small sizes for development)")
+    p.add_argument("--groups", default=None, help="set-up groups, in round-1 order (A, AP, B, E, C, DC, D)")
+    p.add_argument("--setups", default=None, help="which set-ups of those groups to measure (a,a2,ap,b,e,c,d,dc)")
+    p.add_argument("--one-round-groups", default=None, help="groups that run in round 1 only (the slow anchors)")
     p.add_argument("--lengths", default=None, help="low-load prompt lengths (tokens)")
     p.add_argument("--reps", type=int, default=None, help="low-load requests per length per round")
     p.add_argument("--rounds", type=int, default=None)
@@ -231,12 +300,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=None, help="logs of every process started (default /tmp/pdbench-<time>)")
-    p.add_argument("--out", default="benchmarks/results/pd_vs_vllm.json", help="results JSON (+ .txt table)")
-    p.add_argument("--plot", default="benchmarks/results/pd_vs_vllm.png", help="PNG plot")
+    p.add_argument("--out", default=None, help="results JSON (+ .txt table); default per profile: OUTPUTS")
+    p.add_argument("--plot", default=None, help="PNG plot; default per profile: OUTPUTS")
+    p.add_argument("--plan", action="store_true",
+                   help="start nothing: print the schedule and its planned duration (pdbench/budget.py)")
     p.add_argument("--render", default=None, metavar="JSON",
                    help="start nothing: re-print the table (and --plot) of an earlier run's JSON")
     args = p.parse_args(argv)
-    for k, v in PROFILES["quick" if args.quick else "full"].items():
+    if args.quick:
+        args.profile = "quick"
+    for k, v in dict(PROFILES[args.profile], **OUTPUTS[args.profile]).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     lengths = {int(x) for x in args.lengths.split(",")}
@@ -251,12 +324,16 @@ def on_sigterm(signum: int, _frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plan:
+        schedule = make_schedule(args)
+        print(plan_line(plan(args, schedule, SMOLLM2_VOCAB), schedule))
+        return 0
     if args.render:
         res = json.loads(Path(args.render).read_text())
-        res["summary"] = report.summarize(res)
+        res["summary"] = summary.summarize(res)
         print(report.header(res) + report.table(res))
         if args.plot:
-            report.plot(res, args.plot)
+            plot.plot(res, args.plot)
         return 0
     started = time.monotonic()
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -267,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         "host": {"cpus": procs.NCPU, "platform": platform.platform(), "python": platform.python_version(),
                  "before": procs.host_state()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
-        "phases": [], "startup_s": {}, "pinning": {}, "engine_configs": {}, "idle": {}, "low": {}, "load": {},
+        "phases": [], "startup_s": {}, "pinning": {}, "engine_configs": {}, "raypd_engines": {}, "idle": {},
+        "low": {}, "low_decisions": {}, "load": {},
         "seen_pids": [], "leftover_pids": [],
     }
     run = Run(args, res)
@@ -285,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         log("cleanup: every process started is gone" if not left else f"cleanup: STILL ALIVE: {left}")
     res["host"]["after"] = procs.host_state()
     res["wall_s"] = round(time.monotonic() - started, 1)
-    res["summary"] = report.summarize(res)
+    if res.get("planned_s"):
+        log(f"wall {res['wall_s'] / 60:.1f} min, planned {res['planned_s'] / 60:.1f} min")
+    res["summary"] = summary.summarize(res)
     text = report.table(res)
     print(text)
     if args.out:
@@ -295,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".txt").write_text(report.header(res) + text + "\n")
         log(f"results written to {out} (+ .txt)")
     if args.plot:
-        report.plot(res, args.plot)
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot.plot(res, args.plot)
         log(f"plot written to {args.plot}")
     return rc
 

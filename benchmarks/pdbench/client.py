@@ -96,15 +96,20 @@ def poisson_requests(seed: int, rnd: int, rate: float, count: int, mix: dict[int
     Every rate of a round gets the same prompt lengths in the same order and the
     same Poisson gaps scaled by 1/rate (unit exponential gaps / rate), so rates
     differ only in pace; the prompts' tokens are fresh per rate (prefix caching
-    is on: a repeated prompt would be served from the cache)."""
+    is on: a repeated prompt would be served from the cache). The `count` unit
+    gaps are scaled to sum to `count` (a Poisson stream conditioned on its
+    count-th arrival at count / rate: arrivals stay uniformly scattered), so that
+    every round offers exactly `rate` and lasts as long as planned."""
     shape = random.Random(f"{seed}/load/{rnd}")
     tokens = random.Random(f"{seed}/load/{rnd}/{rate}")
     lengths = [n for n, k in mix_counts(mix, count).items() for _ in range(k)]
     shape.shuffle(lengths)
+    gaps = [shape.expovariate(1.0) for _ in lengths]
+    scale = len(gaps) / sum(gaps) if gaps else 1.0
     t, out = 0.0, []
-    for i, n in enumerate(lengths):
+    for i, (n, g) in enumerate(zip(lengths, gaps)):
         out.append(Request(i, random_prompt(tokens, n, vocab), max_tokens, at_s=t / rate))
-        t += shape.expovariate(1.0)
+        t += g * scale
     return out
 
 

@@ -2,7 +2,10 @@
 
   PlainVllm   (a)  vLLM's OpenAI server on core 0, queried directly;
               (a2) the same server plus a second one on core 1 behind a least-loaded balancer
-  RaypdUp     (b)  `raypd up` with one prefill (core 0) and one decode (core 1) engine, its real front
+  WideVllm    (a') one vLLM OpenAI server computing on both cores (VLLM_CPU_OMP_THREADS_BIND 0-1): the
+                   CPU twin of one TP-2 engine, the colocated baseline of DistServe-style comparisons
+  RaypdUp     (b)  `raypd up` with one prefill (core 0) and one decode (core 1) engine, its real front;
+              (e)  `raypd up` as shipped: two role-flexible engines (cores 0, 1), SLO-aware placement
   VllmNixlPD  (c)  two vLLM OpenAI servers with NixlConnector (prefill core 0, decode core 1) and a proxy
                    doing what vLLM's documented disaggregated proxy does
   ServeLLM    (d)  Ray Serve LLM's `build_pd_openai_app` (NixlConnector), as shipped;
@@ -193,6 +196,17 @@ class PlainVllm(Group):
         self.endpoints = {"a": u0, "a2": ub}
 
 
+class WideVllm(Group):
+    key = "AP"
+
+    def start(self) -> None:
+        port = free_port()
+        self.vllm_server("engine", "0-1", port)  # vLLM binds its two OpenMP threads itself (one per core)
+        url = f"http://127.0.0.1:{port}"
+        self.wait_ready([url], self.s["start_timeout_s"])
+        self.endpoints = {"ap": url}
+
+
 class VllmNixlPD(Group):
     key = "C"
 
@@ -213,16 +227,21 @@ SERVE_TEMP = "/tmp/raypd-bench-serve"
 
 
 class RaypdUp(Group):
-    key = "B"
+    """`raypd up --config <config>`: (b) with benchmarks/configs/pd_1p1d.yaml, (e) with pd_default.yaml."""
 
-    def __init__(self, settings: dict, model_path: str, run_dir: Path):
+    CONFIGS = {"B": ("b", "raypd_config"), "E": ("e", "raypd_default_config")}
+
+    def __init__(self, settings: dict, model_path: str, run_dir: Path, key: str = "B"):
         super().__init__(settings, model_path, run_dir)
+        self.key = key
+        self.setup, self.config_key = self.CONFIGS[key]
         self.idle_driver: subprocess.Popen | None = None
         self.bare_actor_pids: list[int] = []
+        self.url = ""
 
     def start(self) -> None:
         port = free_port()
-        cfg = ROOT / self.s["raypd_config"]
+        cfg = ROOT / self.s[self.config_key]
         self.spawn("raypd-up", [sys.executable, "-c", "import sys; from serving.cli.main import main; sys.exit(main())",
                                 "up", "--config", str(cfg), "--port", str(port), "--temp-dir", RAYPD_TEMP])
         url = f"http://127.0.0.1:{port}"
@@ -239,7 +258,32 @@ class RaypdUp(Group):
                 raise SetupError(f"raypd up not healthy after {self.s['start_timeout_s']:.0f}s")
             time.sleep(0.5)
         self.wait_ready([url], 60)
-        self.endpoints = {"b": url}
+        self.url = url
+        self.endpoints = {self.setup: url}
+
+    def decisions(self) -> dict[str, float]:
+        """This front's placement decisions so far, `decision/reason` -> count
+        (raypd_disagg_decisions_total of its /metrics; one ingress replica)."""
+        from serving.bench.chat_compare import decisions_of
+
+        try:
+            return decisions_of(httpx.get(self.url + "/metrics", timeout=15).text)
+        except httpx.HTTPError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def engine_settings(self) -> list[str]:
+        """The vLLM settings each engine runs with, as `raypd up` read them back from its VllmConfig
+        (serving/cli/status.py prints `<role> <engine id> ...` then `vllm: ...` per engine)."""
+        out, engine = [], None
+        text = self.log_paths[0].read_text(errors="replace") if self.log_paths else ""
+        for line in text.splitlines():
+            words = line.split()
+            if len(words) > 1 and words[0] in ("prefill", "decode", "both") and line.startswith("  "):
+                engine = f"{words[0]} {words[1]}"
+            elif words[:1] == ["vllm:"] and engine:
+                out.append(f"{engine}: {' '.join(words[1:])}")
+                engine = None
+        return out
 
     def start_idle_reference(self) -> list[int]:
         """Bare Ray actors in raypd's own cluster: the floor an idle actor process costs."""
@@ -312,8 +356,10 @@ class ServeLLM(Group):
 def make_group(key: str, settings: dict, model_path: str, run_dir: Path) -> Group:
     if key == "A":
         return PlainVllm(settings, model_path, run_dir)
-    if key == "B":
-        return RaypdUp(settings, model_path, run_dir)
+    if key in ("B", "E"):
+        return RaypdUp(settings, model_path, run_dir, key)
+    if key == "AP":
+        return WideVllm(settings, model_path, run_dir)
     if key == "C":
         return VllmNixlPD(settings, model_path, run_dir)
     if key in ("D", "DC"):

@@ -39,6 +39,7 @@ def _engine_line(eid: str, stats: EngineStats | None, error: str | None, summary
 
 def vllm_summary(v: dict) -> str:
     return (f"dtype={v['dtype']} max_model_len={v['max_model_len']} max_num_seqs={v['max_num_seqs']} "
+            f"max_num_batched_tokens={v['max_num_batched_tokens']} block_size={v['block_size']} "
             f"prefix_caching={'on' if v['enable_prefix_caching'] else 'off'} "
             f"cuda_graphs/compile={'off' if v['enforce_eager'] else 'on'} kv_role={v['kv_role']}")
 
