@@ -126,18 +126,26 @@ class RayEngineClient:
 
 
 class RayDirectory:
-    """The coordinator as the router's directory (routes, probes, prefill failures)."""
+    """The coordinator as the router's directory (routes, probes, prefill failures).
+
+    Routes are polled with the copy's (epoch, version): the coordinator answers a current copy
+    with nothing, and the same table object is returned again (the view adopts nothing)."""
 
     def __init__(self, coordinator: Any, timeout_s: float = 5.0, name: str | None = COORDINATOR_NAME):
         self.coordinator = NamedActor(name, coordinator)
         self.timeout_s = timeout_s
+        self.table: RouteTable | None = None
 
     async def routes(self) -> RouteTable:
+        seen = (self.table.epoch, self.table.version) if self.table is not None else (None, 0)
         try:
-            return await asyncio.wait_for(self.coordinator.handle.routes.remote(), self.timeout_s)
+            fresh = await asyncio.wait_for(self.coordinator.handle.routes_if_changed.remote(*seen), self.timeout_s)
         except ray.exceptions.RayError as exc:
             self.coordinator.failed(exc)
             raise
+        if fresh is not None:
+            self.table = fresh
+        return self.table
 
     async def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
         return await asyncio.wait_for(self.coordinator.handle.admit_probe.remote(decode_id, prefill_id),

@@ -49,13 +49,14 @@ class RoutePlanner:
         live = pool.live_decodes(routes, exclude)
         if not live:
             return None
-        prefills_of = {d: pool.usable_prefills(d, routes) for d in live}
-        cached = self._cached(req, live + sorted({p for ps in prefills_of.values() for p in ps}))
+        # one index lookup for every engine that may take part; the prefill list is built for the
+        # chosen decode engine only (O(decodes + prefills) per request, not decodes x prefills)
+        cached = self._cached(req, live + [p for p in pool.prefills if p not in routes.decodes])
         decodes = self._decode_candidates(pool, live, cached)
 
         def prefills_for(d: str) -> list[Candidate]:
             return [Candidate(p, cached.get(p, 0), pool.prefill_load[p].tokens, pool.prefill_load[p].requests)
-                    for p in prefills_of[d]]
+                    for p in pool.usable_prefills(d, routes)]
 
         sel = select(req.num_prompt_tokens, decodes, prefills_for, self.settings, turn, self.fallback_local)
         self.decisions[(sel.decision.decision, sel.decision.reason)] += 1
