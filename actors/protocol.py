@@ -18,19 +18,15 @@ Life cycle of one P/D request through these types:
 
 Control plane (`actors.control`): the coordinator serves routers a versioned
 `RouteTable` (`routes_if_changed`: nothing comes back while the router's copy is
-current) and takes a decode engine's ledger traffic as `LedgerBatch`es of
-typed records (handoff opened / aborted, per-unit transfer outcomes, a dead
-unit's salvage, a handshake failure), coalesced by the engine
-(`actors.engine.ledger_reporter`) and applied in the engine's order.
+current); a decode engine's ledger traffic travels as `LedgerBatch`es of the
+records in `actors.control.ledger_records`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Union
-
-from actors.kv.aggregator import KVConnectorOutput
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 
 class EngineRequestError(ValueError):
@@ -201,76 +197,6 @@ class RouteTable:
     # (a router holding (epoch, version) gets nothing back until the table changes).
     epoch: str = ""
     version: int = 0
-
-
-# ---------------------------------------------------------------- the ledger channel (decode engine -> coordinator)
-@dataclass(frozen=True)
-class HandoffOpened:
-    """The decode engine received a prefilled request: the ledger watches its handoff."""
-
-    req_id: str
-    prefill_id: str
-
-
-@dataclass(frozen=True)
-class HandoffAborted:
-    """The client went away before a verdict: the handoff closes, no breaker moves."""
-
-    req_id: str
-
-
-@dataclass(frozen=True)
-class TransferOutcomes:
-    """One step's per-unit transfer outcomes (vLLM: one unit, its merged workers; synthetic: a rank each)."""
-
-    outputs: tuple[KVConnectorOutput | None, ...]
-
-
-@dataclass(frozen=True)
-class UnitDied:
-    """A decode unit died mid-step: what the step collected (salvaged and replayed by the ledger)."""
-
-    collected: tuple[KVConnectorOutput | None, ...]
-
-
-@dataclass(frozen=True)
-class HandshakeFailure:
-    """The decode side could not handshake with a prefill engine (decides `req_id`'s handoff, if open)."""
-
-    prefill_id: str
-    reason: str
-    req_id: str | None = None
-
-
-LedgerRecord = Union[HandoffOpened, HandoffAborted, TransferOutcomes, UnitDied, HandshakeFailure]
-
-
-@dataclass(frozen=True)
-class LedgerBatch:
-    """A decode engine's ledger records since its last batch, in the order they happened."""
-
-    decode_id: str
-    records: tuple[LedgerRecord, ...]
-    seq: int = 0  # the sender's batch counter (one batch in flight at a time)
-
-
-@dataclass(frozen=True)
-class ControlStats:
-    """What the coordinator absorbed since it started (the control-plane benchmark reads it)."""
-
-    engines: int
-    pairs: int
-    handoffs_in_flight: int
-    verdicts: dict[str, int]
-    ledger_batches: int
-    ledger_records: int
-    kv_calls: int
-    kv_events: int  # events as the engines' relays delivered them (vLLM's BlockStored/Removed/Cleared)
-    kv_blocks: int  # block hashes those events carried
-    index_blocks: int  # blocks the prefix index holds now
-    route_builds: int  # RouteTables built (once per change)
-    route_calls: int
-    route_unchanged: int  # route calls answered "your copy is current"
 
 
 # ---------------------------------------------------------------- engine stats (engine -> status, metrics)

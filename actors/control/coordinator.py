@@ -60,7 +60,8 @@ from actors.kv.aggregator import KVConnectorOutput
 from actors.control.handoff_desk import HandoffDesk
 from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger, Verdict
 from actors.control.route_book import RouteBook
-from actors.protocol import ControlStats, EngineInfo, EngineSummary, LedgerBatch, RouteTable
+from actors.control.ledger_records import ControlStats, LedgerBatch
+from actors.protocol import EngineInfo, EngineSummary, RouteTable
 from actors.control.prefix_index import IndexCursor, IndexUpdate, KVEventsBatch, PrefixIndex
 from actors.control.registry import ROLES, EngineEntry, Registration, RegistrationError, decode_registration
 
@@ -230,7 +231,7 @@ class Coordinator:
         self.prefix_index.apply(engine_id, batch)
         c = self.counters
         c["kv_calls"] += 1
-        c["kv_events"] += len(batch.events)
+        c["kv_events"] += batch.num_engine_events
         c["kv_blocks"] += sum(len(getattr(ev, "hashes", ())) for ev in batch.events)
         return True
 

@@ -26,7 +26,14 @@ from typing import Any
 
 from actors.control.ledger import TransferLedger, Verdict
 from actors.kv.aggregator import KVConnectorOutput
-from actors.protocol import HandoffAborted, HandoffOpened, HandshakeFailure, LedgerBatch, TransferOutcomes, UnitDied
+from actors.control.ledger_records import (
+    HandoffAborted,
+    HandoffOpened,
+    HandshakeFailure,
+    LedgerBatch,
+    TransferOutcomes,
+    UnitDied,
+)
 
 logger = logging.getLogger("raypd.coordinator")
 
@@ -50,13 +57,13 @@ class HandoffDesk:
         for rec in batch.records:
             kind = type(rec)
             if kind is TransferOutcomes:
-                self.report(d, list(rec.outputs))
+                self.report(d, [u.output() if u is not None else None for u in rec.units])
             elif kind is HandoffOpened:
                 self.open(rec.req_id, rec.prefill_id, d)
             elif kind is HandoffAborted:
                 self.ledger.abort(rec.req_id)
             elif kind is UnitDied:
-                self.unit_died(d, list(rec.collected))
+                self.unit_died(d, [u.output() if u is not None else None for u in rec.collected])
             elif kind is HandshakeFailure:
                 self.handshake_failed(d, rec.prefill_id, rec.reason, rec.req_id)
             else:

@@ -301,9 +301,13 @@ class TransferLedger:
     def _open_only(self, outputs: list[KVConnectorOutput | None]) -> list[KVConnectorOutput | None]:
         """Outcomes of requests with an open handoff: nothing is counted for aborted, expired or
         already decided requests (a count nobody completes would stay forever)."""
+        handoffs = self._handoffs
+
         def keep(o: KVConnectorOutput) -> KVConnectorOutput:
-            return dataclasses.replace(o, finished_recving={r for r in o.finished_recving if r in self._handoffs},
-                                       failed_recving={r for r in o.failed_recving if r in self._handoffs})
+            if all(r in handoffs for r in o.finished_recving) and all(r in handoffs for r in o.failed_recving):
+                return o  # the common case: every request named is open
+            return dataclasses.replace(o, finished_recving={r for r in o.finished_recving if r in handoffs},
+                                       failed_recving={r for r in o.failed_recving if r in handoffs})
         return [keep(o) if o is not None else None for o in outputs]
 
     def report(self, decode_id: str, outputs: list[KVConnectorOutput | None]) -> list[Verdict]:

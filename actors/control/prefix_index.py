@@ -11,7 +11,8 @@ leading blocks of this prompt does each engine hold" without asking the engines.
 
 Life cycle of an engine's entries:
 
-  stored    `apply(engine, KVEventsBatch)` with the engine's relayed events;
+  stored    `apply(engine, KVEventsBatch)` with the engine's relayed events (runs of
+            stores or removals merged by `coalesce`: one op per run);
   evicted   by the engine (BlockRemoved / AllBlocksCleared), or here when the
             engine exceeds `max_blocks_per_engine` (oldest first; bounds memory
             even if a removal was lost);
@@ -117,11 +118,33 @@ class KVEventsBatch:
     `reset`: the relay lost events (a gap, or a batch it could not deliver), so
     the owner clears the engine's entries first: under-claiming only costs a
     cache miss, over-claiming would route to blocks that are gone.
+    `engine_events`: how many of the engine's own events the batch carries when
+    `coalesce` merged runs of them (0: one per entry of `events`).
     """
 
     scheme: HashScheme
     events: tuple[KVEvent, ...]
     reset: bool = False
+    engine_events: int = 0
+
+    @property
+    def num_engine_events(self) -> int:
+        return self.engine_events or len(self.events)
+
+
+def coalesce(events: Sequence[KVEvent]) -> tuple[KVEvent, ...]:
+    """The same changes in the same order, consecutive stores (and consecutive removals) merged into one
+    event: vLLM reports every evicted block as its own BlockRemoved, this ships and applies a run at once."""
+    runs: list[tuple[type, list[int]]] = []
+    for ev in events:
+        if isinstance(ev, AllBlocksCleared):
+            runs.append((AllBlocksCleared, []))
+        elif runs and runs[-1][0] is type(ev):
+            runs[-1][1].extend(ev.hashes)
+        else:
+            runs.append((type(ev), list(ev.hashes)))
+    return tuple(AllBlocksCleared() if kind is AllBlocksCleared else kind(tuple(hashes))
+                 for kind, hashes in runs if hashes or kind is AllBlocksCleared)
 
 
 # ------------------------------------------------------------ replication

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.kv.aggregator import KVConnectorOutput
-from actors.protocol import (
+from actors.control.ledger_records import (
     HandoffAborted,
     HandoffOpened,
     HandshakeFailure,
@@ -41,6 +41,7 @@ from actors.protocol import (
     LedgerRecord,
     TransferOutcomes,
     UnitDied,
+    UnitOutcome,
 )
 
 logger = logging.getLogger("raypd.engine")
@@ -78,10 +79,11 @@ class LedgerReporter:
         self._add(HandoffAborted(req_id))
 
     def outcomes(self, outputs: list[KVConnectorOutput | None]) -> None:
-        self._add(TransferOutcomes(tuple(outputs)))
+        """One step's per-unit outputs (their receive side travels, compact)."""
+        self._add(TransferOutcomes(tuple(UnitOutcome.of(o) if o is not None else None for o in outputs)))
 
     def unit_died(self, collected: list[KVConnectorOutput | None]) -> None:
-        self._add(UnitDied(tuple(collected)))
+        self._add(UnitDied(tuple(UnitOutcome.of(o) if o is not None else None for o in collected)))
 
     def handshake_failed(self, prefill_id: str, reason: str, req_id: str | None = None) -> None:
         self._add(HandshakeFailure(prefill_id, reason, req_id))

@@ -8,7 +8,14 @@ import asyncio
 from actors.control.coordinator import Coordinator
 from actors.control.ledger import BreakerConfig, TransferLedger
 from actors.kv.aggregator import KVConnectorOutput
-from actors.protocol import HandoffAborted, HandoffOpened, HandshakeFailure, LedgerBatch, TransferOutcomes
+from actors.control.ledger_records import (
+    HandoffAborted,
+    HandoffOpened,
+    HandshakeFailure,
+    LedgerBatch,
+    TransferOutcomes,
+    UnitOutcome,
+)
 from tests.unit.test_handshake import payload
 
 
@@ -23,6 +30,10 @@ class Clock:
 def done(req_id: str, failed: bool = False) -> KVConnectorOutput:
     return KVConnectorOutput(finished_recving={req_id}, failed_recving={req_id} if failed else set(),
                              expected_finished_count=1)
+
+
+def unit(req_id: str, failed: bool = False) -> UnitOutcome:
+    return UnitOutcome.of(done(req_id, failed))
 
 
 async def cluster(prefills=("P0", "P1"), decodes=("D0",), clock=None) -> Coordinator:
@@ -48,7 +59,7 @@ def test_the_table_is_built_once_per_change_and_a_current_copy_gets_nothing():
         same = await c.routes()
         unchanged = await c.routes_if_changed(t1.epoch, t1.version)
         other_epoch = await c.routes_if_changed("another", t1.version)
-        await c.report_batch(LedgerBatch("D0", (HandoffOpened("r1", "P0"), TransferOutcomes((done("r1"),)))))
+        await c.report_batch(LedgerBatch("D0", (HandoffOpened("r1", "P0"), TransferOutcomes((unit("r1"),)))))
         after_success = await c.routes_if_changed(t1.epoch, t1.version)  # a healthy pair stays: no change
         await c.set_draining("P1")
         drained = await c.routes_if_changed(t1.epoch, t1.version)
@@ -70,7 +81,7 @@ def test_breaker_moves_by_report_and_by_time_alone_give_a_new_table():
         v0 = (await c.routes()).version
         for i in range(2):  # threshold 2: P0 -> D0 opens
             await c.report_batch(LedgerBatch("D0", (HandoffOpened(f"f{i}", "P0"),
-                                                     TransferOutcomes((done(f"f{i}", failed=True),)))))
+                                                     TransferOutcomes((unit(f"f{i}", failed=True),)))))
         opened = await c.routes()
         clock.now += 10.5  # the cooldown ends by time alone: half-open, offered for a probe
         half_open = await c.routes()
@@ -95,9 +106,9 @@ def test_a_batch_applies_in_order_and_a_handshake_failure_decides_its_handoff():
         c = await cluster()
         n = await c.report_batch(LedgerBatch("D0", (
             HandoffOpened("a", "P0"), HandoffOpened("b", "P1"), HandoffOpened("c", "P0"),
-            TransferOutcomes((done("a"),)), HandoffAborted("b"),
+            TransferOutcomes((unit("a"),)), HandoffAborted("b"),
             HandshakeFailure("P0", "peer not registered", "c"),
-            TransferOutcomes((done("b"),)),  # after its abort: decides nothing
+            TransferOutcomes((unit("b"),)),  # after its abort: decides nothing
         )))
         ledger = await c.transfers()
         in_flight = (await c.handoffs_in_flight("P0"), await c.handoffs_in_flight("D0"))
@@ -137,3 +148,33 @@ def test_a_healthy_pair_reporting_success_is_no_change():
     assert led.changes == before + 1 and led.state_of("D", "P").failures == 1
     led.record_success("D", "P")
     assert led.changes == before + 2 and led.state_of("D", "P").failures == 0
+
+
+def test_coalesced_kv_events_leave_the_index_exactly_as_the_engine_events_do():
+    import random
+
+    from actors.control.prefix_index import (
+        AllBlocksCleared,
+        BlocksRemoved,
+        BlocksStored,
+        HashScheme,
+        KVEventsBatch,
+        PrefixIndex,
+        coalesce,
+    )
+
+    rng = random.Random(5)
+    scheme = HashScheme(16)
+    for _ in range(50):
+        events = []
+        for _ in range(rng.randrange(1, 40)):
+            kind = rng.choice((BlocksStored, BlocksRemoved, BlocksRemoved, AllBlocksCleared))
+            events.append(AllBlocksCleared() if kind is AllBlocksCleared
+                          else kind(tuple(rng.randrange(20) for _ in range(rng.randrange(0, 4)))))
+        plain, merged = PrefixIndex(max_blocks_per_engine=8), PrefixIndex(max_blocks_per_engine=8)
+        plain.apply("e", KVEventsBatch(scheme, tuple(events)))
+        batch = KVEventsBatch(scheme, coalesce(events), engine_events=len(events))
+        merged.apply("e", batch)
+        assert batch.num_engine_events == len(events) and len(batch.events) <= len(events)
+        assert {e: list(b.blocks) for e, b in plain._engines.items()} == \
+            {e: list(b.blocks) for e, b in merged._engines.items()}

@@ -7,7 +7,7 @@ import asyncio
 
 from actors.engine.ledger_reporter import LedgerReporter
 from actors.kv.aggregator import KVConnectorOutput
-from actors.protocol import HandoffAborted, HandoffOpened, TransferOutcomes
+from actors.control.ledger_records import HandoffAborted, HandoffOpened, TransferOutcomes
 
 
 class Method:
