@@ -27,13 +27,14 @@ or the owner restarted). Pure Python: no Ray, no vLLM.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, Union
+from typing import Literal, NamedTuple, Union
 
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for cryptographic hashes (no PYTHONHASHSEED)
 SUPPORTED_ALGOS = ("sha256", "sha256_cbor")  # xxhash uses a random per-process seed: not reproducible
@@ -80,16 +81,16 @@ class HashScheme:
 
     def block_hashes(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
         """Index keys of the full blocks of `token_ids`, first block first."""
-        n = len(token_ids) // self.block_size
-        if max_blocks is not None:
-            n = min(n, max_blocks)
+        keys = self.iter_block_hashes(token_ids)
+        return list(keys if max_blocks is None else itertools.islice(keys, max_blocks))
+
+    def iter_block_hashes(self, token_ids: Sequence[int]) -> Iterator[int]:
+        """`block_hashes`, one block at a time (a lookup stops hashing at the first block nobody holds)."""
         parent = self.none_hash
-        keys = []
-        for i in range(n):
-            block = tuple(int(t) for t in token_ids[i * self.block_size:(i + 1) * self.block_size])
+        for i in range(len(token_ids) // self.block_size):
+            block = tuple(map(int, token_ids[i * self.block_size:(i + 1) * self.block_size]))
             parent = self._digest((parent, block, None))
-            keys.append(external_key(parent))
-        return keys
+            yield external_key(parent)
 
 
 # ---------------------------------------------------------------- events
@@ -148,8 +149,9 @@ def coalesce(events: Sequence[KVEvent]) -> tuple[KVEvent, ...]:
 
 
 # ------------------------------------------------------------ replication
-@dataclass(frozen=True)
-class IndexOp:
+class IndexOp(NamedTuple):
+    """One change of the index (a NamedTuple: replicas unpickle thousands per refresh)."""
+
     engine_id: str
     kind: Literal["store", "remove", "clear"]
     hashes: tuple[int, ...] = ()

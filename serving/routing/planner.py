@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from actors.protocol import EngineRequest, RouteTable
 from serving.config import RouterConfig
-from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, rank, select
+from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, best, select
 from serving.routing.pool import EnginePool
 from serving.routing.prefix_view import PrefixCacheView
 from serving.routing.status import PlannerSnapshot
@@ -71,8 +71,8 @@ class RoutePlanner:
         if not live:
             return None
         cached = self._cached(req, live)
-        return rank(self._decode_candidates(pool, live, cached), req.num_prompt_tokens,
-                    self.settings.cache_weight, turn)[0].engine_id
+        return best(self._decode_candidates(pool, live, cached), req.num_prompt_tokens,
+                    self.settings.cache_weight, turn).engine_id
 
     @staticmethod
     def _decode_candidates(pool: EnginePool, live: list[str], cached: dict[str, int]) -> list[Candidate]:
@@ -83,7 +83,7 @@ class RoutePlanner:
         if self.view is None or not req.prompt_token_ids:
             return {}
         self.view.refresh_soon()
-        return self.view.cached_tokens(req.prompt_token_ids, engine_ids)
+        return self.view.held_tokens(req.prompt_token_ids, engine_ids)  # engines left out: 0
 
     def snapshot(self) -> PlannerSnapshot:
         return PlannerSnapshot(dict(self.decisions),
