@@ -199,6 +199,26 @@ class RouteTable:
     version: int = 0
 
 
+@dataclass(frozen=True)
+class RouteDelta:
+    """What changed in the coordinator's `RouteTable` since version `base` of the same epoch: breaker
+    moves only (a registration, removal or draining always sends the whole table). O(changes)."""
+
+    epoch: str
+    base: int
+    version: int
+    decodes: dict[str, tuple[PrefillRoute, ...]]  # decode engines whose usable prefill engines changed
+    breakers: tuple[PairState, ...]  # pairs whose breaker moved (as they are now)
+    settling: bool = False
+
+    def apply(self, table: RouteTable) -> RouteTable:
+        """`table` (version `base`) brought to `version`; `table` itself is left as it was."""
+        moved = {(b.prefill_id, b.decode_id): b for b in self.breakers}
+        breakers = tuple(moved.pop((b.prefill_id, b.decode_id), b) for b in table.breakers) + tuple(moved.values())
+        decodes = {**table.decodes, **{d: ps for d, ps in self.decodes.items() if d in table.decodes}}
+        return RouteTable(decodes, breakers, table.generations, self.settling, self.epoch, self.version)
+
+
 # ---------------------------------------------------------------- engine stats (engine -> status, metrics)
 @dataclass(frozen=True)
 class LoadSnapshot:

@@ -61,7 +61,7 @@ from actors.control.handoff_desk import HandoffDesk
 from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger, Verdict
 from actors.control.route_book import RouteBook
 from actors.control.ledger_records import ControlStats, LedgerBatch
-from actors.protocol import EngineInfo, EngineSummary, RouteTable
+from actors.protocol import EngineInfo, EngineSummary, RouteDelta, RouteTable
 from actors.control.prefix_index import IndexCursor, IndexUpdate, KVEventsBatch, PrefixIndex
 from actors.control.registry import ROLES, EngineEntry, Registration, RegistrationError, decode_registration
 
@@ -211,8 +211,9 @@ class Coordinator:
         self.counters["route_calls"] += 1
         return self.book.table(self._engines, self._settling())
 
-    async def routes_if_changed(self, epoch: str | None, version: int) -> RouteTable | None:
-        """The routers' poll: None while their copy (`epoch`, `version`) is current, else the table."""
+    async def routes_if_changed(self, epoch: str | None, version: int) -> RouteTable | RouteDelta | None:
+        """The routers' poll: None while their copy (`epoch`, `version`) is current, the breaker moves
+        since it (`RouteDelta`), or the whole table."""
         self.counters["route_calls"] += 1
         table = self.book.since(epoch, version, self._engines, self._settling())
         if table is None:

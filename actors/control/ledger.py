@@ -102,6 +102,8 @@ class TransferLedger:
         self._reasons: dict[Pair, str] = {}
         self._states: dict[Pair, PairState] = {}  # every pair's breaker as routers see it, kept current
         self._sorted_states: tuple[PairState, ...] | None = None
+        self._sorted_keys: list[Pair] | None = None  # re-sorted only when pairs come or go
+        self.moved: set[Pair] = set()  # pairs whose state changed since the route book last took them
         self._timed: list[tuple[float, Pair]] = []  # heap: when a breaker moves by time alone
         self.changes = 0  # visible breaker moves so far (the routers' table is rebuilt only on a change)
         self.verdicts = {"ok": 0, "failed": 0, "expired": 0, "aborted": 0}
@@ -140,13 +142,17 @@ class TransferLedger:
                             self._reasons.get(key, ""), s["probe_in_flight"])
             if new.state == "open":  # its cooldown ends by time: due then
                 heapq.heappush(self._timed, (self.clock() + s["retry_in_s"] + 1e-3, key))
-        if self._states.get(key) != new:
+        old = self._states.get(key)
+        if old != new:
             if new is None:
                 self._states.pop(key, None)
             else:
                 self._states[key] = new
+            if old is None or new is None:
+                self._sorted_keys = None
             self.changes += 1
             self._sorted_states = None
+            self.moved.add(key)
 
     def is_open(self, decode_id: str, prefill_id: str) -> bool:
         """True when the pair may not take a request now (cooling down, or its probe is out)."""
@@ -236,8 +242,16 @@ class TransferLedger:
         """Every pair's breaker, sorted by (decode, prefill)."""
         self.advance()
         if self._sorted_states is None:
-            self._sorted_states = tuple(self._states[k] for k in sorted(self._states))
+            if self._sorted_keys is None:
+                self._sorted_keys = sorted(self._states)
+            states = self._states
+            self._sorted_states = tuple(states[k] for k in self._sorted_keys)
         return self._sorted_states
+
+    def take_moved(self) -> set[Pair]:
+        """The pairs whose state changed since the last call (the route book's delta)."""
+        moved, self.moved = self.moved, set()
+        return moved
 
     # -------------------------------------------------------------- handoffs
     def open(self, req_id: str, prefill_id: str, decode_id: str, deadline_s: float | None = None) -> Handoff:

@@ -9,10 +9,13 @@ Life cycle of the table:
   changed   a registration, a removal, draining (`changed()`), a visible breaker move
             (the ledger's `changes`), a move by time alone (`ledger.advance()`: a
             cooldown or a probe window ended) or the end of the post-restart settling;
-  built     `table(...)`: the cached table while nothing changed; on a change it is
-            rebuilt once, in O(pairs), under the next version of this book's epoch;
-  polled    `since(epoch, version, ...)`: None while a router's copy is current, so a
-            router's poll costs the coordinator O(1) and ships nothing.
+  built     `table(...)`: the cached table while nothing changed; on a change the next
+            version of this book's epoch: after breaker moves only the decode engines of
+            the moved pairs are recomputed (O(their prefill engines)); after a directory
+            change the whole table is rebuilt, O(pairs);
+  polled    `since(epoch, version, ...)`: None while a router's copy is current (O(1),
+            nothing shipped); a `RouteDelta` (O(changes)) when only breakers moved since
+            that version and the change log still reaches back; else the whole table.
 
 Pure: no Ray; the coordinator owns one.
 """
@@ -21,18 +24,19 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import deque
 from collections.abc import Mapping
 
 from actors.control.ledger import TransferLedger
 from actors.control.registry import EngineEntry
 from actors.kv.compat import pair_problem
-from actors.protocol import PrefillRoute, RouteTable
+from actors.protocol import PrefillRoute, RouteDelta, RouteTable
 
 logger = logging.getLogger("raypd.coordinator")
 
 
 class RouteBook:
-    def __init__(self, ledger: TransferLedger):
+    def __init__(self, ledger: TransferLedger, log_versions: int = 64):
         self.ledger = ledger
         self.epoch = uuid.uuid4().hex  # a restarted coordinator is a new epoch: routers take its table whole
         self.version = 0
@@ -41,8 +45,12 @@ class RouteBook:
         self._prefills_of: dict[str, dict[str, str | None]] = {}  # decode -> prefill -> problem
         self._decodes_of: dict[str, set[str]] = {}  # prefill -> decodes it pairs with
         self._changes = 0
+        self._whole = True  # the directory changed: the next build is a whole one
         self._table: RouteTable | None = None
         self._key: tuple[int, int, bool] | None = None
+        # per version built: (decode engines recomputed, pairs moved), or None for a whole build
+        self._log: deque[tuple[int, frozenset[str], frozenset[tuple[str, str]]] | tuple[int, None, None]] = \
+            deque(maxlen=log_versions)
 
     # --------------------------------------------------------------- pairs
     def add(self, entry: EngineEntry, engines: Mapping[str, EngineEntry]) -> dict[str, str]:
@@ -84,8 +92,9 @@ class RouteBook:
         return out
 
     def changed(self) -> None:
-        """The directory changed (registration, removal, draining): the next table is a new one."""
+        """The directory changed (registration, removal, draining): the next table is a whole new one."""
         self._changes += 1
+        self._whole = True
 
     # --------------------------------------------------------------- table
     def table(self, engines: Mapping[str, EngineEntry], settling: bool) -> RouteTable:
@@ -95,22 +104,39 @@ class RouteBook:
         if self._table is None or key != self._key:
             self.version += 1
             self.builds += 1
-            self._table, self._key = self._build(engines, settling), key
+            moved = self.ledger.take_moved()
+            if self._whole or self._table is None:
+                self._whole = False
+                decodes = {e.engine_id: self._usable(e.engine_id, engines) for e in engines.values()
+                           if e.serves_decode and not e.draining}
+                self._log.append((self.version, None, None))
+            else:  # only breakers moved: recompute the decode engines they belong to
+                redo = {d for d, _ in moved if d in self._table.decodes}
+                decodes = {**self._table.decodes, **{d: self._usable(d, engines) for d in redo}}
+                self._log.append((self.version, frozenset(redo), frozenset(moved)))
+            self._table = RouteTable(decodes, self.ledger.pair_states(),
+                                     {e.engine_id: e.generation for e in engines.values()}, settling,
+                                     self.epoch, self.version)
+            self._key = key
         return self._table
 
     def since(self, epoch: str | None, version: int, engines: Mapping[str, EngineEntry],
-              settling: bool) -> RouteTable | None:
-        """None when the caller's copy (`epoch`, `version`) is the current table, else the table."""
+              settling: bool) -> RouteTable | RouteDelta | None:
+        """None when the caller's copy (`epoch`, `version`) is current; the changes since it when only
+        breakers moved (and the log reaches back); else the whole table."""
         table = self.table(engines, settling)
-        return None if (epoch, version) == (table.epoch, table.version) else table
-
-    def _build(self, engines: Mapping[str, EngineEntry], settling: bool) -> RouteTable:
-        decodes = {}
-        for e in engines.values():
-            if e.serves_decode and not e.draining:
-                decodes[e.engine_id] = self._usable(e.engine_id, engines)
-        return RouteTable(decodes, self.ledger.pair_states(), {e.engine_id: e.generation for e in engines.values()},
-                          settling, self.epoch, self.version)
+        if (epoch, version) == (table.epoch, table.version):
+            return None
+        if epoch != self.epoch:
+            return table
+        after = [entry for entry in self._log if entry[0] > version]
+        if not after or after[0][0] != version + 1 or any(redo is None for _, redo, _ in after):
+            return table
+        decodes = set().union(*(redo for _, redo, _ in after))
+        pairs = set().union(*(moved for _, _, moved in after))
+        states = [s for s in (self.ledger.state_of(d, p) for d, p in pairs) if s is not None]
+        return RouteDelta(self.epoch, version, table.version, {d: table.decodes[d] for d in decodes},
+                          tuple(states), table.settling)
 
     def _usable(self, decode_id: str, engines: Mapping[str, EngineEntry]) -> tuple[PrefillRoute, ...]:
         """Compatible prefill engines, not draining, whose breaker with `decode_id` is not open."""

@@ -31,6 +31,7 @@ class PrefixCacheView:
         self.fetch, self.refresh_s, self.clock = fetch, refresh_s, clock
         self.slice_hashes = slice_hashes  # block hashes applied between two turns of the event loop
         self.index = PrefixReplica()  # mirrors the owner's evictions
+        self.upkeep_s = 0.0  # time spent applying updates to the copy (the event loop's, in slices)
         self._synced = False
         self._at = -math.inf
         self._inflight: asyncio.Future | None = None
@@ -64,13 +65,15 @@ class PrefixCacheView:
     async def _apply(self, update: IndexUpdate) -> None:
         if update.full:
             self.index.clear()
-        done = 0
+        done, t0 = 0, time.perf_counter()
         for op in update.ops:
             self.index.apply_ops((op,))
             done += 1 + len(op.hashes)
             if done >= self.slice_hashes:
-                done = 0
+                done, self.upkeep_s = 0, self.upkeep_s + time.perf_counter() - t0
                 await asyncio.sleep(0)  # let requests run between slices
+                t0 = time.perf_counter()
+        self.upkeep_s += time.perf_counter() - t0
         self.index.epoch, self.index.seq = update.cursor.epoch, update.cursor.seq
 
     def held_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str]) -> dict[str, int]:

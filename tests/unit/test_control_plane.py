@@ -178,3 +178,26 @@ def test_coalesced_kv_events_leave_the_index_exactly_as_the_engine_events_do():
         assert batch.num_engine_events == len(events) and len(batch.events) <= len(events)
         assert {e: list(b.blocks) for e, b in plain._engines.items()} == \
             {e: list(b.blocks) for e, b in merged._engines.items()}
+
+
+def test_breaker_moves_travel_as_deltas_that_rebuild_the_whole_table_exactly():
+    from actors.protocol import RouteDelta
+
+    async def go():
+        c = await cluster(prefills=("P0", "P1", "P2"), decodes=("D0", "D1"))
+        base = await c.routes()
+        for i in range(2):  # P1 -> D1 opens
+            await c.report_batch(LedgerBatch("D1", (HandoffOpened(f"f{i}", "P1"),
+                                                     TransferOutcomes((unit(f"f{i}", failed=True),)))))
+        delta = await c.routes_if_changed(base.epoch, base.version)
+        whole = await c.routes()
+        await c.set_draining("P2")  # a directory change: the whole table again
+        after_drain = await c.routes_if_changed(whole.epoch, whole.version)
+        from_base = await c.routes_if_changed(base.epoch, base.version)  # reaches back past a whole change
+        stop(c)
+        return base, delta, whole, after_drain, from_base
+
+    base, delta, whole, after_drain, from_base = asyncio.run(go())
+    assert isinstance(delta, RouteDelta) and set(delta.decodes) == {"D1"} and len(delta.breakers) == 1
+    assert delta.apply(base) == whole and [r.prefill_id for r in whole.decodes["D1"]] == ["P0", "P2"]
+    assert type(after_drain) is type(from_base) is type(whole)
