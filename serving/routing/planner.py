@@ -49,14 +49,14 @@ class RoutePlanner:
         live = pool.live_decodes(routes, exclude)
         if not live:
             return None
-        # one index lookup for every engine that may take part; the prefill list is built for the
-        # chosen decode engine only (O(decodes + prefills) per request, not decodes x prefills)
-        cached = self._cached(req, live + [p for p in pool.prefills if p not in routes.decodes])
+        # one index lookup (it finds the engines that hold the prompt's blocks, whoever they are); the
+        # prefill list is built for the chosen decode engine only (O(decodes + prefills), not their product)
+        cached = self._cached(req)
         decodes = self._decode_candidates(pool, live, cached)
 
         def prefills_for(d: str) -> list[Candidate]:
-            return [Candidate(p, cached.get(p, 0), pool.prefill_load[p].tokens, pool.prefill_load[p].requests)
-                    for p in pool.usable_prefills(d, routes)]
+            loads, held = pool.prefill_load, cached.get
+            return [Candidate(p, held(p, 0), (x := loads[p]).tokens, x.requests) for p in pool.usable_prefills(d, routes)]
 
         sel = select(req.num_prompt_tokens, decodes, prefills_for, self.settings, turn, self.fallback_local)
         self.decisions[(sel.decision.decision, sel.decision.reason)] += 1
@@ -70,20 +70,21 @@ class RoutePlanner:
         live = pool.live_decodes(routes, exclude)
         if not live:
             return None
-        cached = self._cached(req, live)
+        cached = self._cached(req)
         return best(self._decode_candidates(pool, live, cached), req.num_prompt_tokens,
                     self.settings.cache_weight, turn).engine_id
 
     @staticmethod
     def _decode_candidates(pool: EnginePool, live: list[str], cached: dict[str, int]) -> list[Candidate]:
-        return [Candidate(d, cached.get(d, 0), pool.decode_load[d].tokens, pool.decode_load[d].requests)
-                for d in live]
+        loads, held = pool.decode_load, cached.get
+        return [Candidate(d, held(d, 0), (x := loads[d]).tokens, x.requests) for d in live]
 
-    def _cached(self, req: EngineRequest, engine_ids: list[str]) -> dict[str, int]:
+    def _cached(self, req: EngineRequest) -> dict[str, int]:
+        """Engine -> prompt tokens its prefix cache holds (engines left out hold none)."""
         if self.view is None or not req.prompt_token_ids:
             return {}
         self.view.refresh_soon()
-        return self.view.held_tokens(req.prompt_token_ids, engine_ids)  # engines left out: 0
+        return self.view.held_tokens(req.prompt_token_ids)
 
     def snapshot(self) -> PlannerSnapshot:
         return PlannerSnapshot(dict(self.decisions),

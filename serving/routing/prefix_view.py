@@ -76,9 +76,9 @@ class PrefixCacheView:
         self.upkeep_s += time.perf_counter() - t0
         self.index.epoch, self.index.seq = update.cursor.epoch, update.cursor.seq
 
-    def held_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str]) -> dict[str, int]:
-        """Per engine holding at least the prompt's first block: prompt tokens whose blocks it holds
-        (engines left out hold none; O(what is held), not O(engines))."""
+    def held_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str] | None = None) -> dict[str, int]:
+        """Per engine (of `engine_ids`, default all) holding at least the prompt's first block: prompt
+        tokens whose blocks it holds (engines left out hold none; O(what is held), not O(engines))."""
         return self.index.cached_prefix_tokens(token_ids, engine_ids)
 
     def cached_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str]) -> dict[str, int]:

@@ -81,6 +81,7 @@ class Router:
         self.planner = planner or planner_for(self.config)
         self.probe_timeout_s = probe_timeout_s  # a request waits this long at most to win a probe
         self._rr = itertools.count()
+        self._states: tuple[RouteTable | None, dict[str, dict[str, str]]] = (None, {})
         # the autoscaler's status, shown with the engine stats (set by serving.cluster.clients)
         self.autoscaler: Any = None
         self.pool_status: Any = None
@@ -93,7 +94,7 @@ class Router:
                            exclude: set[str]) -> str | None:
         """The first of `ranked` (the plan's order) that is usable and not excluded; a half-open
         pair only if this router wins its probe."""
-        states = {r.prefill_id: r.state for r in routes.decodes.get(decode_id, ())}
+        states = self._states_of(decode_id, routes)
         for p in ranked:
             if p not in states or p not in self.pool.prefills or p in exclude:
                 continue
@@ -106,6 +107,15 @@ class Router:
             except Exception as exc:  # noqa: BLE001 - no answer in time: do not probe, take the next
                 logger.info("probe of %s->%s not admitted: %s", p, decode_id, exc)
         return None
+
+    def _states_of(self, decode_id: str, routes: RouteTable) -> dict[str, str]:
+        """Prefill engine -> breaker state of the pair with `decode_id`, kept per table (not per request)."""
+        if self._states[0] is not routes:
+            self._states = (routes, {})
+        states = self._states[1].get(decode_id)
+        if states is None:
+            states = self._states[1][decode_id] = {r.prefill_id: r.state for r in routes.decodes.get(decode_id, ())}
+        return states
 
     # ------------------------------------------------------------- serving
     async def open(self, req: EngineRequest) -> RoutedStream:
