@@ -104,7 +104,7 @@ async def wait_generation(coordinator, engine_id: str, after: int, timeout_s: fl
             engines = {e.engine_id: e for e in await coordinator.engines.remote()}
         except ray.exceptions.RayError:
             engines = {}
-        gen = engines.get(engine_id, {}).get("generation", after)
+        gen = engines[engine_id].generation if engine_id in engines else after
         if gen > after:
             return gen
         await asyncio.sleep(0.1)

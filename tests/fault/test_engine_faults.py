@@ -88,7 +88,7 @@ def test_a_killed_rank_restarts_and_its_engine_rejoins_with_a_fresh_handshake(co
             now = {}
             while time.monotonic() < deadline:
                 now = {e.engine_id: e for e in await coordinator.engines.remote()}
-                if now.get("rs-P", {}).get("generation", old_generation) != old_generation:
+                if "rs-P" in now and now["rs-P"].generation != old_generation:
                     break
                 await asyncio.sleep(0.1)
             assert now["rs-P"].generation > old_generation, "the engine must rejoin as a new incarnation"
