@@ -15,6 +15,11 @@ Life cycle of one P/D request through these types:
 
 `kv_transfer_params` stays a dict: it is vLLM's own boundary
 (`SamplingParams.extra_args`), validated by `actors.transfer_params`.
+
+Control plane (`actors.control`): the coordinator serves routers a versioned
+`RouteTable` (`routes_if_changed`: nothing comes back while the router's copy is
+current); a decode engine's ledger traffic travels as `LedgerBatch`es of the
+records in `actors.control.ledger_records`.
 """
 
 from __future__ import annotations
@@ -235,6 +240,30 @@ class RouteTable:
     # The coordinator was just restarted and engines are still registering again: an engine
     # missing from this table may well be alive (routers keep their last view of it).
     settling: bool = False
+    # Which table this is: the coordinator incarnation's epoch and the table's version in it
+    # (a router holding (epoch, version) gets nothing back until the table changes).
+    epoch: str = ""
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class RouteDelta:
+    """What changed in the coordinator's `RouteTable` since version `base` of the same epoch: breaker
+    moves only (a registration, removal or draining always sends the whole table). O(changes)."""
+
+    epoch: str
+    base: int
+    version: int
+    decodes: dict[str, tuple[PrefillRoute, ...]]  # decode engines whose usable prefill engines changed
+    breakers: tuple[PairState, ...]  # pairs whose breaker moved (as they are now)
+    settling: bool = False
+
+    def apply(self, table: RouteTable) -> RouteTable:
+        """`table` (version `base`) brought to `version`; `table` itself is left as it was."""
+        moved = {(b.prefill_id, b.decode_id): b for b in self.breakers}
+        breakers = tuple(moved.pop((b.prefill_id, b.decode_id), b) for b in table.breakers) + tuple(moved.values())
+        decodes = {**table.decodes, **{d: ps for d, ps in self.decodes.items() if d in table.decodes}}
+        return RouteTable(decodes, breakers, table.generations, self.settling, self.epoch, self.version)
 
 
 # ---------------------------------------------------------------- engine stats (engine -> status, metrics)
@@ -365,8 +394,10 @@ class Backend(Protocol):
     engine_id: str
 
     # `on_new_incarnation`: awaited when the backend's ranks were replaced (a rank actor
-    # restarted): the engine must register its new handshakes.
-    async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]]) -> None: ...
+    # restarted): the engine must register its new handshakes. `ledger`: the engine's
+    # `actors.engine.ledger_reporter.LedgerReporter`; transfer outcomes go through it.
+    async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]],
+                    ledger: Any = None) -> None: ...
     def model_info(self) -> ModelInfo: ...
     async def prefill(self, req: EngineRequest) -> PrefillResult: ...
     # `params`: the request's KV handoff, parsed once by the engine actor (None: prefill locally)

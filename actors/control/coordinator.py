@@ -20,7 +20,19 @@ Life cycle of an engine incarnation as the coordinator sees it:
                       handshake);
   handshake_payloads  decode ranks fetch exactly the payloads they need;
   routes              routers fetch live decode engines -> usable prefill engines
-                      with every pair's breaker (the ledger owns the breakers).
+                      with every pair's breaker (the ledger owns the breakers); the
+                      table is built once per change (`RouteBook`) and
+                      `routes_if_changed` answers a router whose copy is current
+                      with nothing.
+
+Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the
+records an engine coalesced since its last batch (handoffs opened and aborted,
+per-unit outcomes, salvage, handshake failures), applied in its order, one
+batch in flight per engine (`actors.engine.ledger_reporter`). The single-record
+methods (`open_handoff`, `report_outcomes`...) remain for tools and tests.
+Nothing here is on a request's path to its first token: engines and routers
+send these fire-and-forget or from background tasks; a router awaits only
+`admit_probe`, and only for a half-open pair.
 
 Routing state it owns besides the directory:
 
@@ -45,9 +57,11 @@ from typing import Any
 import ray
 
 from actors.kv.aggregator import KVConnectorOutput
-from actors.kv.compat import pair_problem
+from actors.control.handoff_desk import HandoffDesk
 from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger, Verdict
-from actors.protocol import EngineInfo, EngineSummary, PrefillRoute, RouteTable
+from actors.control.route_book import RouteBook
+from actors.control.ledger_records import ControlStats, LedgerBatch
+from actors.protocol import EngineInfo, EngineSummary, RouteDelta, RouteTable
 from actors.control.prefix_index import IndexCursor, IndexUpdate, KVEventsBatch, PrefixIndex
 from actors.control.registry import ROLES, EngineEntry, Registration, RegistrationError, decode_registration
 
@@ -65,10 +79,11 @@ class Coordinator:
         self.ping_timeout_s = ping_timeout_s
         self._engines: dict[str, EngineEntry] = {}
         self._model_hash: dict[str, str] = {}
-        self._pairs: dict[tuple[str, str], str | None] = {}  # (prefill, decode) -> problem
+        self.book = RouteBook(self.ledger)  # the pairs and the routers' table
         self._generation = 0
         self._timers: list[asyncio.Task] = []
-        self._handoff_opened: asyncio.Event | None = None
+        self.desk = HandoffDesk(self.ledger, self._release_prefill, self._event)  # decode engines' records
+        self.counters = dict.fromkeys(("kv_calls", "kv_events", "kv_blocks", "route_calls", "route_unchanged"), 0)
         self.events: list[dict[str, Any]] = []
         self.prefix_index = PrefixIndex()
         # a restarted coordinator starts empty; engines register again within ~1 s of its return
@@ -105,7 +120,7 @@ class Coordinator:
         old = self._engines.get(engine_id)
         if old is not None and old.raw == raw and old.role == role:
             # the same incarnation registering again (a retried call): nothing changes
-            return Registration(old.generation, self._pair_summary(engine_id))
+            return Registration(old.generation, self.book.summary(engine_id))
         if old is not None:  # new agents under a known id: the previous incarnation is gone
             await self._remove(engine_id, "replaced by a new incarnation", died=True)
         self._generation += 1
@@ -113,24 +128,9 @@ class Coordinator:
         self._engines[engine_id] = entry
         self._model_hash[model] = chash
         entry.watchers = [asyncio.get_running_loop().create_task(self._watch(entry, h)) for h in entry.handles]
-        pairs = {}
-        for other in self._engines.values():
-            if other.engine_id == engine_id:
-                continue
-            for p, d in ((entry, other), (other, entry)):
-                if p.role in ("prefill", "both") and d.serves_decode:
-                    problem = pair_problem(list(p.ranks.values()), list(d.ranks.values()))
-                    self._pairs[(p.engine_id, d.engine_id)] = problem
-                    pairs[f"{p.engine_id}->{d.engine_id}"] = problem or "ok"
-                    if problem:
-                        logger.warning("pair %s -> %s refused: %s", p.engine_id, d.engine_id, problem)
-                    else:
-                        self.ledger.breaker(d.engine_id, p.engine_id)  # every routable pair has a state
+        pairs = self.book.add(entry, self._engines)
         self._event("registered", engine_id, role=role, generation=entry.generation)
         return Registration(entry.generation, pairs)
-
-    def _pair_summary(self, engine_id: str) -> dict[str, str]:
-        return {f"{p}->{d}": problem or "ok" for (p, d), problem in self._pairs.items() if engine_id in (p, d)}
 
     async def unregister_engine(self, engine_id: str, reason: str = "unregistered",
                                 generation: int | None = None) -> bool:
@@ -152,8 +152,7 @@ class Coordinator:
 
     async def _remove(self, engine_id: str, reason: str, died: bool) -> None:
         entry = self._engines.pop(engine_id)
-        pairs = [(d, p) for (p, d) in self._pairs if engine_id in (p, d)]
-        self._pairs = {k: v for k, v in self._pairs.items() if engine_id not in k}
+        pairs = self.book.drop(engine_id)
         self.prefix_index.drop_engine(engine_id)
         gone = self.ledger.engine_died(engine_id, reason, pairs) if died else self.ledger.engine_left(engine_id)
         for handoff in gone:
@@ -202,21 +201,24 @@ class Coordinator:
         """None when the pair may be routed, else the reason it may not."""
         if prefill_id not in self._engines or decode_id not in self._engines:
             return "engine not registered"
-        return self._pairs.get((prefill_id, decode_id), "pair never judged")
+        return self.book.problems.get((prefill_id, decode_id), "pair never judged")
 
-    def _usable(self, decode_id: str) -> tuple[PrefillRoute, ...]:
-        return tuple(PrefillRoute(p, self.ledger.route_state(decode_id, p))
-                     for (p, d), problem in sorted(self._pairs.items())
-                     if d == decode_id and problem is None and not self.ledger.is_open(decode_id, p)
-                     and not self._engines[p].draining)
+    def _settling(self) -> bool:
+        return self._restarted and time.monotonic() - self._started_at < self.settle_s
 
     async def routes(self) -> RouteTable:
         """Every live decode engine -> its usable prefill engines, and every pair's breaker."""
-        decodes = {e.engine_id: self._usable(e.engine_id) for e in self._engines.values()
-                   if e.serves_decode and not e.draining}
-        settling = self._restarted and time.monotonic() - self._started_at < self.settle_s
-        return RouteTable(decodes, self.ledger.pair_states(),
-                          {e.engine_id: e.generation for e in self._engines.values()}, settling)
+        self.counters["route_calls"] += 1
+        return self.book.table(self._engines, self._settling())
+
+    async def routes_if_changed(self, epoch: str | None, version: int) -> RouteTable | RouteDelta | None:
+        """The routers' poll: None while their copy (`epoch`, `version`) is current, the breaker moves
+        since it (`RouteDelta`), or the whole table."""
+        self.counters["route_calls"] += 1
+        table = self.book.since(epoch, version, self._engines, self._settling())
+        if table is None:
+            self.counters["route_unchanged"] += 1
+        return table
 
     async def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
         """A half-open pair's probe is admitted once, cluster-wide."""
@@ -228,6 +230,10 @@ class Coordinator:
         if engine_id not in self._engines:
             return False
         self.prefix_index.apply(engine_id, batch)
+        c = self.counters
+        c["kv_calls"] += 1
+        c["kv_events"] += batch.num_engine_events
+        c["kv_blocks"] += sum(len(getattr(ev, "hashes", ())) for ev in batch.events)
         return True
 
     async def prefix_index_updates(self, cursor: IndexCursor | None) -> IndexUpdate:
@@ -237,7 +243,7 @@ class Coordinator:
     # ------------------------------------------------------------- draining
     async def handoffs_in_flight(self, engine_id: str) -> int:
         """KV handoffs from or to the engine that have no verdict yet."""
-        return sum(1 for h in self.ledger.in_flight() if engine_id in (h.prefill_id, h.decode_id))
+        return self.ledger.in_flight_of(engine_id)
 
     async def set_draining(self, engine_id: str, draining: bool = True) -> bool:
         """Routers stop choosing a draining engine (`routes()` leaves it out)."""
@@ -245,14 +251,19 @@ class Coordinator:
         if entry is None:
             return False
         entry.draining = draining
+        self.book.changed()
         self._event("draining" if draining else "undrained", engine_id)
         return True
 
     # ---------------------------------------------------------------- ledger
-    async def open_handoff(self, req_id: str, prefill_id: str, decode_id: str) -> None:
-        self.ledger.open(req_id, prefill_id, decode_id)
+    async def report_batch(self, batch: LedgerBatch) -> int:
+        """A decode engine's coalesced ledger records, applied in its order; returns how many."""
         self._ensure_timers()
-        self._handoff_opened.set()
+        return self.desk.apply(batch)
+
+    async def open_handoff(self, req_id: str, prefill_id: str, decode_id: str) -> None:
+        self._ensure_timers()
+        self.desk.open(req_id, prefill_id, decode_id)
 
     async def abort_handoff(self, req_id: str) -> None:
         """The client went away before a verdict: the handoff closes, no breaker moves."""
@@ -260,29 +271,19 @@ class Coordinator:
 
     async def report_outcomes(self, decode_id: str, outputs: list[KVConnectorOutput | None]) -> list[Verdict]:
         """Per-unit transfer outcomes of a decode engine -> verdicts (they feed the breakers)."""
-        return self._verdicts(decode_id, self.ledger.report(decode_id, outputs))
+        return self.desk.report(decode_id, outputs)
 
     async def unit_died(self, decode_id: str, collected: list[KVConnectorOutput | None]) -> list[Verdict]:
         """A decode unit died mid-step: what the step collected is salvaged and replayed."""
-        self._event("unit_died", decode_id)
-        return self._verdicts(decode_id, self.ledger.unit_died(decode_id, collected))
+        return self.desk.unit_died(decode_id, collected)
 
     async def handshake_failed(self, decode_id: str, prefill_id: str, reason: str,
                                req_id: str | None = None) -> None:
-        verdict = self.ledger.handshake_failed(decode_id, prefill_id, reason, req_id)
-        self._event("handshake_failed", decode_id, prefill_id=prefill_id, reason=reason)
-        if verdict is not None:
-            self._release_prefill(prefill_id, verdict.req_id)
+        self.desk.handshake_failed(decode_id, prefill_id, reason, req_id)
 
     async def prefill_failed(self, decode_id: str, prefill_id: str, reason: str) -> None:
         """A router's prefill call failed because of the engine (client errors never come here)."""
         self.ledger.prefill_failed(decode_id, prefill_id, reason)
-
-    def _verdicts(self, decode_id: str, verdicts: list[Verdict]) -> list[Verdict]:
-        for v in verdicts:
-            if not v.ok:
-                self._event("transfer_failed", decode_id, req_id=v.req_id, prefill_id=v.prefill_id)
-        return verdicts
 
     async def transfers(self) -> LedgerSnapshot:
         """In-flight handoffs, verdict counts and breaker states (for status/metrics)."""
@@ -300,6 +301,14 @@ class Coordinator:
     async def engines(self) -> list[EngineSummary]:
         return [e.summary() for e in self._engines.values()]
 
+    async def control_stats(self) -> ControlStats:
+        """What this incarnation absorbed so far (ledger batches, KV events, route polls)."""
+        c = self.counters
+        return ControlStats(len(self._engines), len(self.book.problems), len(self.ledger.in_flight()),
+                            dict(self.ledger.verdicts), self.desk.batches, self.desk.records, c["kv_calls"],
+                            c["kv_events"], c["kv_blocks"], sum(self.prefix_index.engines().values()),
+                            self.book.builds, c["route_calls"], c["route_unchanged"])
+
     async def recent_events(self, limit: int = 100) -> list[dict]:
         return self.events[-limit:]
 
@@ -314,30 +323,11 @@ class Coordinator:
 
     # ---------------------------------------------------------------- timers
     def _ensure_timers(self) -> None:
-        if self._handoff_opened is None:
-            self._handoff_opened = asyncio.Event()
         if not self._timers or any(t.done() for t in self._timers):
             for t in self._timers:
                 t.cancel()
             loop = asyncio.get_running_loop()
-            self._timers = [loop.create_task(self._expire_handoffs()), loop.create_task(self._hang_sweeps())]
-
-    async def _expire_handoffs(self) -> None:
-        """Sleeps until the earliest handoff deadline (or until one is opened); nothing ticks."""
-        while True:
-            deadline = self.ledger.next_deadline()
-            self._handoff_opened.clear()
-            try:
-                if deadline is None:
-                    await self._handoff_opened.wait()
-                else:
-                    await asyncio.wait_for(self._handoff_opened.wait(),
-                                           max(0.0, deadline - self.ledger.clock()) + 0.01)
-            except asyncio.TimeoutError:
-                pass
-            for v in self.ledger.expire():
-                self._event("handoff_expired", v.decode_id, req_id=v.req_id, prefill_id=v.prefill_id)
-                self._release_prefill(v.prefill_id, v.req_id)
+            self._timers = [loop.create_task(self.desk.run_expiry()), loop.create_task(self._hang_sweeps())]
 
     async def _hang_sweeps(self) -> None:
         while True:

@@ -23,13 +23,22 @@ Breaker inputs: transfer verdicts, handshake failures, prefill failures the
 routers report, expired handoffs, and an engine's death (which opens every
 pair it is part of at once). Each pair keeps its last failure reason.
 
+Cost per report is O(1) in the number of handoffs and pairs: deadlines sit in a
+heap (stale entries skipped, compacted when they outnumber the live ones),
+open handoffs are counted per engine, and every pair's `PairState` is kept
+ready and refreshed only when its breaker moves (a report, a probe, or time:
+cooldowns and probe windows that end are due in a second heap). `changes`
+counts visible moves, so the coordinator rebuilds the routers' table only then.
+
 Pure: no Ray; the coordinator actor owns one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,6 +47,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
 from actors.kv.breaker import CircuitBreaker
 from actors.protocol import PairState
+
+Pair = tuple[str, str]  # (decode, prefill)
 
 
 class BreakerConfig(BaseModel):
@@ -84,21 +95,64 @@ class TransferLedger:
         self.deadline_s = deadline_s
         self.clock = clock
         self._handoffs: dict[str, Handoff] = {}
+        self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, req id); stale entries skipped
+        self._per_engine: Counter[str] = Counter()  # engine -> open handoffs it is part of
         self._aggregators: dict[str, KVOutputAggregator] = {}
-        self._breakers: dict[tuple[str, str], CircuitBreaker] = {}  # (decode, prefill)
-        self._reasons: dict[tuple[str, str], str] = {}
+        self._breakers: dict[Pair, CircuitBreaker] = {}
+        self._reasons: dict[Pair, str] = {}
+        self._states: dict[Pair, PairState] = {}  # every pair's breaker as routers see it, kept current
+        self._sorted_states: tuple[PairState, ...] | None = None
+        self._sorted_keys: list[Pair] | None = None  # re-sorted only when pairs come or go
+        self.moved: set[Pair] = set()  # pairs whose state changed since the route book last took them
+        self._timed: list[tuple[float, Pair]] = []  # heap: when a breaker moves by time alone
+        self.changes = 0  # visible breaker moves so far (the routers' table is rebuilt only on a change)
         self.verdicts = {"ok": 0, "failed": 0, "expired": 0, "aborted": 0}
 
     # -------------------------------------------------------------- breakers
     def breaker(self, decode_id: str, prefill_id: str) -> CircuitBreaker:
         key = (decode_id, prefill_id)
-        if key not in self._breakers:
+        b = self._breakers.get(key)
+        if b is None:
             c = self.breaker_config
-            self._breakers[key] = CircuitBreaker(
+            b = self._breakers[key] = CircuitBreaker(
                 f"{prefill_id}->{decode_id}", cooldown_s=c.cooldown_s,
                 failure_threshold=c.failure_threshold, probe_window_s=c.probe_window_s, clock=self.clock,
             )
-        return self._breakers[key]
+            self._moved(key)
+        return b
+
+    def state_of(self, decode_id: str, prefill_id: str) -> PairState | None:
+        """The pair's breaker as of the last `advance()` (None: no breaker yet, i.e. closed)."""
+        return self._states.get((decode_id, prefill_id))
+
+    def advance(self) -> None:
+        """Apply the moves time alone made (cooldowns over, probes unanswered) to the kept states."""
+        now = self.clock()
+        while self._timed and self._timed[0][0] <= now:
+            self._moved(heapq.heappop(self._timed)[1])
+
+    def _moved(self, key: Pair) -> None:
+        """The pair's breaker may have moved: refresh its kept state; count the change if it did."""
+        b = self._breakers.get(key)
+        new = None
+        if b is not None:
+            s = b.snapshot()
+            d, p = key
+            new = PairState(p, d, s["state"], s["consecutive_failures"], s["opened_count"],
+                            self._reasons.get(key, ""), s["probe_in_flight"])
+            if new.state == "open":  # its cooldown ends by time: due then
+                heapq.heappush(self._timed, (self.clock() + s["retry_in_s"] + 1e-3, key))
+        old = self._states.get(key)
+        if old != new:
+            if new is None:
+                self._states.pop(key, None)
+            else:
+                self._states[key] = new
+            if old is None or new is None:
+                self._sorted_keys = None
+            self.changes += 1
+            self._sorted_states = None
+            self.moved.add(key)
 
     def is_open(self, decode_id: str, prefill_id: str) -> bool:
         """True when the pair may not take a request now (cooling down, or its probe is out)."""
@@ -111,14 +165,24 @@ class TransferLedger:
 
     def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
         """A router asks to send the half-open pair's probe; granted once cluster-wide."""
-        return self.breaker(decode_id, prefill_id).allow()
+        b = self.breaker(decode_id, prefill_id)
+        granted = b.allow()
+        if granted and b.state == "half_open":  # the probe is out until it reports or its window ends
+            heapq.heappush(self._timed, (self.clock() + b.probe_window_s + 1e-3, (decode_id, prefill_id)))
+        self._moved((decode_id, prefill_id))
+        return granted
 
     def record_failure(self, decode_id: str, prefill_id: str, reason: str) -> None:
         self.breaker(decode_id, prefill_id).record_failure()
         self._reasons[(decode_id, prefill_id)] = reason
+        self._moved((decode_id, prefill_id))
 
     def record_success(self, decode_id: str, prefill_id: str) -> None:
-        self.breaker(decode_id, prefill_id).record_success()
+        b = self.breaker(decode_id, prefill_id)
+        if b.consecutive_failures == 0 and b.state == "closed":
+            return  # a healthy pair stays as it is (the common case: nothing to refresh)
+        b.record_success()
+        self._moved((decode_id, prefill_id))
 
     def prefill_failed(self, decode_id: str, prefill_id: str, reason: str) -> None:
         """A router's prefill call failed for a reason of the engine's (never a client error)."""
@@ -151,13 +215,16 @@ class TransferLedger:
         for key in [k for k in self._breakers if engine_id in k]:
             self._breakers.pop(key)
             self._reasons.pop(key, None)
+            self._moved(key)
         return self._drop_handoffs(engine_id)
 
     def _drop_handoffs(self, engine_id: str) -> list[Handoff]:
         self._aggregators.pop(engine_id, None)
+        if not self._per_engine.get(engine_id):
+            return []
         gone = [h for h in self._handoffs.values() if engine_id in (h.prefill_id, h.decode_id)]
         for h in gone:
-            del self._handoffs[h.req_id]
+            self._pop(h.req_id)
             self._forget_counts(h)
             self.verdicts["failed"] += 1
         return gone
@@ -169,31 +236,66 @@ class TransferLedger:
                 break
             b.record_failure()  # the breaker's own rule opens it: threshold failures, or a failed probe
         self._reasons[(decode_id, prefill_id)] = reason
+        self._moved((decode_id, prefill_id))
 
     def pair_states(self) -> tuple[PairState, ...]:
-        out = []
-        for (d, p), b in sorted(self._breakers.items()):
-            s = b.snapshot()
-            out.append(PairState(p, d, s["state"], s["consecutive_failures"], s["opened_count"],
-                                 self._reasons.get((d, p), ""), s["probe_in_flight"]))
-        return tuple(out)
+        """Every pair's breaker, sorted by (decode, prefill)."""
+        self.advance()
+        if self._sorted_states is None:
+            if self._sorted_keys is None:
+                self._sorted_keys = sorted(self._states)
+            states = self._states
+            self._sorted_states = tuple(states[k] for k in self._sorted_keys)
+        return self._sorted_states
+
+    def take_moved(self) -> set[Pair]:
+        """The pairs whose state changed since the last call (the route book's delta)."""
+        moved, self.moved = self.moved, set()
+        return moved
 
     # -------------------------------------------------------------- handoffs
     def open(self, req_id: str, prefill_id: str, decode_id: str, deadline_s: float | None = None) -> Handoff:
         now = self.clock()
+        if req_id in self._handoffs:  # opened again (a retried call): the new one replaces it
+            self._pop(req_id)
         handoff = Handoff(req_id, prefill_id, decode_id, now, now + (deadline_s or self.deadline_s))
         self._handoffs[req_id] = handoff
+        self._per_engine[prefill_id] += 1
+        self._per_engine[decode_id] += 1
+        heapq.heappush(self._deadlines, (handoff.deadline, req_id))
+        if len(self._deadlines) > 2 * len(self._handoffs) + 1024:  # mostly closed ones: compact
+            self._deadlines = [(h.deadline, h.req_id) for h in self._handoffs.values()]
+            heapq.heapify(self._deadlines)
+        return handoff
+
+    def _pop(self, req_id: str) -> Handoff | None:
+        handoff = self._handoffs.pop(req_id, None)
+        if handoff is not None:
+            for engine_id in (handoff.prefill_id, handoff.decode_id):
+                self._per_engine[engine_id] -= 1
+                if self._per_engine[engine_id] <= 0:
+                    del self._per_engine[engine_id]
         return handoff
 
     def in_flight(self) -> list[Handoff]:
         return list(self._handoffs.values())
 
+    def in_flight_of(self, engine_id: str) -> int:
+        """Open handoffs from or to the engine (O(1))."""
+        return self._per_engine.get(engine_id, 0)
+
     def next_deadline(self) -> float | None:
-        return min((h.deadline for h in self._handoffs.values()), default=None)
+        while self._deadlines:
+            deadline, req_id = self._deadlines[0]
+            h = self._handoffs.get(req_id)
+            if h is not None and h.deadline == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)  # closed meanwhile
+        return None
 
     def abort(self, req_id: str) -> Handoff | None:
         """The client went away: close the handoff; no breaker is touched."""
-        handoff = self._handoffs.pop(req_id, None)
+        handoff = self._pop(req_id)
         if handoff is not None:
             self._forget_counts(handoff)
             self.verdicts["aborted"] += 1
@@ -213,9 +315,13 @@ class TransferLedger:
     def _open_only(self, outputs: list[KVConnectorOutput | None]) -> list[KVConnectorOutput | None]:
         """Outcomes of requests with an open handoff: nothing is counted for aborted, expired or
         already decided requests (a count nobody completes would stay forever)."""
+        handoffs = self._handoffs
+
         def keep(o: KVConnectorOutput) -> KVConnectorOutput:
-            return dataclasses.replace(o, finished_recving={r for r in o.finished_recving if r in self._handoffs},
-                                       failed_recving={r for r in o.failed_recving if r in self._handoffs})
+            if all(r in handoffs for r in o.finished_recving) and all(r in handoffs for r in o.failed_recving):
+                return o  # the common case: every request named is open
+            return dataclasses.replace(o, finished_recving={r for r in o.finished_recving if r in handoffs},
+                                       failed_recving={r for r in o.failed_recving if r in handoffs})
         return [keep(o) if o is not None else None for o in outputs]
 
     def report(self, decode_id: str, outputs: list[KVConnectorOutput | None]) -> list[Verdict]:
@@ -241,7 +347,7 @@ class TransferLedger:
 
     def _close(self, req_id: str, decode_id: str, ok: bool, reason: str,
                invalid: frozenset[int]) -> Verdict:
-        handoff = self._handoffs.pop(req_id)
+        handoff = self._pop(req_id)
         if ok:
             self.record_success(decode_id, handoff.prefill_id)
         else:
@@ -252,10 +358,9 @@ class TransferLedger:
     def expire(self) -> list[Verdict]:
         """Fail every handoff past its deadline."""
         now = self.clock()
-        late = [h for h in self._handoffs.values() if now >= h.deadline]
         out = []
-        for h in late:
-            del self._handoffs[h.req_id]
+        while (deadline := self.next_deadline()) is not None and deadline <= now:
+            h = self._pop(heapq.heappop(self._deadlines)[1])
             self._forget_counts(h)
             reason = f"no verdict within {h.deadline - h.opened_at:.0f}s"
             self.record_failure(h.decode_id, h.prefill_id, reason)

@@ -11,7 +11,8 @@ leading blocks of this prompt does each engine hold" without asking the engines.
 
 Life cycle of an engine's entries:
 
-  stored    `apply(engine, KVEventsBatch)` with the engine's relayed events;
+  stored    `apply(engine, KVEventsBatch)` with the engine's relayed events (runs of
+            stores or removals merged by `coalesce`: one op per run);
   evicted   by the engine (BlockRemoved / AllBlocksCleared), or here when the
             engine exceeds `max_blocks_per_engine` (oldest first; bounds memory
             even if a removal was lost);
@@ -26,13 +27,14 @@ or the owner restarted). Pure Python: no Ray, no vLLM.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, Union
+from typing import Literal, NamedTuple, Union
 
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for cryptographic hashes (no PYTHONHASHSEED)
 SUPPORTED_ALGOS = ("sha256", "sha256_cbor")  # xxhash uses a random per-process seed: not reproducible
@@ -79,16 +81,16 @@ class HashScheme:
 
     def block_hashes(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
         """Index keys of the full blocks of `token_ids`, first block first."""
-        n = len(token_ids) // self.block_size
-        if max_blocks is not None:
-            n = min(n, max_blocks)
+        keys = self.iter_block_hashes(token_ids)
+        return list(keys if max_blocks is None else itertools.islice(keys, max_blocks))
+
+    def iter_block_hashes(self, token_ids: Sequence[int]) -> Iterator[int]:
+        """`block_hashes`, one block at a time (a lookup stops hashing at the first block nobody holds)."""
         parent = self.none_hash
-        keys = []
-        for i in range(n):
-            block = tuple(int(t) for t in token_ids[i * self.block_size:(i + 1) * self.block_size])
+        for i in range(len(token_ids) // self.block_size):
+            block = tuple(map(int, token_ids[i * self.block_size:(i + 1) * self.block_size]))
             parent = self._digest((parent, block, None))
-            keys.append(external_key(parent))
-        return keys
+            yield external_key(parent)
 
 
 # ---------------------------------------------------------------- events
@@ -117,16 +119,39 @@ class KVEventsBatch:
     `reset`: the relay lost events (a gap, or a batch it could not deliver), so
     the owner clears the engine's entries first: under-claiming only costs a
     cache miss, over-claiming would route to blocks that are gone.
+    `engine_events`: how many of the engine's own events the batch carries when
+    `coalesce` merged runs of them (0: one per entry of `events`).
     """
 
     scheme: HashScheme
     events: tuple[KVEvent, ...]
     reset: bool = False
+    engine_events: int = 0
+
+    @property
+    def num_engine_events(self) -> int:
+        return self.engine_events or len(self.events)
+
+
+def coalesce(events: Sequence[KVEvent]) -> tuple[KVEvent, ...]:
+    """The same changes in the same order, consecutive stores (and consecutive removals) merged into one
+    event: vLLM reports every evicted block as its own BlockRemoved, this ships and applies a run at once."""
+    runs: list[tuple[type, list[int]]] = []
+    for ev in events:
+        if isinstance(ev, AllBlocksCleared):
+            runs.append((AllBlocksCleared, []))
+        elif runs and runs[-1][0] is type(ev):
+            runs[-1][1].extend(ev.hashes)
+        else:
+            runs.append((type(ev), list(ev.hashes)))
+    return tuple(AllBlocksCleared() if kind is AllBlocksCleared else kind(tuple(hashes))
+                 for kind, hashes in runs if hashes or kind is AllBlocksCleared)
 
 
 # ------------------------------------------------------------ replication
-@dataclass(frozen=True)
-class IndexOp:
+class IndexOp(NamedTuple):
+    """One change of the index (a NamedTuple: replicas unpickle thousands per refresh)."""
+
     engine_id: str
     kind: Literal["store", "remove", "clear"]
     hashes: tuple[int, ...] = ()

@@ -46,6 +46,7 @@ from typing import Any, AsyncIterator
 import ray
 
 from actors.engine.config import EngineConfig
+from actors.engine.ledger_reporter import LedgerReporter
 from actors.engine.vllm.kv_events import relay_for
 from actors.engine.vllm.trace import timer_for
 from actors.engine.load import EngineLoad, LoadMeter
@@ -96,6 +97,8 @@ class EngineActor:
         self._register_lock = asyncio.Lock()
         self._kv_relay: Any = None  # actors.engine.vllm.kv_events.KVEventsRelay: KV cache events -> coordinator
         self._timer: Any = None  # actors.engine.vllm.trace.RequestTimer: vLLM's queued/compute split per request
+        # handoffs opened/aborted here and the backend's transfer outcomes, coalesced into report_batch calls
+        self.ledger: LedgerReporter | None = None
         self.meter = LoadMeter()  # queues and latencies for the autoscaler
         self._start_lock = asyncio.Lock()
         self._start_info: EngineStart | None = None
@@ -142,10 +145,11 @@ class EngineActor:
             from actors.control.coordinator import NAMESPACE
 
             self._coordinator = ray.get_actor(self.coordinator_name, namespace=NAMESPACE)
+            self.ledger = LedgerReporter(self.engine_id, lambda: self._coordinator)
         pairs: dict = {}
         self.startup.reached(LOADING, self.cfg.model if self.cfg.backend == "vllm" else "synthetic")
         try:
-            await self.backend.start(self._coordinator, on_new_incarnation=self._register)
+            await self.backend.start(self._coordinator, on_new_incarnation=self._register, ledger=self.ledger)
             self._timer = timer_for(self.backend)
             if self.cfg.backend == "vllm":
                 from actors.engine.vllm.compute_priority import lower_compute_priority
@@ -286,10 +290,10 @@ class EngineActor:
         self.counters["requests"] += 1
         self._running[req_id] = time.monotonic()
         track = self.meter.decode_started(req)
-        handoff = self._coordinator is not None and params is not None
+        handoff = self.ledger is not None and params is not None
         if handoff:
-            # the ledger watches this handoff until the transfer outcome is reported
-            self._coordinator.open_handoff.remote(req_id, params.remote_engine_id, self.engine_id)
+            # the ledger watches this handoff until the transfer outcome is reported (coalesced, not awaited)
+            self.ledger.opened(req_id, params.remote_engine_id)
         try:
             async for chunk in self.backend.generate(req, params):
                 track.observe(chunk)
@@ -307,7 +311,7 @@ class EngineActor:
             # its handoff if no verdict came yet (an abort is no transfer failure)
             self.counters["aborted"] += 1
             if handoff:
-                self._coordinator.abort_handoff.remote(req_id)
+                self.ledger.aborted(req_id)
             await self.backend.abort(req_id)
             raise
         except EngineRequestError:
@@ -375,6 +379,8 @@ class EngineActor:
             self._watcher.cancel()
         if self._kv_relay is not None:
             await self._kv_relay.stop()
+        if self.ledger is not None:
+            await self.ledger.flush(timeout_s=5.0)
         if self._coordinator is not None:
             try:
                 await self._coordinator.unregister_engine.remote(self.engine_id, "shutdown", self._generation)

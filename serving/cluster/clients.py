@@ -21,7 +21,7 @@ import ray
 
 from serving.cluster.launcher import find_launcher
 from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, actor_name_of
-from actors.protocol import RouteTable
+from actors.protocol import RouteDelta, RouteTable
 from actors.control.prefix_index import IndexCursor, IndexUpdate
 from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
 from serving.cluster.merge import merge_ready
@@ -131,15 +131,29 @@ class RayEngineClient:
 
 
 class RayDirectory:
-    """The coordinator as the router's directory (routes, probes, prefill failures)."""
+    """The coordinator as the router's directory (routes, probes, prefill failures).
+
+    Routes are polled with the copy's (epoch, version): the coordinator answers a current copy
+    with nothing (the same table object is returned again: the view adopts nothing), breaker
+    moves with a `RouteDelta` applied here, anything else with the whole table."""
 
     def __init__(self, coordinator: Any, timeout_s: float = 5.0, name: str | None = COORDINATOR_NAME):
         self.coordinator = NamedActor(name, coordinator)
         self.timeout_s = timeout_s
+        self.table: RouteTable | None = None
 
     async def routes(self) -> RouteTable:
+        fresh = await self._poll(self.table)
+        if isinstance(fresh, RouteDelta):  # only breakers moved: applied to our copy (O(changes))
+            fresh = fresh.apply(self.table) if fresh.base == self.table.version else await self._poll(None)
+        if fresh is not None:
+            self.table = fresh
+        return self.table
+
+    async def _poll(self, table: RouteTable | None) -> RouteTable | RouteDelta | None:
+        seen = (table.epoch, table.version) if table is not None else (None, 0)
         try:
-            return await asyncio.wait_for(self.coordinator.handle.routes.remote(), self.timeout_s)
+            return await asyncio.wait_for(self.coordinator.handle.routes_if_changed.remote(*seen), self.timeout_s)
         except ray.exceptions.RayError as exc:
             self.coordinator.failed(exc)
             raise

@@ -2,13 +2,18 @@
 
 Life cycle of the view:
 
-  first lookup   waits for the directory once;
+  first lookup   waits for the directory once (`waits` counts every lookup that
+                 waited: the first, and those that asked for it with `force`);
   fresh          served as is for `ttl_s`;
   expired        served as is while one refresh runs in the background, so no
                  request pays the coordinator's round trip on its way to the
-                 first token;
+                 first token; the directory answers a current copy with nothing
+                 (`Directory.routes` may return the same table again);
   invalidated    an outcome that may move a breaker was reported
-                 (`invalidate()`): the next lookup waits for a fresh view;
+                 (`invalidate()`): a refresh starts in the background at once
+                 (and again after it, if one was already out); requests keep
+                 the last view meanwhile: a stale breaker costs a retry at
+                 worst, never a wrong answer;
   settling       a restarted coordinator whose engines are still registering
                  again: engines it does not list yet are kept from the last view;
   unreachable    the last view is kept (an empty one before any), the error is
@@ -57,20 +62,37 @@ class DirectoryView:
         self._refreshing = False
         self._stale = False
         self._background: asyncio.Task | None = None
+        self.waits = 0  # lookups that waited for the directory (the first one, forced ones)
+        self._raw: RouteTable | None = None  # the directory's last answer, as it came
 
     async def routes(self, force: bool = False) -> RouteTable:
         """The view (see the module docstring); `force` waits for a fresh one."""
-        if force or self.table is None or self._stale:
+        if force or self.table is None:
+            self.waits += 1
             self._stale = False
             await self._refresh()
-        elif self.clock() - self._at >= self.ttl_s and not self._refreshing:
-            self._refreshing = True
-            self._background = asyncio.get_running_loop().create_task(self._refresh())
+        elif self._stale or self.clock() - self._at >= self.ttl_s:
+            self._refresh_in_background()
         return self.table
 
     def invalidate(self) -> None:
-        """An outcome was reported that may move a breaker: the next lookup asks the directory."""
+        """An outcome was reported that may move a breaker: refresh in the background now."""
         self._stale = True
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a synchronous caller): the next lookup starts it
+        self._refresh_in_background()
+
+    def _refresh_in_background(self) -> None:
+        if not self._refreshing and self.table is not None:
+            self._refreshing, self._stale = True, False
+            self._background = asyncio.get_running_loop().create_task(self._refresh())
+
+    async def settle(self) -> None:
+        """Until the background refresh in flight (if any) landed (tests, shutdown)."""
+        while self._background is not None and not self._background.done():
+            await asyncio.shield(self._background)
 
     def generation_of(self, engine_id: str) -> int | None:
         return self.table.generations.get(engine_id) if self.table else None
@@ -78,6 +100,9 @@ class DirectoryView:
     async def _refresh(self) -> None:
         try:
             fresh = await self.directory.routes()
+            if fresh is self._raw and self.error is None:
+                return  # the directory's table did not change: nothing to adopt (O(1) per poll)
+            self._raw = fresh
             if fresh.settling and self.table is not None:
                 kept = {d: ps for d, ps in self.table.decodes.items() if d not in fresh.decodes}
                 fresh = replace(fresh, decodes={**kept, **fresh.decodes},
@@ -93,3 +118,5 @@ class DirectoryView:
         finally:
             self._at = self.clock()
             self._refreshing = False
+            if self._stale and self.table is not None:  # invalidated while this one was out: once more
+                self._refresh_in_background()

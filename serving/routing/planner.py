@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from actors.protocol import EngineRequest, RouteTable
 from serving.config import RouterConfig
 from serving.routing.placement import EngineEstimate, Placement, place
-from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, rank, select
+from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, best, select
 from serving.routing.pool import EnginePool
 from serving.routing.prefix_view import PrefixCacheView
 from serving.routing.status import PlannerSnapshot
@@ -63,20 +63,21 @@ class RoutePlanner:
         live = pool.live_decodes(routes, exclude)
         if not live:
             return None
-        prefills_of = {d: pool.usable_prefills(d, routes) for d in live}
-        cached = self._cached(req, live + sorted({p for ps in prefills_of.values() for p in ps}))
+        # one index lookup (it finds the engines that hold the prompt's blocks, whoever they are)
+        cached = self._cached(req)
         if self.config.placement == "slo":
+            prefills_of = {d: pool.usable_prefills(d, routes) for d in live}
             plan = self._place(pool, req, live, prefills_of, cached, turn)
-        else:
-            plan = self._disaggregate(pool, req, live, prefills_of, cached, turn)
+        else:  # the prefill list is built for the chosen decode engine only (O(decodes + prefills))
+            plan = self._disaggregate(pool, req, live, routes, cached, turn)
         self.decisions[(plan.decision.decision, plan.decision.reason)] += 1
         return plan
 
-    def _disaggregate(self, pool: EnginePool, req: EngineRequest, live: list[str], prefills_of: dict[str, list[str]],
+    def _disaggregate(self, pool: EnginePool, req: EngineRequest, live: list[str], routes: RouteTable,
                       cached: dict[str, int], turn: int) -> RoutePlan:
         def prefills_for(d: str) -> list[Candidate]:
-            return [Candidate(p, cached.get(p, 0), pool.prefill_load[p].tokens, pool.prefill_load[p].requests)
-                    for p in prefills_of[d]]
+            loads, held = pool.prefill_load, cached.get
+            return [Candidate(p, held(p, 0), (x := loads[p]).tokens, x.requests) for p in pool.usable_prefills(d, routes)]
 
         sel = select(req.num_prompt_tokens, self._decode_candidates(pool, live, cached), prefills_for,
                      self.settings, turn, self.fallback_local)
@@ -135,20 +136,21 @@ class RoutePlanner:
         live = pool.live_decodes(routes, exclude)
         if not live:
             return None
-        cached = self._cached(req, live)
-        return rank(self._decode_candidates(pool, live, cached), req.num_prompt_tokens,
-                    self.settings.cache_weight, turn)[0].engine_id
+        cached = self._cached(req)
+        return best(self._decode_candidates(pool, live, cached), req.num_prompt_tokens,
+                    self.settings.cache_weight, turn).engine_id
 
     @staticmethod
     def _decode_candidates(pool: EnginePool, live: list[str], cached: dict[str, int]) -> list[Candidate]:
-        return [Candidate(d, cached.get(d, 0), pool.decode_load[d].tokens, pool.decode_load[d].requests)
-                for d in live]
+        loads, held = pool.decode_load, cached.get
+        return [Candidate(d, held(d, 0), (x := loads[d]).tokens, x.requests) for d in live]
 
-    def _cached(self, req: EngineRequest, engine_ids: list[str]) -> dict[str, int]:
+    def _cached(self, req: EngineRequest) -> dict[str, int]:
+        """Engine -> prompt tokens its prefix cache holds (engines left out hold none)."""
         if self.view is None or not req.prompt_token_ids:
             return {}
         self.view.refresh_soon()
-        return self.view.cached_tokens(req.prompt_token_ids, engine_ids)
+        return self.view.held_tokens(req.prompt_token_ids)
 
     def snapshot(self) -> PlannerSnapshot:
         return PlannerSnapshot(dict(self.decisions),

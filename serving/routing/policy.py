@@ -29,11 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):  # built per engine per request: a NamedTuple is the cheapest typed record
     engine_id: str
     cached_tokens: int = 0  # prompt prefix whose blocks the engine holds
     load_tokens: int = 0  # decode: tokens owed; prefill: prompt tokens queued
@@ -53,9 +52,15 @@ def rank(candidates: Sequence[Candidate], prompt_tokens: int, cache_weight: floa
          ) -> list[Candidate]:
     """Best first: lowest cost, then fewest requests, then a rotation (`turn`) among equals."""
     n = max(1, len(candidates))
-    order = {c.engine_id: i for i, c in enumerate(candidates)}
-    return sorted(candidates, key=lambda c: (cost(c, prompt_tokens, cache_weight), c.requests,
-                                             (order[c.engine_id] - turn) % n))
+    return [c for _, c in sorted(((cost(c, prompt_tokens, cache_weight), c.requests, (i - turn) % n), c)
+                                 for i, c in enumerate(candidates))]
+
+
+def best(candidates: Sequence[Candidate], prompt_tokens: int, cache_weight: float, turn: int = 0) -> Candidate:
+    """`rank(...)[0]` in one pass (the decode choice needs only the best)."""
+    n = max(1, len(candidates))
+    return min(((cost(c, prompt_tokens, cache_weight), c.requests, (i - turn) % n), c)
+               for i, c in enumerate(candidates))[1]
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ def select(prompt_tokens: int, decodes: Sequence[Candidate], prefills_for: Calla
     """The decode engine, its prefill engines in order, and remote or local prefill; None without decodes."""
     if not decodes:
         return None
-    decode = rank(decodes, prompt_tokens, settings.cache_weight, turn)[0]
+    decode = best(decodes, prompt_tokens, settings.cache_weight, turn)
     # prefill ties keep the given order (the router lists the least busy first); decode ties rotate
     prefills = tuple(rank(prefills_for(decode.engine_id), prompt_tokens, settings.cache_weight))
     decision = decide_prefill(prefills[0] if prefills else None, fallback_local)

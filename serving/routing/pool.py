@@ -167,9 +167,10 @@ class EnginePool:
 
     def usable_prefills(self, decode_id: str, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
         """Usable per the ledger, known here, not excluded; least loaded first."""
-        ids = [r.prefill_id for r in routes.decodes.get(decode_id, ())
-               if r.prefill_id in self.prefills and r.prefill_id not in exclude]
-        return sorted(ids, key=lambda p: (self.prefill_load[p].requests, self.prefill_load[p].tokens))
+        known, loads = self.prefills, self.prefill_load
+        ids = [r.prefill_id for r in routes.decodes.get(decode_id, ()) if r.prefill_id in known
+               and r.prefill_id not in exclude]
+        return sorted(ids, key=lambda p: ((x := loads[p]).requests, x.tokens))
 
     # ------------------------------------------------------------- charges
     def charge_decode(self, decode_id: str, tokens: int) -> DecodeCharge:

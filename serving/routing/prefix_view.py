@@ -5,7 +5,10 @@ Life cycle: the first `refresh()` fetches a snapshot; later ones, at most every
 never waits), fetch only the ops after the copy's cursor (a snapshot again when the
 owner's log no longer reaches back or the owner restarted). Concurrent requests
 share one fetch; a failed fetch keeps the last copy (routing goes on by load and
-what is known) and is retried at the next refresh.
+what is known) and is retried at the next refresh. The copy is a `PrefixReplica`
+(inverted: block -> engines); an update is applied `slice_hashes` hashes at a time with
+the event loop free in between, so requests arriving meanwhile are not held up by
+it (they may see the copy half updated: a cache miss at worst).
 """
 
 from __future__ import annotations
@@ -16,16 +19,19 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
-from actors.control.prefix_index import IndexCursor, IndexUpdate, PrefixIndex
+from actors.control.prefix_index import IndexCursor, IndexUpdate
+from serving.routing.prefix_replica import PrefixReplica
 
 logger = logging.getLogger("raypd.router")
 
 
 class PrefixCacheView:
     def __init__(self, fetch: Callable[[IndexCursor | None], Awaitable[IndexUpdate]], refresh_s: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, slice_hashes: int = 4000):
         self.fetch, self.refresh_s, self.clock = fetch, refresh_s, clock
-        self.index = PrefixIndex(max_blocks_per_engine=None)  # mirrors the owner's evictions
+        self.slice_hashes = slice_hashes  # block hashes applied between two turns of the event loop
+        self.index = PrefixReplica()  # mirrors the owner's evictions
+        self.upkeep_s = 0.0  # time spent applying updates to the copy (the event loop's, in slices)
         self._synced = False
         self._at = -math.inf
         self._inflight: asyncio.Future | None = None
@@ -46,7 +52,7 @@ class PrefixCacheView:
         self._inflight = asyncio.get_running_loop().create_future()
         try:
             update = await self.fetch(self.index.cursor if self._synced else None)
-            self.index.apply_update(update)
+            await self._apply(update)
             self._synced, self.error = True, None
         except Exception as exc:  # noqa: BLE001 - the owner being away must not stop routing
             self.error = f"{type(exc).__name__}: {exc}"
@@ -55,6 +61,25 @@ class PrefixCacheView:
             self._at = self.clock()
             self._inflight.set_result(None)
             self._inflight = None
+
+    async def _apply(self, update: IndexUpdate) -> None:
+        if update.full:
+            self.index.clear()
+        done, t0 = 0, time.perf_counter()
+        for op in update.ops:
+            self.index.apply_ops((op,))
+            done += 1 + len(op.hashes)
+            if done >= self.slice_hashes:
+                done, self.upkeep_s = 0, self.upkeep_s + time.perf_counter() - t0
+                await asyncio.sleep(0)  # let requests run between slices
+                t0 = time.perf_counter()
+        self.upkeep_s += time.perf_counter() - t0
+        self.index.epoch, self.index.seq = update.cursor.epoch, update.cursor.seq
+
+    def held_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str] | None = None) -> dict[str, int]:
+        """Per engine (of `engine_ids`, default all) holding at least the prompt's first block: prompt
+        tokens whose blocks it holds (engines left out hold none; O(what is held), not O(engines))."""
+        return self.index.cached_prefix_tokens(token_ids, engine_ids)
 
     def cached_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str]) -> dict[str, int]:
         """Per engine: prompt tokens whose KV blocks it holds (0 for engines the index does not know)."""

@@ -18,6 +18,10 @@ Life cycle of one request (`Router.open`):
      A prefill that fails because of the engine is reported to the ledger and
      retried once on another prefill engine (`prefill_retries`); one refused
      because of the request is `InvalidRequest`, never retried, never reported;
+     the half-open probe (`admit_probe`, within `probe_timeout_s`) is the only
+     coordinator call a request may wait for, and only for a half-open pair:
+     everything else is decided from the router's cached view
+     (`serving.routing.directory`), refreshed in the background;
   3. local: a local decision (the uncached prompt is short, the prefill pool
      is saturated), or no (more) usable prefill engine: the decode engine
      prefills itself (`decode_local`) or the request is refused (`reject`);
@@ -75,7 +79,7 @@ class Router:
                  directory: Directory, config: RouterConfig | None = None,
                  directory_ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  resolve_engine: Callable[[str], EngineClient | None] | None = None,
-                 planner: RoutePlanner | None = None):
+                 planner: RoutePlanner | None = None, probe_timeout_s: float = 0.5):
         if not decodes:
             raise ValueError("a router needs at least one decode engine")
         self.config = config or RouterConfig()
@@ -84,7 +88,9 @@ class Router:
         self.view = DirectoryView(directory, directory_ttl_s, clock, on_refresh=self.pool.sync)
         self.clock = clock
         self.planner = planner or planner_for(self.config)
+        self.probe_timeout_s = probe_timeout_s  # a request waits this long at most to win a probe
         self._rr = itertools.count()
+        self._states: tuple[RouteTable | None, dict[str, dict[str, str]]] = (None, {})
         # the autoscaler's status, shown with the engine stats (set by serving.cluster.clients)
         self.autoscaler: Any = None
         self.pool_status: Any = None
@@ -97,18 +103,28 @@ class Router:
                            exclude: set[str]) -> str | None:
         """The first of `ranked` (the plan's order) that is usable and not excluded; a half-open
         pair only if this router wins its probe."""
-        states = {r.prefill_id: r.state for r in routes.decodes.get(decode_id, ())}
+        states = self._states_of(decode_id, routes)
         for p in ranked:
             if p not in states or p not in self.pool.prefills or p in exclude:
                 continue
             if states[p] == "closed":
                 return p
-            try:  # half-open: one probe cluster-wide, asked of the ledger
-                if await self.directory.admit_probe(decode_id, p):
+            try:  # half-open: one probe cluster-wide, asked of the ledger (the one awaited call)
+                self.pool.counters["probe_asks"] += 1
+                if await asyncio.wait_for(self.directory.admit_probe(decode_id, p), self.probe_timeout_s):
                     return p
-            except Exception as exc:  # noqa: BLE001 - no answer: do not probe
+            except Exception as exc:  # noqa: BLE001 - no answer in time: do not probe, take the next
                 logger.info("probe of %s->%s not admitted: %s", p, decode_id, exc)
         return None
+
+    def _states_of(self, decode_id: str, routes: RouteTable) -> dict[str, str]:
+        """Prefill engine -> breaker state of the pair with `decode_id`, kept per table (not per request)."""
+        if self._states[0] is not routes:
+            self._states = (routes, {})
+        states = self._states[1].get(decode_id)
+        if states is None:
+            states = self._states[1][decode_id] = {r.prefill_id: r.state for r in routes.decodes.get(decode_id, ())}
+        return states
 
     # ------------------------------------------------------------- serving
     async def open(self, req: EngineRequest) -> RoutedStream:
@@ -140,7 +156,7 @@ class Router:
                 logger.warning("%s: decode engine %s unavailable before the first token: %s",
                                req.request_id, decode_id, exc)
                 failed_decodes.add(decode_id)
-                routes = await self.routes(force=True)
+                self.view.invalidate()  # the directory will say so; this request does not wait for it
 
     async def _remote_attempts(self, route: Route, req: EngineRequest, routes: RouteTable, plan: RoutePlan,
                                estimate: int, charge: DecodeCharge) -> RoutedStream | None:
@@ -296,8 +312,9 @@ class Router:
             delay = min(delay * 2, 1.0)
 
     async def drain(self) -> None:
-        """Wait for background aborts (tests, shutdown)."""
+        """Wait for background aborts and the view's refresh in flight (tests, shutdown)."""
         await self.pool.drain()
+        await self.view.settle()
 
     # -------------------------------------------------------------- status
     async def readiness(self) -> Readiness:

@@ -49,10 +49,10 @@ def test_events_become_typed_batches_in_the_engines_order():
     r.ingest(frames(0, vllm_stored(KEYS[:2], TOKENS[:32])))
     r.ingest(frames(1, vllm_stored(KEYS[2:], TOKENS[32:], parent=KEYS[1]),
                     kv_events.BlockRemoved(block_hashes=[KEYS[0]], medium="GPU"), kv_events.AllBlocksCleared()))
-    batch = r.take()
-    assert batch.events == (BlocksStored(tuple(KEYS[:2])), BlocksStored(tuple(KEYS[2:])),
-                            BlocksRemoved((KEYS[0],)), AllBlocksCleared())
-    assert (batch.reset, r.take()) == (False, None)
+    batch = r.take()  # consecutive stores travel as one run, in the engine's order
+    assert batch.events == (BlocksStored(tuple(KEYS[:2]) + tuple(KEYS[2:])), BlocksRemoved((KEYS[0],)),
+                            AllBlocksCleared())
+    assert (batch.reset, batch.num_engine_events, r.take()) == (False, 4, None)
 
 
 def test_blocks_a_router_cannot_key_are_skipped():

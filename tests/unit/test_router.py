@@ -259,6 +259,7 @@ def test_open_breaker_is_skipped_then_one_probe_after_cooldown():
             await collect(s)
         assert directory.state("d0", "p0") == "open"
         assert {b.pair: b for b in directory.ledger.pair_states()}["p0->d0"].last_reason == "prefill failed: boom"
+        await router.drain()  # the reported failure refreshed the view in the background (no request waits)
         s = await router.open(req("ok"))
         assert s.prefill_id == "p1"
         await collect(s)

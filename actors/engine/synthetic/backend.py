@@ -34,12 +34,13 @@ class SyntheticBackend:
         self.engine: SyntheticEngine | None = None
         self._decoding: set[str] = set()
 
-    async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]] | None = None) -> None:
+    async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]] | None = None,
+                    ledger: Any = None) -> None:
         # Registration is done by the EngineActor (it adds itself as a liveness handle).
         self.engine = SyntheticEngine(self.engine_id, self.cfg.role, self.model, self.shape, coordinator,
                                       lease_ttl_s=self.cfg.lease_ttl_s, read_timeout_s=self.cfg.read_timeout_s,
                                       register=False, fault_rate=self.cfg.fault_rate, verify=self.cfg.kv_verify,
-                                      on_new_incarnation=on_new_incarnation)
+                                      on_new_incarnation=on_new_incarnation, ledger=ledger)
         await self.engine.start()
 
     async def handshakes(self) -> list[bytes]:

@@ -40,6 +40,7 @@ import ray
 
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
 from actors.kv.faults import FaultPolicy
+from actors.engine.ledger_reporter import LedgerReporter
 from actors.engine.synthetic.block_pool import BlockPool
 from actors.engine.synthetic.pattern import tokens_from_checksums
 from actors.engine.synthetic.rank import FailedPull, PulledKV, RankConfig, RankPoll, SyntheticModel
@@ -64,9 +65,12 @@ class SyntheticEngine:
     def __init__(self, engine_id: str, role: str, model: SyntheticModel, shape: EngineShape,
                  coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0,
                  register: bool = True, fault_rate: float = 0.0, verify: str = "off",
-                 on_new_incarnation: Callable[[], Awaitable[Any]] | None = None):
+                 on_new_incarnation: Callable[[], Awaitable[Any]] | None = None, ledger: LedgerReporter | None = None):
         self.engine_id, self.role, self.model, self.shape = engine_id, role, model, shape
         self.coordinator = coordinator
+        # transfer outcomes to the coordinator's ledger (the engine actor's reporter, or our own: each tick)
+        self.ledger = ledger or (LedgerReporter(engine_id, lambda: self.coordinator, max_delay_s=0.0)
+                                 if coordinator is not None else None)
         self.register = register
         self.on_new_incarnation = on_new_incarnation or (self._register if register else None)
         self.lease_ttl_s = lease_ttl_s
@@ -327,12 +331,12 @@ class SyntheticEngine:
                 raise TransferFailed(req_id, [f"decode rank(s) {dead or 'of an earlier incarnation'} died "
                                               "mid-pull"], set())
             verdict = aggregator.aggregate(rank_outputs)
-            if self.coordinator is not None and any(not o.is_empty() for o in rank_outputs):
+            if self.ledger is not None and any(not o.is_empty() for o in rank_outputs):
                 for i, res in failures.items():
                     if i not in reported and is_handshake_failure(res.reason):
-                        self.coordinator.handshake_failed.remote(self.engine_id, prefill_id, res.reason, req_id)
+                        self.ledger.handshake_failed(prefill_id, res.reason, req_id)
                         break
-                self.coordinator.report_outcomes.remote(self.engine_id, rank_outputs)
+                self.ledger.outcomes(rank_outputs)
             reported.update(i for i, o in enumerate(rank_outputs) if not o.is_empty())
             if req_id in verdict.finished_recving:
                 if req_id in verdict.failed_recving:
@@ -352,8 +356,8 @@ class SyntheticEngine:
             if i not in reported and req_id not in out.finished_recving:
                 out.finished_recving.add(req_id)
                 out.failed_recving.add(req_id)
-        if self.coordinator is not None:
-            self.coordinator.unit_died.remote(self.engine_id, collected)
+        if self.ledger is not None:
+            self.ledger.unit_died(collected)
 
     async def read_prompt(self, token_ids: list[int], block_ids: list[int], seed: int = 0) -> list[float]:
         """Per-position checksums of a prompt's KV as this engine holds it (every rank's share)."""

@@ -89,6 +89,7 @@ class VllmBackend:
         self.start_timeout_s = start_timeout_s
         self.llm: Any = None
         self.coordinator: Any = None
+        self.ledger: Any = None  # set by start()
         self._handshakes: list[bytes] = []
         self.peers = PeerPayloads(engine_id, cfg.tp_size)  # producers' payloads our requests carry
         self.incarnation = uuid.uuid4().hex[:12]  # suffix of our ranks' agent names, stamped on our params
@@ -126,13 +127,15 @@ class VllmBackend:
         args.kv_events_config = vllm_kv_events_config(self.kv_events_endpoint)  # feeds the prefix index
         return args
 
-    async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]] | None = None) -> None:
+    async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]] | None = None,
+                    ledger: Any = None) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from actors.engine.vllm.args import EffectiveEngineConfig
         from actors.models.local import resolve_model
 
         self.coordinator = coordinator
+        self.ledger = ledger  # actors.engine.ledger_reporter.LedgerReporter: outcomes, coalesced
         await asyncio.to_thread(reap_previous, self.engine_id)  # a killed predecessor's engine core
         model_path = str(await asyncio.to_thread(resolve_model, self.cfg.model))
         engine_args = self._engine_args(model_path)  # refuses a bad engine_kwargs key before any process starts
@@ -252,8 +255,8 @@ class VllmBackend:
                 # and the policy decides as for any failed pull
                 producer = params.remote_engine_id
                 logger.warning("%s: handshake with %s failed: %s", req_id, producer, exc)
-                if self.coordinator is not None:
-                    self.coordinator.handshake_failed.remote(self.engine_id, producer, str(exc), req_id)
+                if self.ledger is not None:
+                    self.ledger.handshake_failed(producer, str(exc), req_id)
                 self.counters["kv_failures"] += 1
                 if self.cfg.kv_load_failure_policy == "fail":
                     yield TokenChunk.error_chunk(req_id, f"KV transfer failed: {exc}", num_prompt)
@@ -323,13 +326,13 @@ class VllmBackend:
 
     def _report(self, req_id: str, failed: bool) -> None:
         """One outcome per pulled request to the coordinator's ledger (vLLM merged its ranks)."""
-        if self.coordinator is None:
+        if self.ledger is None:
             return
         from actors.kv.aggregator import KVConnectorOutput
 
         out = KVConnectorOutput(finished_recving={req_id}, failed_recving={req_id} if failed else set(),
                                 expected_finished_count=1)
-        self.coordinator.report_outcomes.remote(self.engine_id, [out])
+        self.ledger.outcomes([out])
 
     async def abort(self, req_id: str) -> None:
         """Abort a running request; release a finished prefill's held blocks (nobody will read them)."""

@@ -1,0 +1,3 @@
+"""The control-plane benchmark's parts (`benchmarks/control_plane.py`): simulated engines driving the real
+Coordinator actor (`fleet`), the real Router over simulated engine clients (`routing`), the prefix
+index's memory (`memory`) and the report (`report`)."""

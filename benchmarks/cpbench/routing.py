@@ -1,0 +1,230 @@
+"""The real Router over simulated engines: per-request routing time, awaited coordinator calls, and a
+router's first requests after the coordinator restarts.
+
+Life cycle of one measured request:
+
+  1. a task is started at its arrival time (paced, `rate` per second), so time spent by the
+     router's event loop on anything else (the view's background refresh, applying the prefix
+     index's deltas) shows up as waiting, as it would in a real front;
+  2. `Router.open` runs as in production: the cached `DirectoryView` (a real `RayDirectory`
+     polling the real coordinator), the planner with the real `PrefixCacheView` synced from
+     the coordinator (the prompt's block hashes, the index lookup), the breaker read,
+     `pick_prefill`;
+  3. the simulated engine notes the time of the first engine call (prefill, or generate for
+     a local decision): routing time = that minus the arrival;
+  4. coordinator calls that the request's own task awaited are counted
+     (`CountingDirectory`, the prefix view's fetch): background refreshes run in their own
+     tasks and are not the request's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from actors.control.prefix_index import IndexCursor, IndexUpdate
+from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
+from serving.cluster.clients import RayDirectory
+from serving.config import RouterConfig
+from serving.routing.planner import planner_for
+from serving.routing.prefix_view import PrefixCacheView
+from serving.routing.router import Router
+
+
+class Marks:
+    """The first engine call of each request (by request id)."""
+
+    def __init__(self):
+        self.first_call: dict[str, float] = {}
+
+    def called(self, request_id: str) -> None:
+        self.first_call.setdefault(request_id.split("-retry")[0].split("-local")[0], time.perf_counter())
+
+
+class SimClient:
+    """An engine that answers at once: prefill returns transfer params, generate one last chunk."""
+
+    def __init__(self, engine_id: str, marks: Marks):
+        self.engine_id, self.marks = engine_id, marks
+
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        self.marks.called(req.request_id)
+        return PrefillResult(req.prompt_token_ids, (7,), " x", "length",
+                             {"remote_engine_id": self.engine_id, "remote_block_ids": [0]})
+
+    async def generate(self, req: EngineRequest):
+        self.marks.called(req.request_id)
+        yield TokenChunk(req.request_id, (8,), " y", finished=True, finish_reason="length",
+                         num_prompt_tokens=req.num_prompt_tokens)
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def stats(self) -> Any:
+        raise RuntimeError("simulated engine: no stats")
+
+
+class CountingDirectory(RayDirectory):
+    """The real RayDirectory; counts the calls a request's own task awaited."""
+
+    def __init__(self, coordinator: Any, name: str):
+        super().__init__(coordinator, name=name)
+        self.request_tasks: set[asyncio.Task] = set()
+        self.awaited: Counter[str] = Counter()
+
+    def count(self, kind: str) -> None:
+        if asyncio.current_task() in self.request_tasks:
+            self.awaited[kind] += 1
+
+    async def routes(self):
+        self.count("routes")
+        return await super().routes()
+
+    async def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
+        self.count("admit_probe")
+        return await super().admit_probe(decode_id, prefill_id)
+
+
+def build_router(coordinator: Any, name: str, prefills: list[str], decodes: list[str], marks: Marks,
+                 config: RouterConfig) -> tuple[Router, CountingDirectory]:
+    directory = CountingDirectory(coordinator, name)
+
+    async def fetch(cursor: IndexCursor | None) -> IndexUpdate:
+        directory.count("prefix_index_updates")
+        return await asyncio.wait_for(directory.coordinator.handle.prefix_index_updates.remote(cursor),
+                                      directory.timeout_s)
+
+    view = PrefixCacheView(fetch, config.index_refresh_s)
+    router = Router({p: SimClient(p, marks) for p in prefills}, {d: SimClient(d, marks) for d in decodes},
+                    directory, config, planner=planner_for(config, view))
+    return router, directory
+
+
+def request(i: int, prompts: list[tuple[int, ...]], rng: random.Random, tag: str = "q") -> EngineRequest:
+    """A 512-token prompt: one of the shared 384-token system prompts + 128 tokens of its own."""
+    tail = tuple(rng.randrange(49152) for _ in range(128))
+    return EngineRequest(f"{tag}{i}", SamplingSpec(max_tokens=64), prompt_token_ids=prompts[i % len(prompts)] + tail)
+
+
+@dataclass
+class RoutingResult:
+    requests: int
+    routing_ms: list[float]
+    awaited: dict[str, int]
+    decisions: dict[str, int]
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+async def measure(router: Router, directory: CountingDirectory, marks: Marks, prompts: list[tuple[int, ...]],
+                  n: int, rate: float, keep_open: int = 128, seed: int = 0, tag: str = "q") -> RoutingResult:
+    """`n` requests arriving at `rate`/s; streams stay open (their decode charge with them) a while."""
+    rng = random.Random(seed)
+    reqs = [request(i, prompts, rng, tag) for i in range(n)]
+    awaited_before = Counter(directory.awaited)
+    streams: deque = deque()
+    arrivals: dict[str, float] = {}
+    errors: Counter[str] = Counter()
+
+    async def one(req: EngineRequest) -> None:
+        try:
+            s = await router.open(req)
+        except Exception as exc:  # noqa: BLE001 - counted and shown
+            errors[type(exc).__name__] += 1
+            return
+        streams.append(s)
+        while len(streams) > keep_open:
+            streams.popleft().close()
+
+    t0 = time.perf_counter()
+    tasks = []
+    for i, req in enumerate(reqs):
+        await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+        arrivals[req.request_id] = time.perf_counter()
+        task = asyncio.get_running_loop().create_task(one(req))
+        directory.request_tasks.add(task)
+        tasks.append(task)
+    await asyncio.gather(*tasks)
+    for s in streams:
+        s.close()
+    await router.drain()
+    directory.request_tasks.clear()
+    ms = [(marks.first_call[r] - arrivals[r]) * 1e3 for r in arrivals if r in marks.first_call]
+    decisions = {f"{d}/{r}": c for (d, r), c in router.planner.decisions.items()}
+    awaited = Counter(directory.awaited)
+    awaited.subtract(awaited_before)
+    return RoutingResult(n, ms, {k: v for k, v in awaited.items() if v}, decisions, dict(errors))
+
+
+async def after_restart(coordinator: Any, name: str, warm: Router, warm_dir: CountingDirectory, marks: Marks,
+                        prefills: list[str], decodes: list[str], prompts: list[tuple[int, ...]],
+                        config: RouterConfig, deadline_s: float = 120.0) -> dict[str, Any]:
+    """Kill the coordinator (Ray restarts it); time a warm router's first request, a cold router's first
+    successful one, and when the warm router's view is the new incarnation's."""
+    rng = random.Random(7)
+    epoch = warm_dir.table.epoch
+    ray.kill(coordinator, no_restart=False)
+    t_kill = time.perf_counter()
+    out: dict[str, Any] = {}
+    req = request(10_000_000, prompts, rng)
+    task = asyncio.get_running_loop().create_task(warm.open(req))
+    warm_dir.request_tasks.add(task)
+    s = await task
+    out["warm_first_route_ms"] = (marks.first_call[req.request_id] - t_kill) * 1e3
+    out["warm_first_awaited"] = dict(warm_dir.awaited)
+    s.close()
+    cold, _ = build_router(coordinator, name, prefills, decodes, marks, config)
+    attempts, i = 0, 0
+    while time.perf_counter() - t_kill < deadline_s:
+        attempts += 1
+        i += 1
+        req = request(20_000_000 + i, prompts, rng)
+        try:
+            s = await cold.open(req)
+            out["cold_first_route_ms"] = (marks.first_call[req.request_id] - t_kill) * 1e3
+            s.close()
+            break
+        except Exception as exc:  # noqa: BLE001 - no engine registered yet: try again soon
+            out.setdefault("cold_errors", Counter())[type(exc).__name__] += 1
+            await asyncio.sleep(0.02)
+    out["cold_attempts"] = attempts
+    while time.perf_counter() - t_kill < deadline_s:
+        await warm.routes()
+        table = warm_dir.table
+        if table is not None and table.epoch != epoch and len(table.decodes) == len(decodes):
+            out["warm_view_new_epoch_ms"] = (time.perf_counter() - t_kill) * 1e3
+            break
+        await asyncio.sleep(0.02)
+    out["cold_errors"] = dict(out.get("cold_errors", {}))
+    await cold.drain()
+    return out
+
+
+async def breaker_change(coordinator: Any, router: Router, directory: CountingDirectory, decode_id: str,
+                         prefill_id: str, threshold: int = 3) -> dict[str, Any]:
+    """One pair's breaker opens (failed transfers reported as a decode engine reports them): what the
+    change costs the coordinator (its answer to a router holding the previous table) and a router."""
+    import pickle
+
+    from actors.control.ledger_records import HandoffOpened, LedgerBatch, TransferOutcomes, UnitOutcome
+
+    before = directory.table
+    records = []
+    for i in range(threshold):
+        rid = f"trip-{decode_id}-{i}"
+        records += [HandoffOpened(rid, prefill_id), TransferOutcomes((UnitOutcome((rid,), (rid,), (), 1),))]
+    await coordinator.report_batch.remote(LedgerBatch(decode_id, tuple(records)))
+    t0 = time.perf_counter()
+    answer = await coordinator.routes_if_changed.remote(before.epoch, before.version)
+    coordinator_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    table = await router.routes(force=True)
+    router_ms = (time.perf_counter() - t0) * 1e3
+    return {"answer": type(answer).__name__, "answer_kb": len(pickle.dumps(answer)) / 1024,
+            "coordinator_call_ms": coordinator_ms, "router_refresh_ms": router_ms,
+            "pair_left_routes": prefill_id not in {r.prefill_id for r in table.decodes.get(decode_id, ())}}

@@ -1,0 +1,156 @@
+"""A router's replica of the prefix index, inverted for lookups: block hash -> the engines holding it.
+
+The owner (`actors.control.prefix_index.PrefixIndex`, in the coordinator) keeps each engine's
+blocks in LRU order to cap them; a router only asks "how many leading blocks of this prompt does
+each engine hold", so its copy keeps one entry per distinct block: the hash and a bitmask of the
+engines that hold it (bit i = the engine with index i). A block many engines cache (a shared
+system prompt) is stored once.
+
+Life cycle of an engine in the replica:
+
+  stored    a "store" op sets the engine's bit on each hash (an engine whose hash scheme
+            changed starts over);
+  removed   a "remove" op clears it (a hash nobody holds any more is dropped);
+  cleared   a "clear" op (the engine died, restarted, or its relay lost events) clears its
+            bit everywhere, O(distinct blocks): rare; its bit index is reused.
+
+Cost: applying an op is O(its hashes); a lookup is O(leading blocks held by anyone + the
+engines holding them), never O(engines x blocks), and the prompt is hashed only as far as
+some engine holds it. Pure Python: no Ray, no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from actors.control.prefix_index import HashScheme, IndexCursor, IndexOp, IndexUpdate
+
+
+class PrefixReplica:
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything (a full snapshot follows)."""
+        self.epoch, self.seq = "", 0
+        self._holders: dict[int, int] = {}  # block hash -> bitmask of the engines holding it
+        self._bit: dict[str, int] = {}  # engine -> its bit
+        self._engine_at: list[str | None] = []  # bit -> engine
+        self._free: list[int] = []
+        self._scheme: dict[str, HashScheme] = {}
+        self._scheme_mask: dict[HashScheme, int] = {}  # scheme -> the engines hashing with it
+        self._count: dict[str, int] = {}  # engine -> blocks held
+
+    @property
+    def cursor(self) -> IndexCursor:
+        return IndexCursor(self.epoch, self.seq)
+
+    # ------------------------------------------------------------ updates
+    def apply_update(self, update: IndexUpdate) -> None:
+        if update.full:
+            self.clear()
+        self.apply_ops(update.ops)
+        self.epoch, self.seq = update.cursor.epoch, update.cursor.seq
+
+    def apply_ops(self, ops: Iterable[IndexOp]) -> None:
+        for op in ops:
+            if op.kind == "store":
+                self._store(op.engine_id, op.hashes, op.scheme)
+            elif op.kind == "remove":
+                self._remove(op.engine_id, op.hashes)
+            else:
+                self._clear_engine(op.engine_id)
+
+    def _store(self, engine_id: str, hashes: tuple[int, ...], scheme: HashScheme | None) -> None:
+        if self._scheme.get(engine_id, scheme) != scheme:
+            self._clear_engine(engine_id)  # a new scheme: its old hashes mean nothing now
+        bit = self._bit.get(engine_id)
+        if bit is None:
+            bit = self._free.pop() if self._free else len(self._engine_at)
+            if bit == len(self._engine_at):
+                self._engine_at.append(None)
+            self._bit[engine_id], self._engine_at[bit] = bit, engine_id
+            self._scheme[engine_id], self._count[engine_id] = scheme, 0
+            self._scheme_mask[scheme] = self._scheme_mask.get(scheme, 0) | (1 << bit)
+        mask, holders, added = 1 << bit, self._holders, 0
+        for h in hashes:
+            cur = holders.get(h, 0)
+            if not cur & mask:
+                holders[h] = cur | mask
+                added += 1
+        self._count[engine_id] += added
+
+    def _remove(self, engine_id: str, hashes: tuple[int, ...]) -> None:
+        bit = self._bit.get(engine_id)
+        if bit is None:
+            return
+        mask, holders, gone = 1 << bit, self._holders, 0
+        for h in hashes:
+            cur = holders.get(h, 0)
+            if cur & mask:
+                gone += 1
+                if cur == mask:
+                    del holders[h]
+                else:
+                    holders[h] = cur ^ mask
+        self._count[engine_id] -= gone
+
+    def _clear_engine(self, engine_id: str) -> None:
+        bit = self._bit.pop(engine_id, None)
+        if bit is None:
+            return
+        mask = 1 << bit
+        for h, cur in list(self._holders.items()):
+            if cur & mask:
+                if cur == mask:
+                    del self._holders[h]
+                else:
+                    self._holders[h] = cur ^ mask
+        self._engine_at[bit] = None
+        self._free.append(bit)
+        scheme = self._scheme.pop(engine_id)
+        self._scheme_mask[scheme] &= ~mask
+        if not self._scheme_mask[scheme]:
+            del self._scheme_mask[scheme]
+        del self._count[engine_id]
+
+    # -------------------------------------------------------------- query
+    def engines(self) -> dict[str, int]:
+        """Engine -> blocks it holds."""
+        return dict(self._count)
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str] | None = None
+                             ) -> dict[str, int]:
+        """Per engine holding at least the prompt's first block: the prompt tokens at its start whose
+        blocks it holds (as vLLM, at most `len(token_ids) - 1`). Engines not listed hold none."""
+        wanted = -1  # every engine
+        if engine_ids is not None:
+            wanted, bits = 0, self._bit
+            for e in engine_ids:
+                bit = bits.get(e)
+                if bit is not None:
+                    wanted |= 1 << bit
+        out: dict[str, int] = {}
+        cap = max(0, len(token_ids) - 1)
+        for scheme, engines in self._scheme_mask.items():
+            alive, n = wanted & engines, 0
+            if not alive:
+                continue
+            for key in scheme.iter_block_hashes(token_ids):
+                held = alive & self._holders.get(key, 0)
+                self._settle(alive & ~held, n, scheme.block_size, cap, out)
+                alive = held
+                if not alive:
+                    break
+                n += 1
+            self._settle(alive, n, scheme.block_size, cap, out)
+        return out
+
+    def _settle(self, mask: int, blocks: int, block_size: int, cap: int, out: dict[str, int]) -> None:
+        """Engines in `mask` hold exactly `blocks` leading blocks."""
+        if not blocks:
+            return
+        while mask:
+            low = mask & -mask
+            out[self._engine_at[low.bit_length() - 1]] = min(blocks * block_size, cap)
+            mask ^= low
