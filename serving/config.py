@@ -210,7 +210,7 @@ class DeploymentConfig(_Strict):
             kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
             read_timeout_s=self.transfer.read_timeout_s, fault_rate=self.transfer.fault_rate,
             num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
-            resources=group.resources,
+            resources=group.resources, max_restarts=self.restarts.max_restarts,
             cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,
         )
 

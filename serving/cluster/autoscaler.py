@@ -279,12 +279,16 @@ class Autoscaler:
                 task.cancel()
 
 
+def autoscaler_options(cfg: DeploymentConfig) -> dict[str, Any]:
+    """Ray options of the autoscaler actor: restarted by Ray like every raypd actor, at most
+    `restarts.max_restarts` times (a restarted one resumes the drains in progress)."""
+    return dict(name=autoscaler_name(cfg.name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, max_concurrency=16, max_restarts=cfg.restarts.max_restarts)
+
+
 def start_autoscaler(cfg: DeploymentConfig) -> Any:
     """Get or create the deployment's autoscaler actor and start its loop."""
-    handle = ray.remote(Autoscaler).options(
-        name=autoscaler_name(cfg.name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_concurrency=16, max_restarts=-1,
-    ).remote(cfg.model_dump(mode="json"))
+    handle = ray.remote(Autoscaler).options(**autoscaler_options(cfg)).remote(cfg.model_dump(mode="json"))
     ray.get(handle.start.remote(), timeout=60)
     return handle
 

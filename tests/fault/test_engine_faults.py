@@ -208,3 +208,22 @@ def test_a_decode_rank_killed_between_reporting_and_the_verdict_yields_exactly_o
     assert ledger.verdicts["failed"] - before["failed"] == 1 and ledger.verdicts["ok"] == before["ok"]
     assert ledger.verdicts["expired"] == before["expired"]
 
+
+
+def test_rank_actors_follow_the_deployments_restart_bound(coordinator):
+    """restarts.max_restarts reaches the rank actors (EngineConfig.max_restarts -> rank_max_restarts):
+    with 0, a killed rank stays dead and its engine says it cannot serve."""
+
+    async def go():
+        (p,) = await engines(coordinator, ("rb-P", "prefill", 1), rank_max_restarts=0)
+        try:
+            os.kill(await p.ranks[0].pid.remote(), signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while p.dead is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            return p.dead
+        finally:
+            await p.shutdown()
+
+    dead = asyncio.run(go())
+    assert dead == "rank 0 died and was not restarted (ActorDiedError)", dead

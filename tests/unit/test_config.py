@@ -119,3 +119,12 @@ def test_cache_aware_routing_is_the_default_and_turns_the_engines_kv_events_on()
     assert [c.engine_config(r).kv_events for c in (cache_aware, by_load) for r in ("prefill", "decode")] == [
         True, True, False, False]
     assert planner_for(by_load.router).settings.cache_weight == 0.0
+
+
+def test_every_restarted_actor_follows_restarts_max_restarts():
+    """Engines, their rank actors (synthetic), the coordinator and the autoscaler: one bound."""
+    from serving.cluster.autoscaler import autoscaler_options
+
+    cfg = DeploymentConfig.from_dict({"backend": "synthetic", "restarts": {"max_restarts": 2}})
+    assert cfg.engine_config("prefill").max_restarts == cfg.engine_config("decode").max_restarts == 2
+    assert autoscaler_options(cfg)["max_restarts"] == 2  # bounded, never -1
