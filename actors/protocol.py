@@ -190,6 +190,7 @@ class RouteTable:
     # The coordinator was just restarted and engines are still registering again: an engine
     # missing from this table may well be alive (routers keep their last view of it).
     settling: bool = False
+    hangs: dict[str, int] = field(default_factory=dict)  # engine -> incarnations judged hung (and killed)
 
 
 # ---------------------------------------------------------------- engine stats (engine -> status, metrics)

@@ -63,6 +63,10 @@ from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.engine")
 
+# How long the engine core behind the actor may take to answer a liveness probe (a step in
+# progress delays it); under the coordinator's probe timeout (restarts.probe_timeout_s).
+CORE_PROBE_S = 8.0
+
 
 def make_backend(cfg: EngineConfig, engine_id: str) -> Backend:
     if cfg.backend == "synthetic":
@@ -326,9 +330,20 @@ class EngineActor:
         return self.backend.model_info()
 
     async def ping(self) -> str:
-        """The coordinator's rare hang check; a dead backend makes the actor exit (and restart)."""
+        """The coordinator's liveness probe (`actors.control.liveness`): "pong" once this actor's
+        loop and the engine core behind it (a backend's `probe()`, within CORE_PROBE_S) answer;
+        else what is stuck. A frozen actor cannot answer at all (the caller's timeout decides);
+        a dead backend makes the actor exit (and restart)."""
         if self.started and self.backend.dead_reason() is not None:
             self._check_alive(RuntimeError("found at a ping"))
+        probe = getattr(self.backend, "probe", None)
+        if self.started and probe is not None:
+            try:
+                await asyncio.wait_for(probe(), CORE_PROBE_S)
+            except asyncio.TimeoutError:
+                return f"the engine core did not answer in {CORE_PROBE_S:.0f} s"
+            except Exception as exc:  # noqa: BLE001 - a dead core is found by dead_reason, above
+                logger.info("%s: core probe failed: %s", self.engine_id, exc)
         return "pong"
 
     @ray.method(max_task_retries=0)

@@ -184,10 +184,13 @@ def launch(cfg: DeploymentConfig, timeout_s: float | None = None,
 
     `on_phase` is called once per engine per start-up phase while the engines start.
     """
-    coordinator = start_coordinator(detached=True, on_head_node=True, max_restarts=cfg.restarts.max_restarts,
+    restarts = cfg.restarts
+    coordinator = start_coordinator(detached=True, on_head_node=True, max_restarts=restarts.max_restarts,
                                     breaker=cfg.breaker.model_dump(),
-                                    handoff_deadline_s=cfg.transfer.handoff_deadline_s)
-    ray.get(coordinator.configure.remote(cfg.breaker.model_dump(), cfg.transfer.handoff_deadline_s), timeout=60)
+                                    handoff_deadline_s=cfg.transfer.handoff_deadline_s,
+                                    hang_check_s=restarts.probe_interval_s, ping_timeout_s=restarts.probe_timeout_s)
+    ray.get(coordinator.configure.remote(cfg.breaker.model_dump(), cfg.transfer.handoff_deadline_s,
+                                         restarts.probe_interval_s, restarts.probe_timeout_s), timeout=60)
     if cfg.autoscaler.enabled:
         from serving.cluster.autoscaler import attach
 
