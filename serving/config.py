@@ -124,6 +124,10 @@ class HttpConfig(_Strict):
     served_model_name: str | None = None
     max_inflight_requests: int = Field(512, ge=1)  # per ingress replica; beyond it: 429
     num_replicas: int = Field(1, ge=1, le=64)  # Ray Serve ingress replicas
+    # When Serve stops an ingress replica (a redeploy, a scale-down; never because an engine is
+    # down: its health check reports the replica alone), its streams get this long to finish
+    # before it is force-stopped: cover the longest answer (max_tokens x inter-token latency).
+    graceful_shutdown_timeout_s: float = Field(120.0, ge=0)
     replica_num_cpus: float = Field(0.0, ge=0)  # CPUs reserved per ingress replica
 
     @model_validator(mode="before")
