@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from serving.routing.status import jsonable
+from serving.routing.status import READINESS_CODES, jsonable
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -66,11 +66,12 @@ class RouterCollector(Collector):
         if router is None:
             return
         snap = router.snapshot()
-        if snap.readiness is not None:
-            ready = GaugeMetricFamily("raypd_ready", "1 when this front can place a request now (a P/D path or a "
-                                      "permitted fallback; what /health answers), 0 when not; reason: why not",
+        if snap.readiness is not None:  # a state set: 1 on the current state (ok: /health answers 200)
+            ready = GaugeMetricFamily("raypd_ready", "1 on this front's readiness state, 0 on the others: ok (a "
+                                      "P/D path or a permitted fallback, /health 200) or why not (/health 503)",
                                       labels=["reason"])
-            ready.add_metric([snap.readiness.code], 1 if snap.readiness.ready else 0)
+            for code in READINESS_CODES:
+                ready.add_metric([code], 1 if snap.readiness.code == code else 0)
             yield ready
         yield _labelled(CounterMetricFamily("raypd_engine_hangs", "engine incarnations the coordinator judged hung "
                                             "(no answer to its probe) and killed so that Ray restarts them",

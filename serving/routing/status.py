@@ -22,6 +22,9 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
+READINESS_CODES = ("ok", "no_decode_engine", "decode_engines_hung", "no_prefill_engine")
+
+
 @dataclass(frozen=True)
 class Readiness:
     """Whether the router can place a request now, and why not."""

@@ -93,7 +93,8 @@ def test_one_hung_decode_engine_streams_end_with_an_error_new_requests_get_503_a
             await router.open(req("b"))
         assert time.monotonic() - t0 < 0.1  # answered at once, nobody waits on the hung engine
         metrics = ServiceMetrics(lambda: router).render().decode()
-        assert 'raypd_ready{reason="decode_engines_hung"} 0.0' in metrics
+        assert 'raypd_ready{reason="decode_engines_hung"} 1.0' in metrics
+        assert 'raypd_ready{reason="ok"} 0.0' in metrics
         assert 'raypd_deadline_misses_total{call="token",engine="d0"} 1.0' in metrics
         # the coordinator killed it; Ray restarted it: a new incarnation is listed
         ds["d0"].hang_after = None
