@@ -280,7 +280,9 @@ class Coordinator:
         return self._verdicts(decode_id, self.ledger.report(decode_id, outputs))
 
     async def unit_died(self, decode_id: str, collected: list[KVConnectorOutput | None]) -> list[Verdict]:
-        """A decode unit died mid-step: what the step collected is salvaged and replayed."""
+        """A decode unit died mid-step: what the step collected is salvaged and replayed (the
+        verdicts say `source="salvage"`). Synthetic engines only: a vLLM engine reports one merged
+        outcome per request, and a dead worker takes its engine core down (README)."""
         self._event("unit_died", decode_id)
         return self._verdicts(decode_id, self.ledger.unit_died(decode_id, collected))
 
