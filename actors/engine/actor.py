@@ -329,6 +329,7 @@ class EngineActor:
             raise RuntimeError(f"engine {self.engine_id} has not started")
         return self.backend.model_info()
 
+    @ray.method(max_task_retries=0)  # a probe judges the incarnation it was sent to, not the next one
     async def ping(self) -> str:
         """The coordinator's liveness probe (`actors.control.liveness`): "pong" once this actor's
         loop and the engine core behind it (a backend's `probe()`, within CORE_PROBE_S) answer;
@@ -382,9 +383,9 @@ def engine_actor_options(cfg: EngineConfig, max_restarts: int = 0) -> dict:
     """Ray options for an engine: mostly waiting, so it reserves what the config says.
 
     With `max_restarts`, Ray restarts a crashed engine (bounded). Calls that are safe to
-    repeat on the next incarnation (`start`, `stats`, `abort`, `ping`...) are retried
-    there; `prefill`/`generate` are not (the router decides what to do with them) and
-    `watch` must fail, not wait for the next incarnation.
+    repeat on the next incarnation (`start`, `stats`, `abort`...) are retried there;
+    `prefill`/`generate` are not (the router decides what to do with them), and `watch` and
+    `ping` (the liveness probe) must fail, not wait for the next incarnation.
     """
     env = {}
     if cfg.cpu_bind:
