@@ -52,8 +52,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-import ray
-
 from actors.engine.config import EngineConfig
 from actors.kv.errors import HandshakeError
 from actors.kv.handshake import decode_handshake
@@ -63,10 +61,8 @@ from actors.engine.vllm.orphans import child_pids, forget, reap_children, reap_p
 from actors.protocol import (
     BackendStats,
     EngineRequest,
-    EngineRequestError,
     ModelInfo,
     PrefillResult,
-    SamplingSpec,
     TokenChunk,
 )
 from actors.engine.vllm.peer_payloads import PeerPayloads
@@ -116,6 +112,7 @@ class VllmBackend:
             "lease_ttl_s": cfg.lease_ttl_s,
             "read_timeout_s": cfg.read_timeout_s,
             "fault_rate": cfg.fault_rate,
+            "verify": cfg.kv_verify,
             "incarnation": self.incarnation,
         }) if cfg.kv_connector else None  # None: plain vLLM (baseline)
         for note in pd_overrides(cfg):
