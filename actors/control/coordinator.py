@@ -92,14 +92,6 @@ class Coordinator:
         if probe_timeout_s is not None:
             self.liveness.timeout_s = probe_timeout_s
 
-    @property
-    def hang_check_s(self) -> float:
-        return self.liveness.interval_s
-
-    @property
-    def ping_timeout_s(self) -> float:
-        return self.liveness.timeout_s
-
     # ---------------------------------------------------------- registration
     async def register_engine(self, engine_id: str, role: str, handshakes: list[bytes],
                               handles: list[Any] | None = None, info: EngineInfo | None = None) -> Registration:

@@ -66,9 +66,7 @@ from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.engine")
 
-# How long the engine core behind the actor may take to answer a liveness probe (a step in
-# progress delays it); under the coordinator's probe timeout (restarts.probe_timeout_s).
-CORE_PROBE_S = 8.0
+CORE_PROBE_S = 8.0  # the engine core's answer to a liveness probe: under restarts.probe_timeout_s
 
 
 def make_backend(cfg: EngineConfig, engine_id: str) -> Backend:
@@ -351,10 +349,9 @@ class EngineActor:
 
     @ray.method(max_task_retries=0)  # a probe judges the incarnation it was sent to, not the next one
     async def ping(self) -> str:
-        """The coordinator's liveness probe (`actors.control.liveness`): "pong" once this actor's
-        loop and the engine core behind it (a backend's `probe()`, within CORE_PROBE_S) answer;
-        else what is stuck. A frozen actor cannot answer at all (the caller's timeout decides);
-        a dead backend makes the actor exit (and restart)."""
+        """The coordinator's liveness probe (`actors.control.liveness`): "pong" once this actor's loop
+        and the engine core (a backend's `probe()`, within CORE_PROBE_S) answer, else what is stuck;
+        a frozen actor cannot answer (the caller's timeout decides); a dead backend exits the actor."""
         if self.started and self.backend.dead_reason() is not None:
             self._check_alive(RuntimeError("found at a ping"))
         probe = getattr(self.backend, "probe", None)
