@@ -46,13 +46,14 @@ class SteadyLoad:
     prompts: list[str]
     max_tokens: int
     workers: int = 4
+    extra: dict = field(default_factory=dict)  # more request fields (ignore_eos: streams of a known length)
     answers: list[Answer] = field(default_factory=list)
     _stop: bool = False
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def one(self, client: httpx.AsyncClient, prompt: str, max_tokens: int | None = None) -> Answer:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens or self.max_tokens,
-                "stream": True, "temperature": 0}
+                "stream": True, "temperature": 0, **self.extra}
         t0, text, error, finish = time.monotonic(), "", None, None
         outcome, status, code, done = "cut", 0, None, False
         try:
