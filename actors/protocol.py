@@ -244,6 +244,7 @@ class RouteTable:
     # (a router holding (epoch, version) gets nothing back until the table changes).
     epoch: str = ""
     version: int = 0
+    hangs: dict[str, int] = field(default_factory=dict)  # engine -> incarnations judged hung (and killed)
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,8 @@ class RouteDelta:
         moved = {(b.prefill_id, b.decode_id): b for b in self.breakers}
         breakers = tuple(moved.pop((b.prefill_id, b.decode_id), b) for b in table.breakers) + tuple(moved.values())
         decodes = {**table.decodes, **{d: ps for d, ps in self.decodes.items() if d in table.decodes}}
-        return RouteTable(decodes, breakers, table.generations, self.settling, self.epoch, self.version)
+        return RouteTable(decodes, breakers, table.generations, self.settling, self.epoch, self.version,
+                          table.hangs)
 
 
 # ---------------------------------------------------------------- engine stats (engine -> status, metrics)

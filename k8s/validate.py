@@ -209,6 +209,12 @@ def _consistency_errors(doc: dict, serve_config: dict, cfg: Any) -> list[str]:
     if head_probe.get("path") == "/health":
         errs.append("head container: no /health readinessProbe (KubeRay deploys the Serve app only once the head "
                     "is Ready, so it would never pass)")
+    for where, container in [("head container", head_c)] + [
+            (f"worker group {name!r}", ray_container(g)) for name, g in groups.items()]:
+        for kind in ("livenessProbe", "startupProbe"):
+            if ((container.get(kind) or {}).get("httpGet") or {}).get("path") == "/health":
+                errs.append(f"{where}: no {kind} on /health: it is readiness (503 while an engine restarts or "
+                            f"hangs), and a failed {kind} restarts the pod and its engines")
     head_res = group_ray_resources(head)
     for role in ROLES:
         ecfg, group_cfg = cfg.engine_config(role), getattr(cfg, role)

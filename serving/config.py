@@ -90,8 +90,22 @@ class RouterConfig(_Strict):
     index_refresh_s: float = Field(0.1, gt=0)  # how stale the router's copy of the prefix index may get
     no_prefill_fallback: Literal["decode_local", "reject"] = "decode_local"
     prefill_retries: int = Field(1, ge=0, le=3)
-    # a stream whose decode engine died waits this long for one to take it (another, or the restarted one)
-    migration_wait_s: float = Field(30.0, ge=0)
+    # a stream whose decode engine died (or hung) waits this long for one to take it (another, or the
+    # restarted one); past it the stream ends with an error event
+    migration_wait_s: float = Field(15.0, ge=0)
+    # Deadlines of the engine calls a client waits for (formulas: serving/routing/deadlines.py):
+    # a prefill call or a stream's first chunk gets floor + margin x tokens / the engine's measured
+    # prefill rate (+ transfer.read_timeout_s when the decode engine pulls KV first); every later
+    # chunk max(token_timeout_s, margin x the engine's measured gap between chunks). An engine that
+    # misses one is treated as hung: its streams migrate, the coordinator is told (it probes,
+    # evicts and restarts the engine), and this router gives it no work meanwhile.
+    deadline_floor_s: float = Field(10.0, gt=0)
+    deadline_margin: float = Field(3.0, ge=1.0)
+    initial_prefill_tokens_per_s: float = Field(500.0, gt=0)  # until the engine's rate is measured
+    token_timeout_s: float = Field(10.0, gt=0)  # per-token inactivity of a stream (floor)
+    # a suspected engine gets no new work from this router this long, unless the directory lists a
+    # new incarnation of it sooner (the coordinator's probe decides within restarts.probe_timeout_s)
+    hung_engine_hold_s: float = Field(30.0, gt=0)
 
 
 class TransferConfig(_Strict):
@@ -107,9 +121,15 @@ class TransferConfig(_Strict):
 
 
 class RestartConfig(_Strict):
-    """Ray restarts crashed engines, their rank actors and the coordinator, at most this often."""
+    """Ray restarts crashed engines, their rank actors (synthetic engines), the coordinator and the
+    autoscaler, each at most `max_restarts` times. A hung engine is restarted too: the coordinator
+    pings every engine each `probe_interval_s` (and at once when a router reports a missed
+    deadline); one that does not answer within `probe_timeout_s` (its actor, or vLLM's engine core
+    behind it) is evicted and killed, and Ray restarts it as a new incarnation."""
 
     max_restarts: int = Field(5, ge=0, le=1000)
+    probe_interval_s: float = Field(10.0, gt=0)
+    probe_timeout_s: float = Field(10.0, gt=0)
 
 
 class HttpConfig(_Strict):
@@ -123,6 +143,10 @@ class HttpConfig(_Strict):
     served_model_name: str | None = None
     max_inflight_requests: int = Field(512, ge=1)  # per ingress replica; beyond it: 429
     num_replicas: int = Field(1, ge=1, le=64)  # Ray Serve ingress replicas
+    # When Serve stops an ingress replica (a redeploy, a scale-down; never because an engine is
+    # down: its health check reports the replica alone), its streams get this long to finish
+    # before it is force-stopped: cover the longest answer (max_tokens x inter-token latency).
+    graceful_shutdown_timeout_s: float = Field(120.0, ge=0)
     replica_num_cpus: float = Field(0.0, ge=0)  # CPUs reserved per ingress replica
     # answer requests sent with `X-Raypd-Trace: 1` with their first token's hop stamps (serving.front.trace)
     trace: bool = False
@@ -266,7 +290,7 @@ class DeploymentConfig(_Strict):
             read_timeout_s=self.transfer.read_timeout_s, fault_rate=self.transfer.fault_rate,
             kv_verify=self.transfer.verify,
             num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
-            resources=group.resources,
+            resources=group.resources, max_restarts=self.restarts.max_restarts,
             cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,
             compute_nice=group.compute_nice,
         )

@@ -10,8 +10,11 @@ Life cycle of an engine incarnation as the coordinator sees it:
                       registration is a new incarnation (`generation`);
   watch               one pending `watch()` call per liveness handle (the engine
                       actor, its rank actors) that only ends when that actor dies:
-                      death is an event, not something found by pinging. A rare
-                      sweep (`hang_check_s`) pings engines to catch hangs;
+                      death is an event, not something found by pinging. Hangs are
+                      found by probing (`actors.control.liveness`): a sweep every
+                      `hang_check_s`, and at once when a router reports a missed
+                      deadline (`engine_hung`); a hung incarnation is evicted and
+                      killed, so that Ray restarts it;
   evict               a dead or hung incarnation is removed: its pairs' breakers
                       open, its handoffs end (the prefill side is told to let go),
                       every decode engine drops its NIXL agents, and the engine's
@@ -59,6 +62,7 @@ import ray
 from actors.kv.aggregator import KVConnectorOutput
 from actors.control.handoff_desk import HandoffDesk
 from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger, Verdict
+from actors.control.liveness import Liveness
 from actors.control.route_book import RouteBook
 from actors.control.ledger_records import ControlStats, LedgerBatch
 from actors.protocol import EngineInfo, EngineSummary, RouteDelta, RouteTable
@@ -72,11 +76,10 @@ NAMESPACE = "raypd"
 
 
 class Coordinator:
-    def __init__(self, hang_check_s: float = 30.0, ping_timeout_s: float = 20.0,
+    def __init__(self, hang_check_s: float = 10.0, ping_timeout_s: float = 10.0,
                  handoff_deadline_s: float = 60.0, breaker: dict | BreakerConfig | None = None):
         self.ledger = TransferLedger(BreakerConfig.model_validate(breaker or {}), deadline_s=handoff_deadline_s)
-        self.hang_check_s = hang_check_s
-        self.ping_timeout_s = ping_timeout_s
+        self.liveness = Liveness(self._evict, timeout_s=ping_timeout_s, interval_s=hang_check_s)
         self._engines: dict[str, EngineEntry] = {}
         self._model_hash: dict[str, str] = {}
         self.book = RouteBook(self.ledger)  # the pairs and the routers' table
@@ -91,13 +94,18 @@ class Coordinator:
         self._restarted = _reconstructed()
         self.settle_s = 10.0
 
-    async def configure(self, breaker: dict | None = None, handoff_deadline_s: float | None = None) -> None:
-        """Cluster-wide settings of the ledger (the last deployment launched sets them; pairs
-        whose breaker already exists keep theirs)."""
+    async def configure(self, breaker: dict | None = None, handoff_deadline_s: float | None = None,
+                        probe_interval_s: float | None = None, probe_timeout_s: float | None = None) -> None:
+        """Cluster-wide settings of the ledger and the liveness probes (the last deployment
+        launched sets them; pairs whose breaker already exists keep theirs)."""
         if breaker is not None:
             self.ledger.breaker_config = BreakerConfig.model_validate(breaker)
         if handoff_deadline_s is not None:
             self.ledger.deadline_s = handoff_deadline_s
+        if probe_interval_s is not None:
+            self.liveness.interval_s = probe_interval_s
+        if probe_timeout_s is not None:
+            self.liveness.timeout_s = probe_timeout_s
 
     # ---------------------------------------------------------- registration
     async def register_engine(self, engine_id: str, role: str, handshakes: list[bytes],
@@ -209,13 +217,13 @@ class Coordinator:
     async def routes(self) -> RouteTable:
         """Every live decode engine -> its usable prefill engines, and every pair's breaker."""
         self.counters["route_calls"] += 1
-        return self.book.table(self._engines, self._settling())
+        return self.book.table(self._engines, self._settling(), self.liveness.hangs)
 
     async def routes_if_changed(self, epoch: str | None, version: int) -> RouteTable | RouteDelta | None:
         """The routers' poll: None while their copy (`epoch`, `version`) is current, the breaker moves
         since it (`RouteDelta`), or the whole table."""
         self.counters["route_calls"] += 1
-        table = self.book.since(epoch, version, self._engines, self._settling())
+        table = self.book.since(epoch, version, self._engines, self._settling(), self.liveness.hangs)
         if table is None:
             self.counters["route_unchanged"] += 1
         return table
@@ -274,7 +282,9 @@ class Coordinator:
         return self.desk.report(decode_id, outputs)
 
     async def unit_died(self, decode_id: str, collected: list[KVConnectorOutput | None]) -> list[Verdict]:
-        """A decode unit died mid-step: what the step collected is salvaged and replayed."""
+        """A decode unit died mid-step: what the step collected is salvaged and replayed (the
+        verdicts say `source="salvage"`). Synthetic engines only: a vLLM engine reports one merged
+        outcome per request, and a dead worker takes its engine core down (docs/failure-semantics.md)."""
         return self.desk.unit_died(decode_id, collected)
 
     async def handshake_failed(self, decode_id: str, prefill_id: str, reason: str,
@@ -284,6 +294,20 @@ class Coordinator:
     async def prefill_failed(self, decode_id: str, prefill_id: str, reason: str) -> None:
         """A router's prefill call failed because of the engine (client errors never come here)."""
         self.ledger.prefill_failed(decode_id, prefill_id, reason)
+
+    async def engine_hung(self, engine_id: str, generation: int | None, reason: str) -> str | None:
+        """A router saw this incarnation miss a deadline (fire and forget). The coordinator decides:
+        it probes the engine at once and, when the probe times out too, evicts and kills it
+        (`actors.control.liveness`). Returns the verdict (None: it answered)."""
+        entry = self._engines.get(engine_id)
+        if entry is None or not entry.handles or (generation is not None and entry.generation != generation):
+            return None  # already gone or replaced
+        self._event("hang_reported", engine_id, generation=entry.generation, reason=reason)
+        return await self.liveness.judge(entry, lambda: self._engines.get(engine_id) is entry, reason)
+
+    async def _evict(self, entry: EngineEntry, reason: str) -> None:
+        if self._engines.get(entry.engine_id) is entry:
+            await self._remove(entry.engine_id, reason, died=True)
 
     async def transfers(self) -> LedgerSnapshot:
         """In-flight handoffs, verdict counts and breaker states (for status/metrics)."""
@@ -331,34 +355,18 @@ class Coordinator:
 
     async def _hang_sweeps(self) -> None:
         while True:
-            await asyncio.sleep(self.hang_check_s)
+            await asyncio.sleep(self.liveness.interval_s)
             try:
                 await self.check_engines()
             except Exception:  # noqa: BLE001 - the sweep must survive anything
                 logger.exception("engine hang check failed")
 
     async def check_engines(self) -> list[str]:
-        """Ping every engine once (deaths are seen at once by the watchers; this catches
-        hangs); evict those that do not answer in `ping_timeout_s`. Returns their ids."""
+        """Probe every engine once (deaths are seen at once by the watchers; this catches
+        hangs): one that does not answer in `ping_timeout_s` is evicted and killed so that
+        Ray restarts it (`actors.control.liveness`). Returns the ids found hung or dead."""
         entries = [e for e in self._engines.values() if e.handles]
-
-        async def answers(entry: EngineEntry) -> str | None:
-            try:
-                await asyncio.wait_for(entry.handles[0].ping.remote(), self.ping_timeout_s)
-                return None
-            except asyncio.TimeoutError:
-                return f"no ping answer in {self.ping_timeout_s}s"
-            except ray.exceptions.RayError as exc:
-                return f"actor died ({type(exc).__name__})"
-
-        problems = await asyncio.gather(*(answers(e) for e in entries))
-        dead = []
-        for entry, reason in zip(entries, problems):
-            if reason is not None and self._engines.get(entry.engine_id) is entry:
-                logger.warning("engine %s is unresponsive: %s", entry.engine_id, reason)
-                await self._remove(entry.engine_id, reason, died=True)
-                dead.append(entry.engine_id)
-        return dead
+        return await self.liveness.sweep(entries, lambda e: self._engines.get(e.engine_id) is e)
 
     def _event(self, kind: str, engine_id: str, **fields: Any) -> None:
         self.events.append({"t": time.time(), "event": kind, "engine_id": engine_id, **fields})
@@ -366,6 +374,8 @@ class Coordinator:
 
 
 def _reconstructed() -> bool:
+    if not ray.is_initialized():  # not inside an actor (unit tests): asking would start a local Ray
+        return False
     try:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # noqa: BLE001 - not inside an actor (unit tests)

@@ -11,10 +11,16 @@ Life cycle of a handoff:
              whose own aggregator already merged its workers) send per-request
              outcomes; `KVOutputAggregator` (one per decode engine) turns them
              into one verdict once every unit has reported;
-  unit_died  a step cut short by a dead unit: what the step had collected is
-             stashed (`ft_defer_kv_connector_outputs`) and replayed at once, so
-             the verdicts still complete;
+  unit_died  a step cut short by a dead unit (synthetic engines: a rank actor;
+             vLLM has no such step, its workers die with their engine core):
+             what the step had collected is stashed
+             (`ft_defer_kv_connector_outputs`) and replayed at once, so the
+             verdicts still complete;
   verdict    ok or failed; it feeds the pair breaker and closes the handoff;
+             it records what decided it (`Verdict.source`; counted in
+             `ended_by`): report | salvage | handshake, and the handoffs that
+             end without one: aborted | expired | eviction (its engine died) |
+             left (its engine shut down);
   abort      the client went away: the handoff closes, no breaker is touched;
   expire     no verdict by the deadline: failed (the caller releases the
              prefill blocks); nobody waits forever for KV.
@@ -69,6 +75,7 @@ class Verdict:
     ok: bool
     reason: str = ""
     invalid_block_ids: frozenset[int] = frozenset()
+    source: str = "report"  # report | salvage | handshake | expired: what decided it
 
 
 @dataclass
@@ -86,6 +93,7 @@ class LedgerSnapshot:
     verdicts: dict[str, int]
     breakers: tuple[PairState, ...]
     awaiting_units: dict[str, int] = field(default_factory=dict)  # handoff -> units yet to report
+    ended_by: dict[str, int] = field(default_factory=dict)  # how handoffs ended (see the module docstring)
 
 
 class TransferLedger:
@@ -107,6 +115,7 @@ class TransferLedger:
         self._timed: list[tuple[float, Pair]] = []  # heap: when a breaker moves by time alone
         self.changes = 0  # visible breaker moves so far (the routers' table is rebuilt only on a change)
         self.verdicts = {"ok": 0, "failed": 0, "expired": 0, "aborted": 0}
+        self.ended_by: Counter[str] = Counter()
 
     # -------------------------------------------------------------- breakers
     def breaker(self, decode_id: str, prefill_id: str) -> CircuitBreaker:
@@ -197,7 +206,7 @@ class TransferLedger:
         handoff = self._handoffs.get(req_id) if req_id else None
         if handoff is not None and handoff.decode_id == decode_id:
             self._forget_counts(handoff)
-            return self._close(req_id, decode_id, False, why, frozenset())
+            return self._close(req_id, decode_id, False, why, frozenset(), "handshake")
         self.record_failure(decode_id, prefill_id, why)
         return None
 
@@ -208,7 +217,7 @@ class TransferLedger:
         why = f"engine {engine_id} died: {reason}"
         for d, p in pairs:
             self._trip(d, p, why)
-        return self._drop_handoffs(engine_id)
+        return self._drop_handoffs(engine_id, "eviction")
 
     def engine_left(self, engine_id: str) -> list[Handoff]:
         """An engine shut down on purpose: its breakers go, its open handoffs end (returned)."""
@@ -216,9 +225,9 @@ class TransferLedger:
             self._breakers.pop(key)
             self._reasons.pop(key, None)
             self._moved(key)
-        return self._drop_handoffs(engine_id)
+        return self._drop_handoffs(engine_id, "left")
 
-    def _drop_handoffs(self, engine_id: str) -> list[Handoff]:
+    def _drop_handoffs(self, engine_id: str, why: str) -> list[Handoff]:
         self._aggregators.pop(engine_id, None)
         if not self._per_engine.get(engine_id):
             return []
@@ -227,6 +236,7 @@ class TransferLedger:
             self._pop(h.req_id)
             self._forget_counts(h)
             self.verdicts["failed"] += 1
+            self.ended_by[why] += 1
         return gone
 
     def _trip(self, decode_id: str, prefill_id: str, reason: str) -> None:
@@ -299,6 +309,7 @@ class TransferLedger:
         if handoff is not None:
             self._forget_counts(handoff)
             self.verdicts["aborted"] += 1
+            self.ended_by["aborted"] += 1
         return handoff
 
     def _aggregator(self, decode_id: str, expected: int) -> KVOutputAggregator:
@@ -324,7 +335,8 @@ class TransferLedger:
                                        failed_recving={r for r in o.failed_recving if r in handoffs})
         return [keep(o) if o is not None else None for o in outputs]
 
-    def report(self, decode_id: str, outputs: list[KVConnectorOutput | None]) -> list[Verdict]:
+    def report(self, decode_id: str, outputs: list[KVConnectorOutput | None], source: str = "report"
+               ) -> list[Verdict]:
         """Per-unit outputs of one step of a decode engine -> verdicts that became final."""
         expected = max((o.expected_finished_count for o in outputs if o), default=1) or 1
         merged = self._aggregator(decode_id, expected).aggregate(self._open_only(outputs))
@@ -335,7 +347,7 @@ class TransferLedger:
                 continue  # aborted, expired or decided by a handshake failure: nothing left to decide
             verdicts.append(self._close(req_id, decode_id, not failed,
                                         "KV pull failed" if failed else "",
-                                        frozenset(merged.invalid_block_ids) if failed else frozenset()))
+                                        frozenset(merged.invalid_block_ids) if failed else frozenset(), source))
         return verdicts
 
     def unit_died(self, decode_id: str, collected: list[KVConnectorOutput | None]) -> list[Verdict]:
@@ -343,17 +355,18 @@ class TransferLedger:
         included) are stashed and replayed at once, so no unit's progress is lost."""
         agg = self._aggregator(decode_id, max((o.expected_finished_count for o in collected if o), default=1))
         agg.ft_defer_kv_connector_outputs(self._open_only(collected))
-        return self.report(decode_id, [])
+        return self.report(decode_id, [], source="salvage")
 
     def _close(self, req_id: str, decode_id: str, ok: bool, reason: str,
-               invalid: frozenset[int]) -> Verdict:
+               invalid: frozenset[int], source: str = "report") -> Verdict:
         handoff = self._pop(req_id)
         if ok:
             self.record_success(decode_id, handoff.prefill_id)
         else:
             self.record_failure(decode_id, handoff.prefill_id, reason)
         self.verdicts["ok" if ok else "failed"] += 1
-        return Verdict(req_id, handoff.prefill_id, decode_id, ok, reason, invalid)
+        self.ended_by[source] += 1
+        return Verdict(req_id, handoff.prefill_id, decode_id, ok, reason, invalid, source)
 
     def expire(self) -> list[Verdict]:
         """Fail every handoff past its deadline."""
@@ -365,11 +378,13 @@ class TransferLedger:
             reason = f"no verdict within {h.deadline - h.opened_at:.0f}s"
             self.record_failure(h.decode_id, h.prefill_id, reason)
             self.verdicts["expired"] += 1
-            out.append(Verdict(h.req_id, h.prefill_id, h.decode_id, False, reason))
+            self.ended_by["expired"] += 1
+            out.append(Verdict(h.req_id, h.prefill_id, h.decode_id, False, reason, source="expired"))
         return out
 
     def snapshot(self) -> LedgerSnapshot:
         awaiting = {}
         for agg in self._aggregators.values():
             awaiting.update({r: n for r, n in agg.pending().recving.items() if r in self._handoffs})
-        return LedgerSnapshot(len(self._handoffs), dict(self.verdicts), self.pair_states(), awaiting)
+        return LedgerSnapshot(len(self._handoffs), dict(self.verdicts), self.pair_states(), awaiting,
+                              dict(self.ended_by))

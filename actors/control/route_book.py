@@ -47,7 +47,7 @@ class RouteBook:
         self._changes = 0
         self._whole = True  # the directory changed: the next build is a whole one
         self._table: RouteTable | None = None
-        self._key: tuple[int, int, bool] | None = None
+        self._key: tuple[int, int, bool, int] | None = None
         # per version built: (decode engines recomputed, pairs moved), or None for a whole build
         self._log: deque[tuple[int, frozenset[str], frozenset[tuple[str, str]]] | tuple[int, None, None]] = \
             deque(maxlen=log_versions)
@@ -97,10 +97,15 @@ class RouteBook:
         self._whole = True
 
     # --------------------------------------------------------------- table
-    def table(self, engines: Mapping[str, EngineEntry], settling: bool) -> RouteTable:
-        """The routers' table as of now (rebuilt only when something changed since the last one)."""
+    def table(self, engines: Mapping[str, EngineEntry], settling: bool,
+              hangs: Mapping[str, int] | None = None) -> RouteTable:
+        """The routers' table as of now (rebuilt only when something changed since the last one);
+        `hangs`: engine -> incarnations judged hung (a judgement evicts, so it comes with a change)."""
         self.ledger.advance()
-        key = (self._changes, self.ledger.changes, settling)
+        hangs = dict(hangs or {})
+        key = (self._changes, self.ledger.changes, settling, sum(hangs.values()))
+        if self._key is not None and key[3] != self._key[3]:
+            self._whole = True  # deltas carry breakers only: new hang counts travel in a whole table
         if self._table is None or key != self._key:
             self.version += 1
             self.builds += 1
@@ -116,15 +121,15 @@ class RouteBook:
                 self._log.append((self.version, frozenset(redo), frozenset(moved)))
             self._table = RouteTable(decodes, self.ledger.pair_states(),
                                      {e.engine_id: e.generation for e in engines.values()}, settling,
-                                     self.epoch, self.version)
+                                     self.epoch, self.version, hangs)
             self._key = key
         return self._table
 
     def since(self, epoch: str | None, version: int, engines: Mapping[str, EngineEntry],
-              settling: bool) -> RouteTable | RouteDelta | None:
+              settling: bool, hangs: Mapping[str, int] | None = None) -> RouteTable | RouteDelta | None:
         """None when the caller's copy (`epoch`, `version`) is current; the changes since it when only
         breakers moved (and the log reaches back); else the whole table."""
-        table = self.table(engines, settling)
+        table = self.table(engines, settling, hangs)
         if (epoch, version) == (table.epoch, table.version):
             return None
         if epoch != self.epoch:

@@ -67,6 +67,8 @@ from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.engine")
 
+CORE_PROBE_S = 8.0  # the engine core's answer to a liveness probe: under restarts.probe_timeout_s
+
 
 def make_backend(cfg: EngineConfig, engine_id: str) -> Backend:
     if cfg.backend == "synthetic":
@@ -349,10 +351,21 @@ class EngineActor:
             raise RuntimeError(f"engine {self.engine_id} has not started")
         return self.backend.model_info()
 
+    @ray.method(max_task_retries=0)  # a probe judges the incarnation it was sent to, not the next one
     async def ping(self) -> str:
-        """The coordinator's rare hang check; a dead backend makes the actor exit (and restart)."""
+        """The coordinator's liveness probe (`actors.control.liveness`): "pong" once this actor's loop
+        and the engine core (a backend's `probe()`, within CORE_PROBE_S) answer, else what is stuck;
+        a frozen actor cannot answer (the caller's timeout decides); a dead backend exits the actor."""
         if self.started and self.backend.dead_reason() is not None:
             self._check_alive(RuntimeError("found at a ping"))
+        probe = getattr(self.backend, "probe", None)
+        if self.started and probe is not None:
+            try:
+                await asyncio.wait_for(probe(), CORE_PROBE_S)
+            except asyncio.TimeoutError:
+                return f"the engine core did not answer in {CORE_PROBE_S:.0f} s"
+            except Exception as exc:  # noqa: BLE001 - a dead core is found by dead_reason, above
+                logger.info("%s: core probe failed: %s", self.engine_id, exc)
         return "pong"
 
     @ray.method(max_task_retries=0)
@@ -387,27 +400,4 @@ class EngineActor:
             except ray.exceptions.RayError:
                 pass
         await self.backend.shutdown()
-
-
-def engine_actor_options(cfg: EngineConfig, max_restarts: int = 0) -> dict:
-    """Ray options for an engine: mostly waiting, so it reserves what the config says.
-
-    With `max_restarts`, Ray restarts a crashed engine (bounded). Calls that are safe to
-    repeat on the next incarnation (`start`, `stats`, `abort`, `ping`...) are retried
-    there; `prefill`/`generate` are not (the router decides what to do with them) and
-    `watch` must fail, not wait for the next incarnation.
-    """
-    env = {}
-    if cfg.cpu_bind:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
-    if cfg.backend == "vllm":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
-    return {
-        "num_cpus": cfg.num_cpus,
-        "resources": dict(cfg.resources),
-        "max_concurrency": 1000,
-        "max_restarts": max_restarts,
-        "max_task_retries": -1 if max_restarts else 0,
-        "runtime_env": {"env_vars": env} if env else None,
-    }
 

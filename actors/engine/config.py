@@ -124,6 +124,8 @@ class EngineConfig(_Strict):
     kv_events: bool = True
     # Test knob: this fraction of KV pulls fails on purpose (fault-injection suites only).
     fault_rate: float = Field(0.0, ge=0.0, le=1.0)
+    # Ray restarts the engine's rank actors (synthetic backend) at most this often (restarts.max_restarts)
+    max_restarts: int = Field(5, ge=0, le=1000)
     kv_verify: Literal["off", "sample", "all"] = "off"  # transfer.verify: KV checksums (actors.kv.integrity)
 
     @model_validator(mode="before")

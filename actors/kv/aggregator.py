@@ -17,7 +17,10 @@ Semantics follow vLLM's `KVOutputAggregator`:
   recompute vs. error only once no rank still writes into those blocks);
 - outputs of a rank that died mid-step can be stashed with
   `ft_defer_kv_connector_outputs` and are replayed by the next `aggregate`,
-  so their transfer progress is not lost.
+  so their transfer progress is not lost. This one is raypd's, for the
+  synthetic engine (whose ranks are separate actors and outlive one another):
+  vLLM 0.32's aggregator has no such deferral, and a vLLM worker that dies
+  takes its engine core down with it (README, "Why there is no salvage on vLLM").
 
 raypd's shape of it: `aggregate` takes the per-rank `KVConnectorOutput`s
 themselves (vLLM wraps them in its ModelRunnerOutput, a type this package

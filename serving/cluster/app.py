@@ -142,6 +142,8 @@ def build_app(config: dict[str, Any] | None = None) -> serve.Application:
         num_replicas=http.num_replicas,
         # our own admission control answers 429; Serve must not queue before it
         max_ongoing_requests=http.max_inflight_requests + 16,
+        # a replica being stopped lets its streams finish (Serve's default cuts them after 20 s)
+        graceful_shutdown_timeout_s=http.graceful_shutdown_timeout_s,
         ray_actor_options={"num_cpus": http.replica_num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}},
     )
     return ingress.bind(cfg.model_dump(mode="json"))

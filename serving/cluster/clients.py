@@ -31,6 +31,8 @@ from serving.routing.router import EngineUnavailable, RequestRejected, Router
 
 logger = logging.getLogger("raypd.router")
 
+ABORT_TIMEOUT_S = 10.0
+
 
 def translate(exc: BaseException) -> Exception:
     """A Ray error as the router's exception."""
@@ -114,8 +116,10 @@ class RayEngineClient:
                     pass
 
     async def abort(self, request_id: str) -> None:
-        try:
-            await self.handle.abort.remote(request_id)
+        try:  # bounded: a hung engine never answers, and nothing waits for an abort's answer
+            await asyncio.wait_for(self.handle.abort.remote(request_id), ABORT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            logger.info("abort of %s on %s: no answer in %.0f s", request_id, self.engine_id, ABORT_TIMEOUT_S)
         except ray.exceptions.RayError as exc:
             self.actor.failed(exc)
             logger.info("abort of %s on %s failed: %s", request_id, self.engine_id, exc)
@@ -126,8 +130,8 @@ class RayEngineClient:
         except ray.exceptions.RayError as exc:
             raise self._error(exc) from None
 
-    async def check_health(self) -> bool:
-        return bool(await self.handle.check_health.remote())
+    async def check_health(self, timeout_s: float = 10.0) -> bool:
+        return bool(await asyncio.wait_for(self.handle.check_health.remote(), timeout_s))
 
 
 class RayDirectory:
@@ -164,6 +168,10 @@ class RayDirectory:
 
     def prefill_failed(self, decode_id: str, prefill_id: str, reason: str) -> None:
         self.coordinator.handle.prefill_failed.remote(decode_id, prefill_id, reason)
+
+    def engine_hung(self, engine_id: str, generation: int | None, reason: str) -> None:
+        """An engine missed a deadline: the coordinator probes it, evicts and restarts it (fire and forget)."""
+        self.coordinator.handle.engine_hung.remote(engine_id, generation, reason)
 
 
 def resolve_engine() -> Any:
@@ -208,6 +216,7 @@ def build_router(cfg: Any, deployment: Any) -> Router:
         resolve_engine=resolve_engine(),
         planner=planner_for(cfg.router, prefix_index_view(directory, cfg.router.index_refresh_s),
                             {r: b for r in ("prefill", "decode", "both") if (b := cfg.chunk_budget(r))}),
+        pull_timeout_s=cfg.transfer.read_timeout_s,
     )
     if cfg.autoscaler.enabled:  # the launcher runs the autoscaler; its status() is the autoscaler's
         handle = find_launcher(cfg.name)

@@ -20,7 +20,8 @@ from typing import Any
 
 import ray
 
-from actors.engine.actor import EngineActor, engine_actor_options
+from actors.engine.actor import EngineActor
+from actors.engine.options import engine_actor_options
 from actors.engine.startup import STARTUP_GROUP, StartPhase
 from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, ROLES, actor_name, actor_name_of, engine_id, placement_group_name
 from serving.config import DeploymentConfig

@@ -75,11 +75,14 @@ class Launcher:
 
     async def _launch_once(self) -> Deployment:
         cfg = self.cfg
-        coordinator = start_coordinator(detached=True, on_head_node=True, max_restarts=cfg.restarts.max_restarts,
+        restarts = cfg.restarts
+        coordinator = start_coordinator(detached=True, on_head_node=True, max_restarts=restarts.max_restarts,
                                         breaker=cfg.breaker.model_dump(),
-                                        handoff_deadline_s=cfg.transfer.handoff_deadline_s)
-        await asyncio.wait_for(coordinator.configure.remote(cfg.breaker.model_dump(),
-                                                            cfg.transfer.handoff_deadline_s), 60)
+                                        handoff_deadline_s=cfg.transfer.handoff_deadline_s,
+                                        hang_check_s=restarts.probe_interval_s,
+                                        ping_timeout_s=restarts.probe_timeout_s)
+        await asyncio.wait_for(coordinator.configure.remote(cfg.breaker.model_dump(), cfg.transfer.handoff_deadline_s,
+                                                            restarts.probe_interval_s, restarts.probe_timeout_s), 60)
         dep = await self._serving_pools(coordinator) if cfg.autoscaler.enabled else None
         if dep is None:
             dep = await self._start_all(coordinator)
@@ -141,12 +144,16 @@ class Launcher:
 
 
 # ------------------------------------------------------------ driver side
+def launcher_options(cfg: DeploymentConfig) -> dict[str, Any]:
+    """Ray options of the launcher actor (and so of the autoscaler inside it): restarted by Ray like
+    every raypd actor, at most `restarts.max_restarts` times."""
+    return dict(name=launcher_name(cfg.name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, max_concurrency=64, max_restarts=cfg.restarts.max_restarts,
+                resources={"node:__internal_head__": 0.001})  # beside the coordinator: lives as long as the cluster
+
+
 def _launcher(cfg: DeploymentConfig) -> Any:
-    return ray.remote(Launcher).options(
-        name=launcher_name(cfg.name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_concurrency=64, max_restarts=cfg.restarts.max_restarts,
-        resources={"node:__internal_head__": 0.001},  # beside the coordinator: lives as long as the cluster
-    ).remote(cfg.model_dump(mode="json"))
+    return ray.remote(Launcher).options(**launcher_options(cfg)).remote(cfg.model_dump(mode="json"))
 
 
 def launch(cfg: DeploymentConfig, timeout_s: float | None = None,

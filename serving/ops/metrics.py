@@ -8,7 +8,9 @@ Read from the router at scrape time (a custom collector, so nothing is copied
 on the hot path): prefill / decode queue depths, the breaker of every
 (prefill, decode) pair as the coordinator's ledger holds it (the one owner of
 breakers; the router reads it with its routes), KV transfer failures the
-router saw, prefill failures, retries, fallbacks, stream migrations, and the
+router saw, prefill failures, retries, fallbacks, stream migrations, readiness
+(`raypd_ready{reason}`: what `/health` answers), deadlines the engines missed and
+the hangs the coordinator judged (`raypd_engine_hangs_total`), and the
 engines' own stats (free blocks, leases held, running requests, transfer
 bytes and handshakes when the backend reports them).
 
@@ -31,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from serving.routing.status import jsonable
+from serving.routing.status import READINESS_CODES, jsonable
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -64,6 +66,19 @@ class RouterCollector(Collector):
         if router is None:
             return
         snap = router.snapshot()
+        if snap.readiness is not None:  # a state set: 1 on the current state (ok: /health answers 200)
+            ready = GaugeMetricFamily("raypd_ready", "1 on this front's readiness state, 0 on the others: ok (a "
+                                      "P/D path or a permitted fallback, /health 200) or why not (/health 503)",
+                                      labels=["reason"])
+            for code in READINESS_CODES:
+                ready.add_metric([code], 1 if snap.readiness.code == code else 0)
+            yield ready
+        yield _labelled(CounterMetricFamily("raypd_engine_hangs", "engine incarnations the coordinator judged hung "
+                                            "(no answer to its probe) and killed so that Ray restarts them",
+                                            labels=["engine"]), snap.hangs)
+        yield _labelled(CounterMetricFamily("raypd_deadline_misses", "engine calls that missed their deadline here "
+                                            "(the engine was then treated as hung)", labels=["engine", "call"]),
+                        snap.deadline_misses)
         pq = GaugeMetricFamily("raypd_prefill_queue_depth", "prefills in flight, per prefill engine",
                                labels=["engine"])
         for eid, load in snap.prefill_load.items():

@@ -9,7 +9,8 @@ and prefill failures) and the engines' last stats. Everything else reads it:
               no client for (scaled up, recreated), and forgets departed ones
               once nothing of ours runs there and their actor is gone;
   selection   `live_decodes` / `usable_prefills` intersect the directory's view
-              with the engines the pool knows, least loaded first;
+              with the engines the pool knows, least loaded first, leaving out the
+              incarnations that missed a deadline (`deadlines`, suspected hung);
   charges     `charge_decode` opens a `DecodeCharge` (paid back as tokens stream);
               `prefilling` counts a prefill's prompt tokens on the engine running it
               (a prefill engine's, or a decode engine's own local prefill);
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from actors.protocol import EngineRequest, EngineStats, PrefillResult, RouteTable, TokenChunk
+from serving.routing.deadlines import EngineDeadlines
 from serving.routing.rates import RateEstimator
 
 logger = logging.getLogger("raypd.router")
@@ -118,8 +120,10 @@ class DecodeCharge:
 class EnginePool:
     def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
                  resolve_engine: Callable[[str], EngineClient | None] | None = None,
-                 rates: RateEstimator | None = None):
+                 rates: RateEstimator | None = None, deadlines: EngineDeadlines | None = None):
         self.prefills, self.decodes = dict(prefills), dict(decodes)
+        # every engine call's deadline, the engines' measured rates, the incarnations suspected hung
+        self.deadlines = deadlines or EngineDeadlines()
         # engines the directory lists that the pool has no client for yet (scaled up, restarted)
         self.resolve_engine = resolve_engine
         self.decode_load: dict[str, Load] = {d: Load() for d in self.decodes}
@@ -162,14 +166,18 @@ class EnginePool:
         return "both" if p and d else "prefill" if p else "decode"
 
     # ----------------------------------------------------------- selection
+    def hung(self, engine_id: str, routes: RouteTable) -> bool:
+        """This incarnation of the engine missed a deadline of ours (held back, see `deadlines`)."""
+        return self.deadlines.suspected(engine_id, routes.generations.get(engine_id))
+
     def live_decodes(self, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
-        return [d for d in self.decodes if d in routes.decodes and d not in exclude]
+        return [d for d in self.decodes if d in routes.decodes and d not in exclude and not self.hung(d, routes)]
 
     def usable_prefills(self, decode_id: str, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
-        """Usable per the ledger, known here, not excluded; least loaded first."""
+        """Usable per the ledger, known here, not excluded, not suspected hung; least loaded first."""
         known, loads = self.prefills, self.prefill_load
         ids = [r.prefill_id for r in routes.decodes.get(decode_id, ()) if r.prefill_id in known
-               and r.prefill_id not in exclude]
+               and r.prefill_id not in exclude and not self.hung(r.prefill_id, routes)]
         return sorted(ids, key=lambda p: ((x := loads[p]).requests, x.tokens))
 
     # ------------------------------------------------------------- charges

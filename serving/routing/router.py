@@ -31,6 +31,14 @@ Life cycle of one request (`Router.open`):
      one, within `migration_wait_s`); closing it early (client disconnect)
      aborts the request on the decode and on the prefill engine.
 
+Every engine call a client waits for has a deadline derived from its work
+(`serving.routing.deadlines`): a prefill, a stream's first chunk, each later
+chunk. An engine that misses one is treated as hung, like a dead one: the
+attempt fails over (another prefill engine, another decode engine, or the
+stream migrates), the engine gets no new work from this router, and the
+coordinator is told (it probes, evicts and restarts the engine). A request
+that no engine can take now is refused at once (`NoDecodeEngine`: 503).
+
 Pure asyncio: engines are `EngineClient`s (`serving.routing.pool`) and the
 coordinator a `Directory` (`serving.routing.directory`), so unit tests drive it
 with fakes; `serving.cluster.clients` adapts Ray actor handles. Routing errors
@@ -50,6 +58,7 @@ from typing import Any
 
 from actors.protocol import EngineRequest, PrefillResult, RouteTable, Stamps, TokenChunk
 from serving.config import RouterConfig
+from serving.routing.deadlines import EngineDeadlines
 from serving.routing.directory import Directory, DirectoryView
 from serving.routing.errors import (
     EngineFailed,
@@ -79,11 +88,15 @@ class Router:
                  directory: Directory, config: RouterConfig | None = None,
                  directory_ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  resolve_engine: Callable[[str], EngineClient | None] | None = None,
-                 planner: RoutePlanner | None = None, probe_timeout_s: float = 0.5):
+                 planner: RoutePlanner | None = None, probe_timeout_s: float = 0.5,
+                 pull_timeout_s: float = 10.0):
         if not decodes:
             raise ValueError("a router needs at least one decode engine")
         self.config = config or RouterConfig()
-        self.pool = EnginePool(prefills, decodes, resolve_engine, RateEstimator(self.config.slo, clock))
+        # pull_timeout_s: the decode engines' bound on a KV pull (transfer.read_timeout_s)
+        self.deadlines = EngineDeadlines(self.config, pull_timeout_s, clock, report=self._report_hang)
+        self.pool = EnginePool(prefills, decodes, resolve_engine, RateEstimator(self.config.slo, clock),
+                               self.deadlines)
         self.directory = directory
         self.view = DirectoryView(directory, directory_ttl_s, clock, on_refresh=self.pool.sync)
         self.clock = clock
@@ -141,7 +154,9 @@ class Router:
             plan = self.planner.plan(self.pool, req, routes, next(self._rr), failed_decodes)
             if plan is None:
                 self.pool.counters["rejected_no_decode"] += 1
+                hung = self.deadlines.suspected_in(routes.generations)
                 raise NoDecodeEngine("no decode engine is available" + (
+                    f" (missed their deadlines, treated as hung: {', '.join(sorted(hung))})" if hung else "") + (
                     f" (directory: {self.view.error})" if self.view.error else ""))
             decode_id = plan.decode_id
             route = Route(decode_id, decode_generation=routes.generations.get(decode_id))
@@ -210,10 +225,12 @@ class Router:
     async def _prefill(self, route: Route, req: EngineRequest, estimate: int) -> PrefillResult | None:
         """Run the prompt on route.prefill_id; its result, or None after an engine failure (reported)."""
         p, d = route.prefill_id, route.decode_id
+        seconds = self.deadlines.prefill_s(p, estimate, queued=self.pool.prefill_load[p].tokens)
         with self._timed_prefill(p, estimate) as timing:
             try:
                 routed = Stamps.now(Stamps.ROUTED)
-                out = await self.pool.prefills[p].prefill(req)
+                out = await self.deadlines.within(p, self.view.generation_of(p), "prefill", seconds,
+                                                  self.pool.prefills[p].prefill(req))
                 timing.ok, timing.cached = True, out.num_cached_tokens
                 return out.replace(stamps=(routed, *out.stamps, Stamps.now(Stamps.ROUTER_IN)))
             except RequestRejected as exc:  # the client's mistake: no retry, no breaker
@@ -243,6 +260,7 @@ class Router:
             yield timing
         if not timing.ok:
             return
+        self.deadlines.observed_prefill(engine_id, tokens, self.clock() - t0)  # the deadlines' own rate
         computed = max(1, tokens - (timing.cached or 0))
         self.pool.rates.observe_step(engine_id, self.clock() - t0, streams, queued + computed,
                                      self.planner.steps_for(self.pool, engine_id, queued + computed))
@@ -254,10 +272,19 @@ class Router:
             logger.info("reporting a prefill failure of %s: %s", prefill_id, exc)
         self.outcome_reported()
 
+    def _report_hang(self, engine_id: str, generation: int | None, reason: str) -> None:
+        """An engine missed a deadline of ours: the coordinator decides (probe, evict, restart)."""
+        report = getattr(self.directory, "engine_hung", None)
+        if report is not None:
+            report(engine_id, generation, reason)
+
     async def _first_chunk(self, route: Route, req: EngineRequest, gen: AsyncIterator[TokenChunk]) -> TokenChunk:
-        """The decode stream's first chunk; a refusal is `InvalidRequest`, a dead engine `EngineUnavailable`."""
+        """The decode stream's first chunk (within its deadline: a local prefill of the prompt);
+        a refusal is `InvalidRequest`, a dead or hung engine `EngineUnavailable`."""
+        seconds = self.deadlines.first_chunk_s(route.decode_id, req.num_prompt_tokens, pulls=False)
         try:
-            return await gen.__anext__()
+            return await self.deadlines.within(route.decode_id, route.decode_generation, "first chunk", seconds,
+                                               gen.__anext__())
         except StopAsyncIteration:
             return TokenChunk.error_chunk(req.request_id, "the decode engine ended the stream without output")
         except RequestRejected as exc:
@@ -319,17 +346,26 @@ class Router:
     # -------------------------------------------------------------- status
     async def readiness(self) -> Readiness:
         """Whether this router can place a request now (the front's `/health`)."""
-        routes = await self.routes()
+        return self.readiness_of(await self.routes())
+
+    def readiness_of(self, routes: RouteTable | None) -> Readiness:
+        """Readiness as a view of the directory says (`snapshot()` uses the cached one)."""
+        routes = routes or RouteTable({})
         live = self.pool.live_decodes(routes)
+        hung = tuple(sorted(self.deadlines.suspected_in(routes.generations)))
         pd_paths = {d: tuple(self.pool.usable_prefills(d, routes)) for d in live}
         local_ok = bool(live) and (self.config.no_prefill_fallback == "decode_local" or not self.pool.prefills)
         ready = any(pd_paths.values()) or local_ok
-        reason = None
-        if not live:
-            reason = "no decode engine is alive"
+        reason, code = None, "ok"
+        if not live and any(d in routes.decodes for d in hung):
+            reason, code = (f"no decode engine can take a request: {', '.join(hung)} missed their deadlines "
+                            "(treated as hung; the coordinator restarts them)"), "decode_engines_hung"
+        elif not live:
+            reason, code = "no decode engine is alive", "no_decode_engine"
         elif not ready:
-            reason = "no compatible prefill engine with a closed breaker, and the fallback is reject"
-        return Readiness(ready, reason, tuple(live), pd_paths, local_ok, self.view.error)
+            reason, code = ("no compatible prefill engine with a closed breaker, and the fallback is reject",
+                            "no_prefill_engine")
+        return Readiness(ready, reason, tuple(live), pd_paths, local_ok, self.view.error, code, hung)
 
     async def refresh_engine_stats(self, timeout_s: float = 2.0) -> dict[str, Any]:
         """Every engine's stats, and the routes (breakers) when the cached ones are old."""
@@ -346,4 +382,4 @@ class Router:
     def snapshot(self) -> RouterSnapshot:
         """For `raypd status` and the metrics collector (breakers: the ledger's)."""
         return RouterSnapshot.of(self.pool, self.view.table or RouteTable({}), self.planner.snapshot(),
-                                 self.pool_status)
+                                 self.pool_status, self.readiness_of(self.view.table))

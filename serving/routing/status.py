@@ -22,6 +22,9 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
+READINESS_CODES = ("ok", "no_decode_engine", "decode_engines_hung", "no_prefill_engine")
+
+
 @dataclass(frozen=True)
 class Readiness:
     """Whether the router can place a request now, and why not."""
@@ -32,6 +35,9 @@ class Readiness:
     pd_paths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # decode -> usable prefill engines
     decode_local: bool = False  # decode engines may prefill themselves
     directory_error: str | None = None
+    # why not, as a label: ok | no_decode_engine | decode_engines_hung | no_prefill_engine
+    code: str = "ok"
+    hung: tuple[str, ...] = ()  # engines held back: they missed a deadline (serving/routing/deadlines.py)
 
     def to_json(self) -> dict[str, Any]:
         return jsonable(self)
@@ -58,9 +64,13 @@ class RouterSnapshot:
     planner: PlannerSnapshot = PlannerSnapshot()
     pools: Any = None  # serving.cluster.autoscaler.AutoscalerStatus when an autoscaler runs
     engines: dict[str, EngineStatus] = field(default_factory=dict)
+    readiness: Readiness | None = None  # as the cached view of the directory says
+    deadline_misses: dict[tuple[str, str], int] = field(default_factory=dict)  # (engine, call) -> misses seen here
+    hangs: dict[str, int] = field(default_factory=dict)  # engine -> incarnations the coordinator judged hung
 
     @classmethod
-    def of(cls, pool: EnginePool, routes: RouteTable, planner: PlannerSnapshot, pools: Any) -> "RouterSnapshot":
+    def of(cls, pool: EnginePool, routes: RouteTable, planner: PlannerSnapshot, pools: Any,
+           readiness: Readiness | None = None) -> "RouterSnapshot":
         return cls(
             decode_load={d: dataclasses.replace(x) for d, x in pool.decode_load.items()},
             prefill_load={p: dataclasses.replace(x) for p, x in pool.prefill_load.items()},
@@ -69,7 +79,8 @@ class RouterSnapshot:
             transfer_failures={(p, d): n for (d, p), n in pool.transfer_failures.items()},
             prefill_failures=dict(pool.prefill_failures),
             routes={d: tuple(r.prefill_id for r in rs) for d, rs in routes.decodes.items()},
-            planner=planner, pools=pools, engines=dict(pool.engine_stats),
+            planner=planner, pools=pools, engines=dict(pool.engine_stats), readiness=readiness,
+            deadline_misses=dict(pool.deadlines.misses), hangs=dict(routes.hangs),
         )
 
     def to_json(self) -> dict[str, Any]:

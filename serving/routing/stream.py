@@ -8,7 +8,8 @@ Life cycle of a `RoutedStream`:
   iterated   chunks come from the decode engine; the first decode chunk of a
              P/D stream carries the transfer verdict (recomputed, or the error
              of the `fail` policy: the stream ends there);
-  migrated   the decode engine died (or failed the request) mid-stream: the
+  migrated   the decode engine died, hung (missed a chunk's deadline:
+             `serving.routing.deadlines`) or failed the request mid-stream: the
              stream continues on another live decode engine, or on the
              restarted one within `migration_wait_s`, from what was already
              streamed (prompt + generated token ids, `num_resumed_tokens`), so
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -118,8 +120,18 @@ class RoutedStream:
             self._last_at = self.pool.rates.clock()
             self._observe(chunk)
             return chunk
+        deadlines = self.pool.deadlines
+        decode_id = self.decode_id
+        if self._awaiting_transfer:  # the KV pull (or its recompute) and one step
+            call, seconds = "first chunk", deadlines.first_chunk_s(decode_id, self.num_prompt_tokens, pulls=True)
+        else:
+            call, seconds = "token", deadlines.token_s(decode_id)
+        waited = time.monotonic()
         try:
-            chunk = await self._gen.__anext__()
+            chunk = await deadlines.within(decode_id, self.route.decode_generation, call, seconds,
+                                           self._gen.__anext__())
+            if not self._awaiting_transfer:
+                deadlines.observed_gap(decode_id, time.monotonic() - waited)
         except StopAsyncIteration:
             # the engine ended the stream without a final chunk: treat as finished
             chunk = TokenChunk(self.engine_request_id, finished=True, finish_reason="stop")
@@ -169,7 +181,8 @@ class RoutedStream:
     async def _migrate(self, exc: Exception) -> TokenChunk:
         """Continue on another live decode engine from what was streamed; the first chunk
         there, or an error chunk when no engine takes the stream."""
-        reason = "engine_died" if getattr(exc, "died", False) else "engine_error"
+        reason = ("engine_hung" if getattr(exc, "hung", False) else
+                  "engine_died" if getattr(exc, "died", False) else "engine_error")
         dead = self.decode_id
         self._last_at = None  # the next engine's first chunk recomputes the stream: no gap to learn
         failed = {dead: self.route.decode_generation}  # engines (incarnations) that let this stream down
@@ -194,8 +207,10 @@ class RoutedStream:
             self.route.decode_generation = self.migrator.generation_of(target)
             self.engine_request_id = req.request_id
             self._gen = self.pool.decodes[target].generate(req)
+            seconds = self.pool.deadlines.first_chunk_s(target, len(req.prompt_token_ids), pulls=False)
             try:
-                first = await self._gen.__anext__()
+                first = await self.pool.deadlines.within(target, self.route.decode_generation, "first chunk",
+                                                         seconds, self._gen.__anext__())
             except (StopAsyncIteration, RequestRejected) as err:
                 return TokenChunk.error_chunk(self.engine_request_id, f"migration to {target} failed: {err}",
                                               self.num_prompt_tokens)

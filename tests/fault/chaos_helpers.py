@@ -1,5 +1,6 @@
-"""Shared by the self-healing, migration and chaos tests: steady streaming load over HTTP, killing an
-engine's whole process tree with SIGKILL, and waiting for the coordinator to list an engine again."""
+"""Shared by the self-healing, migration, hang and chaos tests: steady streaming load over HTTP (each
+answer classified by how it ended), killing or freezing an engine's whole process tree, and waiting
+for the coordinator to list an engine again."""
 
 from __future__ import annotations
 
@@ -10,8 +11,17 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from collections import Counter
+
 import httpx
 import ray
+
+
+# How an answer ended. Clean: "completed" (a finish reason, then [DONE]), "error_event" (an SSE error
+# event, then [DONE]), "http_error" (a status other than 200 with an OpenAI error body). Never
+# acceptable: "cut" (the connection ended without [DONE], or the transport failed: RemoteProtocolError)
+# and "timeout" (no answer within the client's timeout).
+CLEAN = ("completed", "error_event", "http_error")
 
 
 @dataclass
@@ -22,6 +32,9 @@ class Answer:
     finish_reason: str | None
     started: float
     ended: float
+    outcome: str = "completed"
+    status: int = 200
+    code: str | None = None  # the error body's code (HTTP errors and error events)
 
 
 @dataclass
@@ -33,32 +46,50 @@ class SteadyLoad:
     prompts: list[str]
     max_tokens: int
     workers: int = 4
+    extra: dict = field(default_factory=dict)  # more request fields (ignore_eos: streams of a known length)
     answers: list[Answer] = field(default_factory=list)
     _stop: bool = False
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def one(self, client: httpx.AsyncClient, prompt: str, max_tokens: int | None = None) -> Answer:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens or self.max_tokens,
-                "stream": True, "temperature": 0}
+                "stream": True, "temperature": 0, **self.extra}
         t0, text, error, finish = time.monotonic(), "", None, None
+        outcome, status, code, done = "cut", 0, None, False
         try:
             async with client.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
+                status = r.status_code
                 if r.status_code != 200:
-                    error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
+                    raw = await r.aread()
+                    error = f"HTTP {r.status_code}: {raw.decode()[:300]}"
+                    try:
+                        code = json.loads(raw)["error"]["code"]
+                        outcome = "http_error"
+                    except (ValueError, KeyError, TypeError):
+                        outcome = "cut"  # not an error body: nothing a client can act on
                 else:
                     async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
+                        if line == "data: [DONE]":
+                            done = True
+                            continue
+                        if not line.startswith("data: "):
                             continue
                         event = json.loads(line[6:])
                         if "error" in event:
-                            error = event["error"]["message"]
+                            error, code = event["error"]["message"], event["error"].get("code")
                             continue
                         choice = event["choices"][0]
                         text += choice["text"]
                         finish = choice["finish_reason"] or finish
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        answer = Answer(prompt, text, error, finish, t0, time.monotonic())
+                    if done:
+                        outcome = "error_event" if error is not None else "completed" if finish else "cut"
+                    if outcome == "cut" and error is None:
+                        error = "cut: the stream ended without [DONE]"
+        except httpx.TimeoutException as exc:
+            outcome, error = "timeout", f"{type(exc).__name__}: {exc}"
+        except httpx.HTTPError as exc:  # RemoteProtocolError: the connection was cut mid-stream
+            outcome, error = "cut", f"{type(exc).__name__}: {exc}"
+        answer = Answer(prompt, text, error, finish, t0, time.monotonic(), outcome, status, code)
         self.answers.append(answer)
         return answer
 
@@ -81,6 +112,9 @@ class SteadyLoad:
     def errors(self) -> list[Answer]:
         return [a for a in self.answers if a.error is not None]
 
+    def outcomes(self) -> dict[str, int]:
+        return dict(Counter(a.outcome for a in self.answers))
+
 
 async def process_tree(engine) -> list[int]:
     """The engine actor's pid and its children's (rank actors, or vLLM's engine core)."""
@@ -88,12 +122,33 @@ async def process_tree(engine) -> list[int]:
     return [stats.pid, *stats.backend.child_pids]
 
 
-def kill_tree(pids: list[int]) -> None:
+def kill_tree(pids: list[int], sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def freeze_tree(pids: list[int]) -> list[int]:
+    """SIGSTOP the processes and all their descendants (what a wedged driver call or a livelocked
+    worker looks like); returns every pid stopped, for `kill_tree(pids, signal.SIGCONT)`."""
+    import psutil
+
+    stopped = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            procs = [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGSTOP)
+                stopped.append(p.pid)
+            except psutil.Error:
+                pass
+    return stopped
 
 
 async def wait_generation(coordinator, engine_id: str, after: int, timeout_s: float = 120.0) -> int:

@@ -52,37 +52,41 @@ def chat(**kw):
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
 
 
+# (case, path, body, headers, the one expected answer: status, error code, param)
 HTTP_CASES = [
-    ("malformed json", "completions", b'{"model": "synthetic-tiny", "prompt": ', AUTH),
-    ("invalid utf-8", "completions", b'{"model": "synthetic-tiny", "prompt": "\xff\xfe"}', AUTH),
-    ("body is a list", "completions", b"[1, 2, 3]", AUTH),
-    ("max_tokens wrong type", "completions", completion(max_tokens="many"), AUTH),
-    ("max_tokens negative", "completions", completion(max_tokens=-1), AUTH),
-    ("max_tokens huge", "completions", completion(max_tokens=10**9), AUTH),
-    ("prompt longer than the context", "completions", completion(prompt="z" * 5000), AUTH),
-    ("prompt wrong type", "completions", completion(prompt={"a": 1}), AUTH),
-    ("empty prompt", "completions", completion(prompt=""), AUTH),
-    ("unknown model", "completions", completion(model="not-a-model"), AUTH),
-    ("missing api key", "completions", completion(), {"Content-Type": "application/json"}),
-    ("wrong api key", "completions", completion(), {"Authorization": "Bearer sk-wrong"}),
-    ("n > 1", "completions", completion(n=2), AUTH),
-    ("temperature negative", "completions", completion(temperature=-1), AUTH),
-    ("top_p out of range", "completions", completion(top_p=7), AUTH),
-    ("stop wrong type", "completions", completion(stop=5), AUTH),
-    ("oversized body", "completions", completion(prompt="q" * (100 * 1024)), AUTH),
-    ("chat messages not a list", "chat/completions", chat(messages="hi"), AUTH),
+    ("malformed json", "completions", b'{"model": "synthetic-tiny", "prompt": ', AUTH, (400, "invalid_json", None)),
+    ("invalid utf-8", "completions", b'{"model": "synthetic-tiny", "prompt": "\xff\xfe"}', AUTH,
+     (400, "invalid_encoding", None)),
+    ("body is a list", "completions", b"[1, 2, 3]", AUTH, (400, "invalid_json", None)),
+    ("max_tokens wrong type", "completions", completion(max_tokens="many"), AUTH, (400, "invalid_type", "max_tokens")),
+    ("max_tokens negative", "completions", completion(max_tokens=-1), AUTH, (400, "invalid_value", "max_tokens")),
+    ("max_tokens huge", "completions", completion(max_tokens=10**9), AUTH, (400, "invalid_value", "max_tokens")),
+    ("prompt longer than the context", "completions", completion(prompt="z" * 5000), AUTH,
+     (400, "invalid_value", "input_tokens")),
+    ("prompt wrong type", "completions", completion(prompt={"a": 1}), AUTH, (400, "invalid_type", "prompt")),
+    ("empty prompt", "completions", completion(prompt=""), AUTH, (400, "invalid_value", "prompt")),
+    ("unknown model", "completions", completion(model="not-a-model"), AUTH, (404, "model_not_found", "model")),
+    ("missing api key", "completions", completion(), {"Content-Type": "application/json"},
+     (401, "invalid_api_key", None)),
+    ("wrong api key", "completions", completion(), {"Authorization": "Bearer sk-wrong"}, (401, "invalid_api_key", None)),
+    ("n > 1", "completions", completion(n=2), AUTH, (400, "unsupported_parameter", "n")),
+    ("temperature negative", "completions", completion(temperature=-1), AUTH, (400, "invalid_value", "temperature")),
+    ("top_p out of range", "completions", completion(top_p=7), AUTH, (400, "invalid_value", "top_p")),
+    ("stop wrong type", "completions", completion(stop=5), AUTH, (400, "invalid_type", "stop")),
+    ("oversized body", "completions", completion(prompt="q" * (100 * 1024)), AUTH, (413, "request_too_large", None)),
+    ("chat messages not a list", "chat/completions", chat(messages="hi"), AUTH, (400, "invalid_type", "messages")),
     # (no messages and custom roles are accepted, as by vLLM: the chat template decides)
-    ("chat max_tokens negative", "chat/completions", chat(max_tokens=-5), AUTH),
+    ("chat max_tokens negative", "chat/completions", chat(max_tokens=-5), AUTH, (400, "invalid_value", "max_tokens")),
 ]
 
 
-@pytest.mark.parametrize("name, path, body, headers", HTTP_CASES, ids=[c[0] for c in HTTP_CASES])
-def test_http_bad_input_gets_a_clear_4xx(service, name, path, body, headers):
+@pytest.mark.parametrize("name, path, body, headers, expected", HTTP_CASES, ids=[c[0] for c in HTTP_CASES])
+def test_http_bad_input_gets_its_own_4xx_and_code(service, name, path, body, headers, expected):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(f"{service['url']}/v1/{path}", content=content, headers=headers, timeout=30)
-    assert 400 <= r.status_code < 500, (r.status_code, r.text)
     err = r.json()["error"]
-    assert err["message"] and err["type"], err
+    assert (r.status_code, err["code"], err["param"]) == expected, r.text
+    assert err["message"] and err["type"] == "invalid_request_error", err
     assert httpx.get(service["url"] + "/health").status_code == 200
 
 

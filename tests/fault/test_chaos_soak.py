@@ -1,9 +1,12 @@
 """Chaos soak (synthetic engines, ~5 minutes; `RAYPD_CHAOS_S` changes it): steady mixed load over
-HTTP while a chaos loop kill -9s a random engine's process tree or a random rank actor every few
-seconds and 5 % of KV pulls fail on purpose.
+HTTP while a chaos loop, every few seconds, kill -9s a random engine's process tree or a random rank
+actor, or freezes an engine's process tree (SIGSTOP: the routers' deadlines and the coordinator's
+probe find it hung, it is killed and restarted), and 5 % of KV pulls fail on purpose.
 
-Every completed answer equals the colocated reference, every failure is a clean error (an HTTP
-error body or an SSE error event, never a hang or a silent cut), and at the end every engine is
+Every answer is counted by how it ended (chaos_helpers.Answer.outcome): completed and equal to
+the colocated reference, a clean error (an HTTP error body, or an SSE error event followed by
+[DONE]), or a failure: completed with another answer, cut (the connection ended without [DONE]:
+httpx.RemoteProtocolError) or timed out. The test fails on any failure; at the end every engine is
 back (registered, healthy) and nothing is held: blocks, leases, ledger handoffs, placement groups.
 """
 
@@ -12,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -23,7 +28,7 @@ from serving.config import DeploymentConfig
 from serving.cluster.launcher import launch, shutdown_deployment
 from serving.cluster.clients import build_router
 
-from chaos_helpers import SteadyLoad, deployment_placement_groups, kill_tree
+from chaos_helpers import CLEAN, Answer, SteadyLoad, deployment_placement_groups, freeze_tree, kill_tree
 from engine_calls import collect, request
 from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port, wait_blocks_at_baseline
 
@@ -52,8 +57,6 @@ class MixedLoad(SteadyLoad):
                 answer.prompt = (prompt, n)
 
     async def whole(self, client: httpx.AsyncClient, prompt: str, n: int):
-        from chaos_helpers import Answer
-
         t0 = time.monotonic()
         try:
             r = await client.post(self.url + "/v1/completions", timeout=120,
@@ -64,9 +67,11 @@ class MixedLoad(SteadyLoad):
                                 t0, time.monotonic())
             else:
                 answer = Answer(prompt, "", f"HTTP {r.status_code}: {body['error']['message']}", None,
-                                t0, time.monotonic())
+                                t0, time.monotonic(), "http_error", r.status_code, body["error"]["code"])
+        except httpx.TimeoutException as exc:
+            answer = Answer(prompt, "", f"{type(exc).__name__}: {exc}", None, t0, time.monotonic(), "timeout", 0)
         except (httpx.HTTPError, ValueError, KeyError) as exc:
-            answer = Answer(prompt, "", f"unclean: {type(exc).__name__}: {exc}", None, t0, time.monotonic())
+            answer = Answer(prompt, "", f"{type(exc).__name__}: {exc}", None, t0, time.monotonic(), "cut", 0)
         self.answers.append(answer)
         return answer
 
@@ -89,6 +94,7 @@ def test_chaos_soak(coordinator):
     decode = next(iter(dep.decodes.values()))
     port = free_port()
     kills: list[str] = []
+    frozen: list[int] = []
 
     async def references():
         return {(p, n): "".join(c.text for c in await collect(decode, request(f"ref-{i}-{n}", p, max_tokens=n)))
@@ -99,16 +105,20 @@ def test_chaos_soak(coordinator):
             await asyncio.sleep(rng.uniform(*KILL_EVERY_S))
             eid = rng.choice(sorted(dep.engines))
             try:
-                stats = await asyncio.wait_for(dep.engines[eid].stats.remote(), 30)
+                stats = await asyncio.wait_for(dep.engines[eid].stats.remote(), 5)
             except (ray.exceptions.RayError, asyncio.TimeoutError):
-                continue  # still restarting from an earlier kill
+                continue  # still restarting from an earlier kill, or frozen
             ranks = stats.backend.child_pids
-            if ranks and rng.random() < 0.5:
+            action = rng.random()
+            if ranks and action < 0.4:
                 kill_tree([rng.choice(ranks)])
                 kills.append(f"{eid}:rank")
-            else:
+            elif action < 0.8:
                 kill_tree([stats.pid, *ranks])
                 kills.append(f"{eid}:tree")
+            else:
+                frozen.extend(freeze_tree([stats.pid, *ranks]))
+                kills.append(f"{eid}:freeze")
 
     try:
         want = asyncio.run(references())
@@ -132,19 +142,22 @@ def test_chaos_soak(coordinator):
             after = wait_blocks_at_baseline(dep, baseline, timeout_s=60)
             ledger = ray.get(dep.coordinator.transfers.remote())
     finally:
+        kill_tree(frozen, signal.SIGCONT)  # (killed by the coordinator long since)
         left_pgs = deployment_placement_groups(NAME)
         shutdown_deployment(NAME, keep_coordinator=True)
 
-    done = [a for a in answers if a.error is None]
-    failed = [a for a in answers if a.error is not None]
-    print(f"chaos soak {DURATION_S:.0f} s: {len(kills)} kills ({', '.join(kills)}); {len(answers)} requests, "
-          f"{len(done)} complete, {len(failed)} clean errors; migrations {dict(router.pool.migrations)}, "
-          f"fallbacks {dict(router.pool.fallbacks)}, recomputed {router.pool.counters['recomputed']}")
-    assert len(kills) >= DURATION_S / KILL_EVERY_S[1] - 1 and done
-    wrong = [a for a in done if a.text != want[a.prompt]]
+    outcomes = Counter("completed and equal" if a.outcome == "completed" and a.text == want[a.prompt] else
+                       "completed but wrong" if a.outcome == "completed" else
+                       "clean error" if a.outcome in CLEAN else a.outcome for a in answers)
+    print(f"chaos soak {DURATION_S:.0f} s: {len(kills)} kills ({', '.join(kills)}); {len(answers)} requests: "
+          f"{dict(outcomes)}; error codes {dict(Counter(a.code for a in answers if a.outcome in CLEAN[1:]))}; "
+          f"migrations {dict(router.pool.migrations)}, fallbacks {dict(router.pool.fallbacks)}, "
+          f"recomputed {router.pool.counters['recomputed']}")
+    assert len(kills) >= DURATION_S / KILL_EVERY_S[1] - 1 and outcomes["completed and equal"]
+    wrong = [a for a in answers if a.outcome == "completed" and a.text != want[a.prompt]]
     assert wrong == [], wrong[:3]  # never a wrong answer
-    unclean = [a for a in failed if not a.error or a.error.startswith("unclean") or "ReadTimeout" in a.error]
-    assert unclean == [], unclean[:3]  # every failure is a clean error
+    unclean = [a for a in answers if a.outcome not in CLEAN]
+    assert unclean == [], unclean[:3]  # never a cut stream or a timeout: every failure is a clean error
     assert registered >= set(dep.engines) and healthy  # every engine is back
     for eid, s in after.items():
         assert s.free_blocks == baseline[eid].free_blocks and s.held_leases == 0, (eid, s)

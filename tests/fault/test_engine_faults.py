@@ -164,10 +164,18 @@ def test_failed_transfers_open_the_pair_breaker_in_the_ledger(coordinator):
 
 def test_a_decode_rank_killed_between_reporting_and_the_verdict_yields_exactly_one_verdict(coordinator):
     """Decode rank 0 has read (and reported) its share, rank 1's READ is still in flight when
-    rank 0 is killed: the step is salvaged (`unit_died`), the verdict completes at once, once."""
+    rank 0 is killed: the step is salvaged (`unit_died`), the verdict completes at once, once, and
+    the ledger says the salvage decided it. (The decode engine is registered without its ranks as
+    liveness handles, so the rank's death does not evict it: an eviction would end the handoff too,
+    and the test could not tell the two apart. Salvage exists on synthetic engines only: with vLLM a
+    dead worker takes its engine core down, see README "Failure semantics".)"""
 
     async def go():
-        p, d = await engines(coordinator, ("sv-P", "prefill", 2), ("sv-D", "decode", 2))
+        (p,) = await engines(coordinator, ("sv-P", "prefill", 2))
+        d = SyntheticEngine("sv-D", "decode", MODEL, EngineShape(2, block_size=8, num_blocks=64), coordinator,
+                            register=False)
+        await d.start()
+        await coordinator.register_engine.remote("sv-D", "decode", list(d.handshakes), [])
         stopped = None
         try:
             out = await d.decode("warm", TransferParams.parse(await p.prefill("warm", PROMPT)), PROMPT)  # handshakes done
@@ -179,7 +187,8 @@ def test_a_decode_rank_killed_between_reporting_and_the_verdict_yields_exactly_o
             stopped = await p.ranks[1].pid.remote()
             os.kill(stopped, signal.SIGSTOP)
             await coordinator.open_handoff.remote("r", "sv-P", "sv-D")
-            before = (await coordinator.transfers.remote()).verdicts
+            snap = await coordinator.transfers.remote()
+            before, before_ended = snap.verdicts, snap.ended_by
             pull = asyncio.ensure_future(d.decode("r", TransferParams.parse(params), PROMPT, timeout_s=60))
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:  # D's rank 0 finishes its share and reports it
@@ -194,18 +203,82 @@ def test_a_decode_rank_killed_between_reporting_and_the_verdict_yields_exactly_o
             took = time.monotonic() - t0
             ledger = await coordinator.transfers.remote()
             events = [e["event"] for e in await coordinator.recent_events.remote() if e["engine_id"] == "sv-D"]
-            return took, before, ledger, events
+            return took, before, before_ended, ledger, events
         finally:
             if stopped is not None:
                 os.kill(stopped, signal.SIGCONT)
             await p.abort("r")
             for e in (p, d):
                 await e.shutdown()
+            await coordinator.unregister_engine.remote("sv-D", "test over")
 
-    took, before, ledger, events = asyncio.run(go())
+    took, before, before_ended, ledger, events = asyncio.run(go())
     assert took < 5.0  # no waiting for a read timeout or the handoff deadline
-    assert "unit_died" in events
+    assert "unit_died" in events and "removed" not in events
+    ended = {k: n - before_ended.get(k, 0) for k, n in ledger.ended_by.items() if n != before_ended.get(k, 0)}
+    assert ended == {"salvage": 1}, ended  # decided by the salvaged step, not by an eviction
     assert ledger.in_flight == 0  # nothing left to expire later
     assert ledger.verdicts["failed"] - before["failed"] == 1 and ledger.verdicts["ok"] == before["ok"]
     assert ledger.verdicts["expired"] == before["expired"]
 
+
+
+def test_rank_actors_follow_the_deployments_restart_bound(coordinator):
+    """restarts.max_restarts reaches the rank actors (EngineConfig.max_restarts -> rank_max_restarts):
+    with 0, a killed rank stays dead and its engine says it cannot serve."""
+
+    async def go():
+        (p,) = await engines(coordinator, ("rb-P", "prefill", 1), rank_max_restarts=0)
+        try:
+            os.kill(await p.ranks[0].pid.remote(), signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while p.dead is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            return p.dead
+        finally:
+            await p.shutdown()
+
+    dead = asyncio.run(go())
+    assert dead == "rank 0 died and was not restarted (ActorDiedError)", dead
+
+
+def test_a_failed_handshake_decides_the_handoff_once_and_reaches_the_pairs_breaker(coordinator):
+    """A decode engine asked to pull from a producer its ranks cannot handshake with (registered,
+    but another model: an incompatible payload): the pull fails before any READ, the decode engine
+    reports `handshake_failed`, and the ledger closes the open handoff with one failed verdict
+    decided by the handshake, on that pair's breaker, with the reason."""
+
+    async def go():
+        (d,) = await engines(coordinator, ("hf-D", "decode", 1))
+        x = SyntheticEngine("hf-X", "prefill", SyntheticModel(num_layers=2, num_kv_heads=2, head_size=32,
+                                                              model_id="another-model"),
+                            EngineShape(1, block_size=8, num_blocks=64), coordinator)
+        try:
+            verdicts = await x.start()
+            assert "different model" in verdicts["hf-X->hf-D"]  # never paired by the routers...
+            params = await x.prefill("h", PROMPT)
+            snap = await coordinator.transfers.remote()
+            await coordinator.open_handoff.remote("h", "hf-X", "hf-D")  # ... but a forged request can name it
+            with pytest.raises(TransferFailed, match="HandshakeError"):
+                await d.decode("h", TransferParams.parse(params), PROMPT)
+            deadline = time.monotonic() + 10
+            while (await coordinator.transfers.remote()).in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            after = await coordinator.transfers.remote()
+            events = [e for e in await coordinator.recent_events.remote() if e["event"] == "handshake_failed"
+                      and e["engine_id"] == "hf-D"]
+            await x.abort("h")
+            return snap, after, events, d.pool.num_free == d.pool.num_blocks
+        finally:
+            for e in (d, x):
+                await e.shutdown()
+
+    before, after, events, decode_free = asyncio.run(go())
+    assert after.in_flight == 0
+    ended = {k: n - before.ended_by.get(k, 0) for k, n in after.ended_by.items() if n != before.ended_by.get(k, 0)}
+    assert ended == {"handshake": 1}, ended  # one verdict, decided by the handshake (not a report, not expiry)
+    assert after.verdicts["failed"] - before.verdicts["failed"] == 1
+    pair = {b.pair: b for b in after.breakers}["hf-X->hf-D"]
+    assert pair.failures == 1 and pair.last_reason.startswith("handshake failed: HandshakeError"), pair
+    assert len(events) == 1 and events[0]["prefill_id"] == "hf-X"
+    assert decode_free  # nothing held on the decode side

@@ -2,22 +2,28 @@
 two decode engines):
 
 - a prefill nobody will read is released through vLLM's rejection hook: its blocks are free
-  within an engine step, far under the lease TTL;
+  within an engine step, far under the lease TTL; while it waits for its reader it is a held
+  lease the autoscaler's drain sees (the engine is not idle);
 - 30 requests vLLM refuses (out-of-vocabulary ids, longer than the context): all 400, never
   retried, every breaker still closed, P/D still used afterwards;
 - migration: 20 concurrent greedy streams through the router, one decode engine killed (-9, actor
   and engine core) mid-stream: every stream completes without an error and equals its
   uninterrupted reference (the other decode engine recomputed prompt + streamed tokens), and the
-  killed engine rejoins by itself.
+  killed engine rejoins by itself;
+- a hung decode engine: the same 20 streams, one decode engine frozen (SIGSTOP of its actor and
+  vLLM processes) mid-stream: every stream completes by migration, equal to its uninterrupted
+  reference; the coordinator kills the frozen engine and it rejoins as a new incarnation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 
 import pytest
+import ray
 
 from actors.models.local import build_tiny_llama
 from serving.config import DeploymentConfig
@@ -25,7 +31,7 @@ from serving.cluster.launcher import launch, shutdown_deployment
 from serving.cluster.clients import build_router
 from serving.routing.errors import InvalidRequest
 
-from chaos_helpers import generation, kill_tree, pair_states, wait_generation
+from chaos_helpers import freeze_tree, generation, kill_tree, pair_states, wait_generation
 from engine_calls import request
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -71,10 +77,14 @@ def test_unread_prefill_is_released_within_a_step(service):
                                                    max_tokens=8))
         held = len(pre.kv_transfer_params["remote_block_ids"])
         assert (await prefill.stats.remote()).free_blocks == base - held
+        waiting = await prefill.load.remote()  # what the autoscaler's drain reads
         await prefill.abort.remote("unread")  # the router's release: nobody will read it
-        return base, *(await wait_free(prefill, base, LEASE_TTL_S / 2)), (await prefill.stats.remote())
+        return (base, *(await wait_free(prefill, base, LEASE_TTL_S / 2)), (await prefill.stats.remote()),
+                waiting, await prefill.load.remote())
 
-    base, free, took, stats = asyncio.run(go())
+    base, free, took, stats, waiting, released = asyncio.run(go())
+    assert (waiting.held_leases, waiting.idle) == (1, False)  # the drain waits for its reader
+    assert (released.held_leases, released.idle) == (0, True)
     print(f"unread prefill released in {took * 1000:.0f} ms (lease TTL {LEASE_TTL_S:.0f} s)")
     assert free == base and took < 2.0, (free, base, took)
     assert stats.backend.counters["released"] == 1
@@ -110,9 +120,27 @@ def test_engine_side_rejections_are_400_and_open_no_breaker(service, coordinator
 
 
 def test_twenty_greedy_streams_survive_a_decode_engine_kill(service, coordinator):
+    victim_id, reference, answers, back_s = twenty_streams_and_a_fault(service, coordinator, "kill")
+    check_every_stream_migrated_token_for_token(victim_id, reference, answers, back_s)
+
+
+def test_twenty_greedy_streams_survive_a_hung_decode_engine(service, coordinator):
+    router = service["router"]
+    victim_id, reference, answers, back_s = twenty_streams_and_a_fault(service, coordinator, "freeze")
+    check_every_stream_migrated_token_for_token(victim_id, reference, answers, back_s)
+    assert router.pool.migrations["engine_hung"] >= 1  # found hung by its deadline, not dead
+    events = [e for e in ray.get(coordinator.recent_events.remote(1000)) if e["engine_id"] == victim_id]
+    assert any(e["event"] == "removed" and e["reason"].startswith("hung:") for e in events[-5:]), events[-5:]
+
+
+def twenty_streams_and_a_fault(service, coordinator, fault: str):
+    """20 concurrent greedy streams, their uninterrupted references, and one decode engine killed
+    (-9, actor and engine core) or frozen (SIGSTOP, the same tree) once a third of the tokens are
+    out; returns (victim, references, answers, seconds until the victim was back)."""
     dep, router = service["dep"], service["router"]
     prompts = [[rng.randrange(1000, 40000) for _ in range(20 + 3 * i)] for i in range(20)]
     max_tokens = 160  # long enough that the engine is still generating when it is killed
+    frozen: list[int] = []
 
     async def one(i: int, prompt: list[int]):
         stream = await router.open(request(f"mig{i}-{time.monotonic_ns()}", token_ids=prompt, max_tokens=max_tokens))
@@ -136,14 +164,24 @@ def test_twenty_greedy_streams_survive_a_decode_engine_kill(service, coordinator
         stats = await dep.decodes[victim_id].stats.remote()
         gen = await generation(coordinator, victim_id)
         t0 = time.monotonic()
-        kill_tree([stats.pid, *stats.backend.child_pids])
+        if fault == "kill":
+            kill_tree([stats.pid, *stats.backend.child_pids])
+        else:
+            frozen.extend(freeze_tree([stats.pid]))  # the actor and every vLLM process under it
         answers = await asyncio.gather(*streams)
         await wait_generation(coordinator, victim_id, gen, timeout_s=300)  # it rejoins by itself
         return reference, answers, victim_id, time.monotonic() - t0
 
-    reference, answers, victim_id, back_s = asyncio.run(go())
+    try:
+        reference, answers, victim_id, back_s = asyncio.run(go())
+    finally:
+        kill_tree(frozen, signal.SIGCONT)  # (killed by the coordinator by now)
+    return victim_id, reference, answers, back_s
+
+
+def check_every_stream_migrated_token_for_token(victim_id, reference, answers, back_s):
     migrated = [i for i, (_, _, m) in enumerate(answers) if m]
-    print(f"killed {victim_id}: {len(migrated)} of 20 streams migrated; the engine was back in {back_s:.0f} s")
+    print(f"{victim_id}: {len(migrated)} of 20 streams migrated; the engine was back in {back_s:.0f} s")
     assert [last.error for _, last, _ in answers] == [None] * 20  # no error on any stream
     differ = {i: (i in migrated, next((k for k, (a, b) in enumerate(zip(ans, ref)) if a != b), None))
               for i, ((ans, _, _), (ref, _, _)) in enumerate(zip(answers, reference)) if ans != ref}

@@ -47,3 +47,9 @@ def test_engine_kwargs_vllm_refuses_fail_the_build_naming_the_key():
     pytest.importorskip("vllm")
     with pytest.raises(ConfigError, match=r"both\.engine_kwargs\.max_num_seqz"):
         build_app({"config_path": "configs/local.yaml", "both": {"engine_kwargs": {"max_num_seqz": 4}}})
+
+
+def test_ingress_replicas_let_their_streams_finish_when_serve_stops_them():
+    app = build_app({"backend": "synthetic", "http": {"graceful_shutdown_timeout_s": 300}})
+    assert app._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 300
+    assert build_app({"backend": "synthetic"})._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 120

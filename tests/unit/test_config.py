@@ -143,3 +143,13 @@ def test_a_prefill_engine_runs_one_prompt_at_a_time_unless_its_engine_kwargs_say
     assert own.engine_config("prefill").engine_kwargs["max_num_seqs"] == 8
     shared = DeploymentConfig.from_dict({"backend": "vllm", "model": "m", "engine_kwargs": {"max_num_seqs": 4}})
     assert shared.engine_config("prefill").engine_kwargs["max_num_seqs"] == 4
+
+
+def test_every_restarted_actor_follows_restarts_max_restarts():
+    """Engines, their rank actors (synthetic), the coordinator and the launcher (the autoscaler runs in it):
+    one bound."""
+    from serving.cluster.launcher import launcher_options
+
+    cfg = DeploymentConfig.from_dict({"backend": "synthetic", "restarts": {"max_restarts": 2}})
+    assert cfg.engine_config("prefill").max_restarts == cfg.engine_config("decode").max_restarts == 2
+    assert launcher_options(cfg)["max_restarts"] == 2  # bounded, never -1

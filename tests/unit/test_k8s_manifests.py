@@ -195,6 +195,7 @@ def test_engines_land_on_their_own_worker_groups(name, doc):
         assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == getattr(cfg, role).count
         c = validate.ray_container(g)
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "serve"}
+        assert "livenessProbe" not in c  # KubeRay's own (the raylet's health); /health is readiness only
         assert validate.named_port(c, "serve") == cfg.http.port
     assert "readinessProbe" not in validate.ray_container(head)
 
@@ -446,6 +447,9 @@ BROKEN = [
      "no /health readinessProbe"),
     ("engine pod without readiness", lambda d: _container(d).pop("readinessProbe"),
      "readinessProbe must be httpGet /health"),
+    ("liveness on readiness", lambda d: _container(d).update(livenessProbe={"httpGet": {"path": "/health",
+                                                                                       "port": "serve"}}),
+     "no livenessProbe on /health"),
     ("loopback host", lambda d: _edit_serve(d, "host: 0.0.0.0           #", "host: 127.0.0.1         #"), "0.0.0.0"),
     ("model not on a volume", lambda d: _edit_serve(d, "/models/Llama-3.1-8B-Instruct", "/data/llama"), "on no volume"),
     ("GPUs hidden by Ray",

@@ -88,9 +88,25 @@ def test_dead_unit_step_is_salvaged_into_exactly_one_verdict():
     led.open("r", "P", "D")
     # unit 0's success and unit 1's death-on-behalf failure were collected in the step the unit died in
     (v,) = led.unit_died("D", [out(done=["r"]), out(failed=["r"])])
-    assert v.req_id == "r" and not v.ok
+    assert (v.req_id, v.ok, v.source) == ("r", False, "salvage")  # decided by the salvaged step
     assert led.report("D", [None, None]) == [] and led.in_flight() == []
-    assert led.verdicts["failed"] == 1
+    assert led.verdicts["failed"] == 1 and led.snapshot().ended_by == {"salvage": 1}
+
+
+def test_every_handoff_records_what_ended_it():
+    clock = Clock()
+    led = ledger(clock)
+    for r in ("a", "b", "c", "d", "e", "f"):
+        led.open(r, "P", "D")
+    led.report("D", [out(done=["a"]), out(done=["a"])])
+    led.handshake_failed("D", "P", "incompatible", "b")
+    led.abort("c")
+    led.engine_died("D", "killed", [("D", "P")])  # d, e and f end with their engine
+    assert led.snapshot().ended_by == {"report": 1, "handshake": 1, "aborted": 1, "eviction": 3}
+    led.open("g", "P", "D")
+    clock.now = 1000.0
+    (v,) = led.expire()
+    assert v.source == "expired" and led.snapshot().ended_by["expired"] == 1
 
 
 def test_handoff_past_its_deadline_is_failed_and_forgotten():

@@ -43,7 +43,7 @@ class FakeEngine:
     """
 
     def __init__(self, engine_id, tokens=None, prefill_error=None, first_chunk=None, fail_after=None,
-                 recomputed=False, gate=None):
+                 recomputed=False, gate=None, hang_after=None):
         self.engine_id = engine_id
         self.tokens = tokens  # None: as many as max_tokens asks
         self.prefill_error = prefill_error  # exception raised by prefill()
@@ -51,6 +51,7 @@ class FakeEngine:
         self.fail_after = fail_after  # raise EngineUnavailable(died) after this many tokens
         self.recomputed = recomputed
         self.gate = gate  # asyncio.Event awaited before answering
+        self.hang_after = hang_after  # never answer again after this many tokens (a frozen engine)
         self.ledger = None  # set by make(): decode engines report transfer verdicts like real ones
         self.prefills: list[EngineRequest] = []
         self.generates: list[EngineRequest] = []
@@ -85,6 +86,8 @@ class FakeEngine:
         for i in range(n):
             if self.fail_after is not None and i == self.fail_after:
                 raise EngineUnavailable("actor died", died=True)
+            if self.hang_after is not None and i >= self.hang_after:
+                await asyncio.Event().wait()
             pos = req.num_resumed_tokens + i
             last = i == n - 1
             yield TokenChunk(rid, (pos,), f" t{pos}", finished=last, finish_reason="length" if last else None,
@@ -109,6 +112,7 @@ class FakeDirectory:
         self.calls = 0
         self.probes = 0
         self.error = None
+        self.hung_reports: list[tuple] = []
 
     async def routes(self):
         self.calls += 1
@@ -125,6 +129,9 @@ class FakeDirectory:
 
     def prefill_failed(self, decode_id, prefill_id, reason):
         self.ledger.prefill_failed(decode_id, prefill_id, reason)
+
+    def engine_hung(self, engine_id, generation, reason):
+        self.hung_reports.append((engine_id, generation, reason))
 
     def state(self, decode_id, prefill_id):
         return self.ledger.route_state(decode_id, prefill_id)

@@ -40,7 +40,8 @@ class SyntheticBackend:
         self.engine = SyntheticEngine(self.engine_id, self.cfg.role, self.model, self.shape, coordinator,
                                       lease_ttl_s=self.cfg.lease_ttl_s, read_timeout_s=self.cfg.read_timeout_s,
                                       register=False, fault_rate=self.cfg.fault_rate, verify=self.cfg.kv_verify,
-                                      on_new_incarnation=on_new_incarnation, ledger=ledger)
+                                      on_new_incarnation=on_new_incarnation, ledger=ledger,
+                                      rank_max_restarts=self.cfg.max_restarts)
         await self.engine.start()
 
     async def handshakes(self) -> list[bytes]:

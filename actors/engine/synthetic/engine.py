@@ -16,7 +16,7 @@ Life cycle of a request:
             lease on every rank; decode: its pull).
 
 Life cycle of the engine's ranks: each rank actor is restarted by Ray when it
-dies (`max_restarts`). The engine keeps one pending `watch()` call per rank, so
+dies, at most `rank_max_restarts` times (the deployment's `restarts.max_restarts`). The engine keeps one pending `watch()` call per rank, so
 a death is seen at once: held prefill blocks are freed (their KV is gone with
 the rank), pulls in flight fail (what their step had collected is salvaged
 through the coordinator's `unit_died`), and once the rank is back with a fresh
@@ -65,7 +65,8 @@ class SyntheticEngine:
     def __init__(self, engine_id: str, role: str, model: SyntheticModel, shape: EngineShape,
                  coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0,
                  register: bool = True, fault_rate: float = 0.0, verify: str = "off",
-                 on_new_incarnation: Callable[[], Awaitable[Any]] | None = None, ledger: LedgerReporter | None = None):
+                 on_new_incarnation: Callable[[], Awaitable[Any]] | None = None, ledger: LedgerReporter | None = None,
+                 rank_max_restarts: int = RANK_MAX_RESTARTS):
         self.engine_id, self.role, self.model, self.shape = engine_id, role, model, shape
         self.coordinator = coordinator
         # transfer outcomes to the coordinator's ledger (the engine actor's reporter, or our own: each tick)
@@ -77,7 +78,7 @@ class SyntheticEngine:
         self.pool = BlockPool(shape.num_blocks)
         faults = FaultPolicy(rate=fault_rate)  # test knob: this fraction of pulls fails on purpose
         self.ranks = [
-            RankActor.options(num_cpus=0, max_restarts=RANK_MAX_RESTARTS, max_task_retries=0).remote(
+            RankActor.options(num_cpus=0, max_restarts=rank_max_restarts, max_task_retries=0).remote(
                 RankConfig(engine_id=engine_id, role=role, model=model, tp_rank=t, tp_size=shape.tp_size,
                            pp_rank=p, pp_size=shape.pp_size, dcp_size=shape.dcp_size,
                            block_size=shape.block_size, num_blocks=shape.num_blocks,

@@ -1,7 +1,8 @@
 """A synthetic rank as a Ray actor: its directory is the coordinator, and it can be watched.
 
 Life cycle: created by its `SyntheticEngine` (in the engine's placement group),
-restarted by Ray when it dies (`RANK_MAX_RESTARTS`; a restarted rank has an
+restarted by Ray when it dies (the engine's `rank_max_restarts`: the deployment's
+`restarts.max_restarts`, `RANK_MAX_RESTARTS` by default; a restarted rank has an
 empty cache and a fresh NIXL agent, so its engine becomes a new incarnation),
 killed with its engine.
 """
@@ -45,4 +46,4 @@ class SyntheticRankActor(SyntheticRank):
 
 # Rank work is serial (one thread); `watch` calls park on threads of their own.
 RankActor = ray.remote(concurrency_groups={"liveness": 4})(SyntheticRankActor)
-RANK_MAX_RESTARTS = 5
+RANK_MAX_RESTARTS = 5  # a SyntheticEngine built without a deployment (tests, benchmarks)

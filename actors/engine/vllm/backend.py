@@ -184,6 +184,12 @@ class VllmBackend:
             return "vLLM's engine core died"
         return None
 
+    async def probe(self) -> None:
+        """A round trip through the engine core's busy loop (a utility call, answered between
+        steps): returns once the core is not stuck (the liveness probe, `EngineActor.ping`)."""
+        if self.llm is not None:
+            await self.llm.is_sleeping()
+
     def kv_events_source(self) -> KVEventsSource | None:
         """Where the engine core publishes its KV events and how it hashes blocks (as vLLM resolved it)."""
         cache = self.llm.vllm_config.cache_config

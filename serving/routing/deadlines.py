@@ -1,0 +1,169 @@
+"""Deadlines on every engine call a client waits for, and the engines that missed one (suspected hung).
+
+Every wait is derived from the work it waits for (RouterConfig fields; rates are
+this router's own measurements, per engine):
+
+  a prefill call          floor + margin x (queued + prompt tokens) x s_per_token(engine)
+  a stream's first chunk  floor + margin x tokens x s_per_token(engine)
+                          (+ transfer.read_timeout_s when the decode engine pulls the KV first;
+                          tokens: the prompt, plus what was streamed for a migrated stream)
+  every later chunk       max(token_timeout_s, margin x gap(engine))
+
+  floor = deadline_floor_s, margin = deadline_margin;
+  s_per_token(engine): EWMA of the seconds per prompt token of this router's completed prefills on
+  that engine (remote prefills, and the first chunk of a local run; queueing included, so a
+  busy engine gets more time), 1 / initial_prefill_tokens_per_s before the first one;
+  gap(engine): EWMA of the time between two chunks of the engine's streams.
+
+An engine incarnation that misses a deadline is suspected hung, once:
+
+  - every other wait of this router on that incarnation ends now (`EngineHung`): its streams
+    migrate at once instead of each waiting out its own deadline;
+  - it gets no new work from this router until the directory lists another incarnation of it
+    (the coordinator killed it and Ray restarted it) or `hung_engine_hold_s` passed (the
+    coordinator probed it and found it alive);
+  - the coordinator hears of it (`report`, fire and forget). The coordinator is the one that
+    decides: it pings the engine with a timeout and, when that times out too, evicts the
+    incarnation (its pairs' breakers open) and kills it so that Ray restarts it.
+
+Deadline misses are counted per (engine, call) (`raypd_deadline_misses_total`). Pure asyncio;
+`asyncio.timeout` (no task per wait), so a wait on the token path costs one timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from serving.config import RouterConfig
+from serving.routing.errors import EngineUnavailable
+
+logger = logging.getLogger("raypd.router")
+
+T = TypeVar("T")
+EWMA_ALPHA = 0.2
+MIN_RATE_TOKENS = 16  # prompts shorter than this say little about the rate (fixed costs dominate)
+
+
+class EngineHung(EngineUnavailable):
+    """The engine missed a deadline (or another wait on the same incarnation did): treated as hung."""
+
+    def __init__(self, engine_id: str, call: str, seconds: float, first: bool = True):
+        why = (f"missed its {call} deadline ({seconds:.1f} s)" if first
+               else "missed a deadline of another request")
+        super().__init__(f"engine {engine_id} {why}: treated as hung", died=False)
+        self.engine_id, self.call, self.seconds = engine_id, call, seconds
+        self.hung = True
+
+
+class Ewma:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + EWMA_ALPHA * (x - self.value)
+
+
+Report = Callable[[str, "int | None", str], None]
+
+
+class EngineDeadlines:
+    def __init__(self, config: RouterConfig | None = None, pull_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic, report: Report | None = None):
+        self.config = config or RouterConfig()
+        self.pull_timeout_s = pull_timeout_s  # the decode engine's own bound on a KV pull
+        self.clock = clock
+        self.report = report  # (engine, generation, reason): the router tells the coordinator
+        self._s_per_token: dict[str, Ewma] = {}
+        self._gap: dict[str, Ewma] = {}
+        # the timers of the waits in progress, per engine: (its incarnation, the timer)
+        self._waits: dict[str, set[tuple[int | None, asyncio.Timeout]]] = {}
+        self.suspects: dict[str, tuple[int | None, float]] = {}  # engine -> (incarnation, since)
+        self.misses: Counter[tuple[str, str]] = Counter()  # (engine, call) -> deadlines missed
+
+    # ------------------------------------------------------------ formulas
+    def s_per_token(self, engine_id: str) -> float:
+        m = self._s_per_token.get(engine_id)
+        return m.value if m is not None and m.value is not None else 1.0 / self.config.initial_prefill_tokens_per_s
+
+    def prefill_s(self, engine_id: str, tokens: int, queued: int = 0) -> float:
+        c = self.config
+        return c.deadline_floor_s + c.deadline_margin * (queued + tokens) * self.s_per_token(engine_id)
+
+    def first_chunk_s(self, engine_id: str, tokens: int, pulls: bool) -> float:
+        """The first chunk of a stream: a local prefill of `tokens` (also what a failed pull
+        recomputes), after the KV pull when there is one."""
+        return self.prefill_s(engine_id, tokens) + (self.pull_timeout_s if pulls else 0.0)
+
+    def token_s(self, engine_id: str) -> float:
+        gap = self._gap.get(engine_id)
+        measured = self.config.deadline_margin * gap.value if gap is not None and gap.value is not None else 0.0
+        return max(self.config.token_timeout_s, measured)
+
+    # ---------------------------------------------------------- measurements
+    def observed_prefill(self, engine_id: str, tokens: int, seconds: float) -> None:
+        if tokens >= MIN_RATE_TOKENS and seconds > 0:
+            self._s_per_token.setdefault(engine_id, Ewma()).add(seconds / tokens)
+
+    def observed_gap(self, engine_id: str, seconds: float) -> None:
+        self._gap.setdefault(engine_id, Ewma()).add(seconds)
+
+    # ------------------------------------------------------------------ waits
+    async def within(self, engine_id: str, generation: int | None, call: str, seconds: float,
+                     work: Awaitable[T]) -> T:
+        """`await work`, or `EngineHung` once `seconds` passed (or another wait on this engine
+        incarnation missed its deadline)."""
+        waits = self._waits.setdefault(engine_id, set())
+        entry = None
+        try:
+            async with asyncio.timeout(seconds) as timer:
+                entry = (generation, timer)
+                waits.add(entry)
+                try:
+                    return await work
+                finally:
+                    waits.discard(entry)
+        except TimeoutError:
+            if entry is None or not entry[1].expired():
+                raise  # the work's own timeout, not ours
+            raise self._missed(engine_id, generation, call, seconds) from None
+
+    def _missed(self, engine_id: str, generation: int | None, call: str, seconds: float) -> EngineHung:
+        if self.suspected(engine_id, generation):  # another wait found it first: already handled
+            return EngineHung(engine_id, call, seconds, first=False)
+        self.misses[(engine_id, call)] += 1
+        self.suspects[engine_id] = (generation, self.clock())
+        reason = f"missed its {call} deadline ({seconds:.1f} s)"
+        logger.warning("engine %s (incarnation %s) %s: treated as hung", engine_id, generation, reason)
+        now = asyncio.get_running_loop().time()
+        for gen, timer in list(self._waits.get(engine_id, ())):
+            if gen == generation and not timer.expired():
+                timer.reschedule(now)  # its other waits end now: their streams move at once
+        if self.report is not None:
+            try:
+                self.report(engine_id, generation, reason)
+            except Exception as exc:  # noqa: BLE001 - the coordinator being away must not fail routing
+                logger.info("reporting the hang of %s failed: %s", engine_id, exc)
+        return EngineHung(engine_id, call, seconds)
+
+    # -------------------------------------------------------------- suspects
+    def suspected(self, engine_id: str, generation: int | None) -> bool:
+        """True while this incarnation of the engine is held back as hung."""
+        held = self.suspects.get(engine_id)
+        if held is None:
+            return False
+        gen, since = held
+        if gen != generation or self.clock() - since > self.config.hung_engine_hold_s:
+            del self.suspects[engine_id]  # restarted (a new incarnation), or found alive meanwhile
+            return False
+        return True
+
+    def suspected_in(self, generations: dict[str, int]) -> list[str]:
+        """The engines of `generations` (the directory's view) held back as hung now."""
+        return [e for e in list(self.suspects) if self.suspected(e, generations.get(e))]

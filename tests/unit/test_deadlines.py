@@ -1,0 +1,141 @@
+"""Deadlines on engine calls (serving/routing/deadlines.py): formulas, and what a router does with an
+engine that misses one (fakes, no Ray): fail over, migrate at once, hold it back, tell the coordinator,
+refuse what nothing can take with 503 at once, and take it back once restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from serving.config import RouterConfig
+from serving.ops.metrics import ServiceMetrics
+from serving.routing.deadlines import EngineDeadlines, EngineHung
+from serving.routing.errors import NoDecodeEngine
+from tests.unit.test_router import FakeClock, collect, make, req, texts
+
+FAST = dict(deadline_floor_s=0.2, token_timeout_s=0.2, deadline_margin=1.0, initial_prefill_tokens_per_s=1e6)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_deadlines_follow_the_work_and_the_measured_rates():
+    cfg = RouterConfig(deadline_floor_s=10, deadline_margin=3, initial_prefill_tokens_per_s=500, token_timeout_s=10)
+    d = EngineDeadlines(cfg, pull_timeout_s=10)
+    assert d.prefill_s("p", 1000) == pytest.approx(10 + 3 * 1000 / 500)  # before any measurement
+    assert d.prefill_s("p", 1000, queued=1000) == pytest.approx(10 + 3 * 2000 / 500)  # queued work counts
+    d.observed_prefill("p", 1000, 0.5)  # 2000 tokens/s measured
+    assert d.prefill_s("p", 1000) == pytest.approx(10 + 3 * 0.5)
+    d.observed_prefill("p", 4, 10.0)  # a tiny prompt says nothing about the rate
+    assert d.prefill_s("p", 1000) == pytest.approx(10 + 3 * 0.5)
+    assert d.first_chunk_s("p", 1000, pulls=True) == pytest.approx(10 + 1.5 + 10)  # + the pull's own bound
+    assert d.token_s("d") == 10  # the floor
+    d.observed_gap("d", 5.0)  # a slow engine: 3 x its gap
+    assert d.token_s("d") == pytest.approx(15)
+
+
+def test_a_hung_prefill_engine_is_failed_over_within_its_deadline_and_reported():
+    async def go():
+        router, ps, ds, directory = make(**FAST)
+        ps["p0"].gate = asyncio.Event()  # p0 never answers
+        t0 = time.monotonic()
+        s = await router.open(req("a"))
+        took = time.monotonic() - t0
+        assert s.prefill_id == "p1" and texts(await collect(s)) == [" first", " t1", " t2"]
+        assert 0.2 <= took < 1.0
+        assert directory.hung_reports == [("p0", None, "missed its prefill deadline (0.2 s)")]
+        assert router.pool.deadlines.misses[("p0", "prefill")] == 1
+        assert {b.pair: b for b in directory.ledger.pair_states()}["p0->d0"].failures == 1  # the pair heard it
+        s2 = await router.open(req("b"))  # held back: the next request goes straight to p1
+        assert s2.prefill_id == "p1" and len(ps["p0"].prefills) == 1
+        await collect(s2)
+
+    run(go())
+
+
+def test_streams_on_a_hung_decode_engine_all_migrate_at_once_token_for_token():
+    async def go():
+        router, ps, ds, directory = make(decodes=("d0", "d1"), **{**FAST, "token_timeout_s": 0.5})
+        want = texts(await collect(await router.open(req("ref", max_tokens=6))))
+        streams = [await router.open(req(f"r{i}", max_tokens=6)) for i in range(6)]
+        victim = streams[0].decode_id
+        on_victim = [s for s in streams if s.decode_id == victim]
+        ds[victim].hang_after = 2  # frozen after two decode tokens
+        t0 = time.monotonic()
+        answers = await asyncio.gather(*(collect(s) for s in streams))
+        took = time.monotonic() - t0
+        assert [texts(a) for a in answers] == [want] * 6 and not any(c.failed for a in answers for c in a)
+        assert len(on_victim) == 3 and router.pool.migrations["engine_hung"] == 3
+        assert took < 0.5 + 0.4  # one deadline, not one per stream
+        assert [r[0] for r in directory.hung_reports] == [victim]  # reported once
+        assert router.pool.deadlines.misses == {(victim, "token"): 1}
+
+    run(go())
+
+
+def test_one_hung_decode_engine_streams_end_with_an_error_new_requests_get_503_at_once_then_it_is_back():
+    async def go():
+        clock = FakeClock()
+        router, ps, ds, directory = make(prefills=("p0",), clock=clock, **FAST)
+        s = await router.open(req("a", max_tokens=8))
+        ds["d0"].hang_after = 1
+        chunks = await collect(s)
+        assert texts(chunks[:2]) == [" first", " t1"]
+        assert chunks[-1].finish_reason == "error" and "no engine could take the stream" in chunks[-1].error
+        ready = await router.readiness()
+        assert (ready.ready, ready.code, ready.hung) == (False, "decode_engines_hung", ("d0",))
+        assert "missed their deadlines" in ready.reason
+        t0 = time.monotonic()
+        with pytest.raises(NoDecodeEngine, match="treated as hung: d0"):
+            await router.open(req("b"))
+        assert time.monotonic() - t0 < 0.1  # answered at once, nobody waits on the hung engine
+        metrics = ServiceMetrics(lambda: router).render().decode()
+        assert 'raypd_ready{reason="decode_engines_hung"} 1.0' in metrics
+        assert 'raypd_ready{reason="ok"} 0.0' in metrics
+        assert 'raypd_deadline_misses_total{call="token",engine="d0"} 1.0' in metrics
+        # the coordinator killed it; Ray restarted it: a new incarnation is listed
+        ds["d0"].hang_after = None
+        directory.generations["d0"] = 2
+        await router.routes(force=True)
+        assert (await router.readiness()).ready
+        assert texts(await collect(await router.open(req("c", max_tokens=3)))) == [" first", " t1", " t2"]
+
+    run(go())
+
+
+def test_an_engine_found_alive_gets_work_again_after_the_hold():
+    async def go():
+        clock = FakeClock()
+        router, ps, ds, directory = make(prefills=("p0",), clock=clock, **{**FAST, "hung_engine_hold_s": 30})
+        ps["p0"].gate = asyncio.Event()
+        s = await router.open(req("a"))
+        assert s.route.path == "fallback"  # p0 missed its deadline: the decode engine prefilled itself
+        await collect(s)
+        ps["p0"].gate.set()  # it was only slow; the coordinator's probe found it alive
+        assert (await router.open(req("b"))).route.path == "fallback"  # still held back
+        clock.t += 31
+        s = await router.open(req("c"))
+        assert s.route.path == "pd" and s.prefill_id == "p0"
+        await collect(s)
+
+    run(go())
+
+
+def test_a_timeout_raised_by_the_work_itself_is_not_a_missed_deadline():
+    async def go():
+        d = EngineDeadlines(RouterConfig(**FAST))
+
+        async def own_timeout():
+            raise TimeoutError("the work's own")
+
+        with pytest.raises(TimeoutError, match="the work's own"):
+            await d.within("e", 1, "prefill", 5.0, own_timeout())
+        assert not d.suspects and not d.misses
+        with pytest.raises(EngineHung):
+            await d.within("e", 1, "prefill", 0.01, asyncio.sleep(1))
+        assert d.suspected("e", 1) and not d.suspected("e", 2)  # another incarnation is not suspected
+
+    run(go())

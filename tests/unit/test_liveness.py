@@ -1,0 +1,112 @@
+"""The coordinator's liveness probes without Ray (actors/control/liveness.py): a router's hang report is
+probed, a probe that times out evicts the incarnation (breakers open) and kills it for a restart; an
+engine that answers is left alone; the sweep finds hangs nobody reported; one probe per incarnation."""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.control.coordinator import Coordinator
+from tests.unit.test_handshake import payload
+
+
+class FakeMethod:
+    def __init__(self, actor, name):
+        self.actor, self.name = actor, name
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        self.actor.calls.append(self.name)
+        if self.name == "ping":
+            return self.actor._ping()
+        fut = asyncio.get_running_loop().create_future()
+        if self.name != "watch":
+            fut.set_result(None)
+        return fut
+
+
+class FakeActor:
+    """An actor handle: `frozen` never answers (a SIGSTOPped process), `answer` is what ping returns."""
+
+    def __init__(self, answer="pong"):
+        self.frozen = False
+        self.answer = answer
+        self.calls: list[str] = []
+        self.killed = 0
+
+    def __getattr__(self, name):
+        return FakeMethod(self, name)
+
+    async def _ping(self):
+        if self.frozen:
+            await asyncio.Event().wait()
+        return self.answer
+
+
+async def pair(timeout_s=0.2):
+    c = Coordinator(hang_check_s=3600, ping_timeout_s=timeout_s)
+    handles = {"P": FakeActor(), "D": FakeActor()}
+    c.liveness.kill = lambda h: setattr(h, "killed", h.killed + 1)
+    for eid, role in (("P", "prefill"), ("D", "decode")):
+        await c.register_engine(eid, role, [payload(engine_id=eid, role=role, tp_rank=0, tp_size=1).encode()],
+                                [handles[eid]])
+    return c, handles
+
+
+def stop(c):
+    for t in c._timers:
+        t.cancel()
+
+
+def test_a_reported_hang_is_probed_evicted_with_open_breakers_and_killed_once():
+    async def go():
+        c, h = await pair()
+        h["D"].frozen = True
+        gen = {e.engine_id: e.generation for e in await c.engines()}["D"]
+        verdicts = await asyncio.gather(*(c.engine_hung("D", gen, "missed its token deadline") for _ in range(3)))
+        routes = await c.routes()
+        events = [e for e in c.events if e["engine_id"] == "D" and e["event"] == "removed"]
+        stop(c)
+        return verdicts, routes, events, h, c
+
+    verdicts, routes, events, h, c = asyncio.run(go())
+    assert verdicts == ["hung"] * 3
+    assert h["D"].calls.count("ping") == 1  # three reports, one probe
+    assert h["D"].killed == 1 and h["P"].killed == 0  # killed so that Ray restarts it
+    assert "D" not in routes.decodes and routes.hangs == {"D": 1}
+    assert events[0]["reason"].startswith("hung: no answer to a ping in 0 s (reported: missed its token deadline")
+    assert {b.pair: b for b in routes.breakers}["P->D"].state == "open"  # its pairs record the failure
+
+
+def test_an_engine_that_answers_is_left_alone_and_stale_reports_are_ignored():
+    async def go():
+        c, h = await pair()
+        gen = {e.engine_id: e.generation for e in await c.engines()}["P"]
+        alive = await c.engine_hung("P", gen, "slow prefill")
+        stale = await c.engine_hung("P", gen + 100, "an old incarnation")
+        routes = await c.routes()
+        stop(c)
+        return alive, stale, routes, h
+
+    alive, stale, routes, h = asyncio.run(go())
+    assert (alive, stale) == (None, None)
+    assert h["P"].killed == 0 and h["P"].calls.count("ping") == 1
+    assert [r.prefill_id for r in routes.decodes["D"]] == ["P"] and routes.hangs == {}
+
+
+def test_the_sweep_finds_an_unreported_hang_and_a_stuck_engine_core():
+    async def go():
+        c, h = await pair()
+        h["P"].frozen = True  # the actor frozen
+        h["D"].answer = "the engine core did not answer in 8 s"  # the actor answers, its core does not
+        found = await c.check_engines()
+        routes = await c.routes()
+        stop(c)
+        return found, routes, h
+
+    found, routes, h = asyncio.run(go())
+    assert sorted(found) == ["D", "P"]
+    assert h["P"].killed == 1 and h["D"].killed == 1
+    assert routes.decodes == {} and routes.hangs == {"P": 1, "D": 1}
