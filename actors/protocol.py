@@ -58,6 +58,9 @@ class EngineRequest:
     # A continuation: the prompt ends with this many tokens the model already generated
     # (the prefill engine's first token, or a migrated stream's tokens).
     num_resumed_tokens: int = 0
+    # The summed logprob of those tokens (the prefill engine's), when logprobs were asked for:
+    # the decode engine's cumulative logprob continues from it.
+    resumed_logprob: float | None = None
     lease_ttl_s: float | None = None
     kv_seed: int = 0  # synthetic backend: the seed of its KV pattern
 
@@ -77,6 +80,20 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One entry of a position's logprobs as vLLM returns them (the sampled token, then the top ones)."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    decoded: str | None = None
+
+
+# Per generated token, in order: that position's entries.
+Logprobs = tuple[tuple[TokenLogprob, ...], ...]
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """A prefill's output: the first token and, when a decode engine must continue, the KV handoff."""
 
@@ -86,10 +103,23 @@ class PrefillResult:
     finish_reason: str | None  # "length": the decode engine continues; "stop": the answer is complete
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int | None = None  # vLLM: prompt tokens the prefill engine's prefix cache held
+    first_logprobs: Logprobs | None = None  # the first token's logprobs (requests that ask for them)
+    cumulative_logprob: float | None = None
+    # Characters at the end of `first_text` that one engine's stream would still hold back when
+    # the answer goes on (vLLM's stop-string buffer: the longest stop string less one); the
+    # decode engine streams them (or the stop string they begin) with the next tokens.
+    held_chars: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def streamed_text(self) -> str:
+        """What the client gets with the first token: `first_text` less the held-back tail
+        when the decode engine continues (all of it when the answer is complete)."""
+        held = min(self.held_chars, len(self.first_text)) if self.needs_decode else 0
+        return self.first_text[:len(self.first_text) - held]
 
     @property
     def needs_decode(self) -> bool:
@@ -100,6 +130,7 @@ class PrefillResult:
         return req.replace(
             prompt_token_ids=self.prompt_token_ids + self.first_token_ids,
             kv_transfer_params=self.kv_transfer_params, num_resumed_tokens=len(self.first_token_ids),
+            resumed_logprob=self.cumulative_logprob,
         ).with_max_tokens(req.max_tokens - len(self.first_token_ids))
 
 
@@ -116,6 +147,8 @@ class TokenChunk:
     num_cached_tokens: int | None = None  # first chunk of a vLLM decode: prompt tokens it did not compute
     recomputed: bool = False  # first chunk: the KV pull failed and the prompt was recomputed locally
     error: str | None = None
+    logprobs: Logprobs | None = None  # one entry per token id (requests that ask for logprobs)
+    cumulative_logprob: float | None = None  # of the whole answer so far
 
     @property
     def failed(self) -> bool:
