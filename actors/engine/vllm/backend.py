@@ -278,7 +278,8 @@ class VllmBackend:
         return BackendStats("vllm", num_blocks=total, free_blocks=round((1.0 - float(u["kv_cache_usage"])) * total),
                             held_leases=len(self._unread), child_pids=tuple(child_pids()),
                             counters={**self.counters, "engine_running": u["running"],
-                                      "engine_waiting": u["waiting"]})
+                                      "engine_waiting": u["waiting"],
+                                      **{k: v for k, v in u.items() if k.startswith(("prompt_", "compute_"))}})
 
     async def shutdown(self) -> None:
         if self.llm is not None:

@@ -9,7 +9,8 @@
   engine_outputs   `AsyncLLM.generate`, with what vLLM refuses while admitting the
                    request (vocabulary, length, sampling) turned into `EngineRequestError`
                    (the client's fault: a 400, never an engine failure);
-  usage_sink       a vLLM stat logger keeping the scheduler's last view (KV usage, queues).
+  usage_sink       a vLLM stat logger keeping the scheduler's last view (KV usage, queues)
+                   and vLLM's own counts of where prompt tokens came from.
 """
 
 from __future__ import annotations
@@ -98,8 +99,14 @@ async def engine_outputs(llm: Any, ids: list[int], sp: Any, request_id: str) -> 
 
 
 def usage_sink(sink: dict):
-    """A vLLM stat logger that keeps the last scheduler stats (KV usage, queue depths)."""
+    """A vLLM stat logger that keeps the last scheduler stats (KV usage, queues) and sums what
+    the engine's prompt tokens came from (computed here, pulled, local prefix cache) and, with
+    vLLM's `enable_logging_iteration_details`, the steps that computed tokens."""
     from vllm.v1.metrics.loggers import StatLoggerBase
+
+    for key in ("prompt_tokens", "prompt_tokens_computed", "prompt_tokens_pulled", "prompt_tokens_cached",
+                "compute_steps", "compute_steps_ctx_tokens", "compute_steps_gen_tokens"):
+        sink.setdefault(key, 0)
 
     class KVUsageLogger(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0):
@@ -111,6 +118,17 @@ def usage_sink(sink: dict):
                 sink["kv_cache_usage"] = scheduler_stats.kv_cache_usage
                 sink["running"] = scheduler_stats.num_running_reqs
                 sink["waiting"] = scheduler_stats.num_waiting_reqs
+                step = getattr(scheduler_stats, "iteration_details", None)
+                if step is not None and not step.is_dummy:
+                    sink["compute_steps"] += 1
+                    sink["compute_steps_ctx_tokens"] += step.num_ctx_tokens
+                    sink["compute_steps_gen_tokens"] += step.num_generation_tokens
+            prompt = getattr(iteration_stats, "prompt_token_stats", None)
+            if prompt is not None:
+                sink["prompt_tokens"] += prompt.total
+                sink["prompt_tokens_computed"] += prompt.computed
+                sink["prompt_tokens_pulled"] += prompt.external_kv_transfer
+                sink["prompt_tokens_cached"] += prompt.local_cache_hit
 
         def log_engine_initialized(self) -> None:
             return None
