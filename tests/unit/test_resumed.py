@@ -185,3 +185,81 @@ def test_resumed_text_streams_what_one_engine_streams(tokenizer, stop):
     assert ours == texts and got == found
     if stop == ["re w"]:  # begins in the first token: vLLM decoding from prompt + t1 could not see it
         assert found == "re w" and "".join(ours) == " the"
+
+
+# ---------------------------------------------------------------- the decode path on a fake engine
+class FakeLLM:
+    """AsyncLLM.generate replaying scripted deltas (token ids, text, finish reason, stop reason)."""
+
+    def __init__(self, tokenizer, deltas):
+        self.tokenizer, self.deltas, self.aborted, self.seen = tokenizer, deltas, [], []
+
+    async def generate(self, prompt, sp, request_id):
+        from types import SimpleNamespace
+
+        self.seen.append((list(prompt["prompt_token_ids"]), sp))
+        for i, (ids, text, finish, stop_reason) in enumerate(self.deltas):
+            o = SimpleNamespace(token_ids=list(ids), text=text, finish_reason=finish, stop_reason=stop_reason,
+                                logprobs=None, cumulative_logprob=None)
+            yield SimpleNamespace(outputs=[o], finished=finish is not None, num_cached_tokens=0 if i == 0 else None)
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def decode_path(llm, caps=CAPS):
+    from types import SimpleNamespace
+
+    backend = SimpleNamespace(llm=llm, cfg=SimpleNamespace(max_model_len=4096, kv_load_failure_policy="fail"),
+                              counters={k: 0 for k in ("replays", "replay_mismatches", "inexact_resumes",
+                                                       "recomputed", "kv_failures", "kv_pulls")},
+                              coordinator=None, engine_id="D", _aliases={}, _report=lambda *a: None)
+    path = decode.DecodePath.__new__(decode.DecodePath)
+    path.b, path.caps = backend, caps
+    return path
+
+
+def resumed_request(tokenizer, prompt, first, max_tokens, **sampling):
+    from actors.protocol import EngineRequest, SamplingSpec
+
+    sp = SamplingParams(max_tokens=max_tokens, **sampling)
+    return EngineRequest("r", SamplingSpec(max_tokens=max_tokens, vllm_params=pickle.dumps(sp)),
+                         prompt_token_ids=tuple(prompt) + (first,), num_resumed_tokens=1).with_max_tokens(max_tokens - 1)
+
+
+async def chunks_of(path, req):
+    return [c async for c in path.generate(req, None)]
+
+
+def test_a_replayed_token_merged_with_the_next_is_dropped_not_taken_for_a_mismatch(tokenizer):
+    import asyncio
+
+    from vllm.sampling_params import StructuredOutputsParams
+
+    prompt = tokenizer.encode("Once upon a time")
+    outs = tokenizer.encode(" there was a little fox", add_special_tokens=False)
+    texts = [tokenizer.decode(outs[:i + 1])[len(tokenizer.decode(outs[:i])):] for i in range(4)]
+    # vLLM merged the replay step (t1) with the next one (t2): one delta (t1, t2)
+    llm = FakeLLM(tokenizer, [(outs[:2], texts[0] + texts[1], None, None), (outs[2:4], texts[2] + texts[3], "length", None)])
+    req = resumed_request(tokenizer, prompt, outs[0], 4, temperature=0.0,
+                          structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
+    got = asyncio.run(chunks_of(decode_path(llm), req))
+    assert llm.seen[0][0] == prompt and llm.seen[0][1].max_tokens == 4  # the replay: the prompt alone
+    assert [c.token_ids for c in got] == [tuple(outs[1:2]), tuple(outs[2:4])]
+    assert "".join(c.text for c in got) == "".join(texts[1:4]) and not llm.aborted
+
+
+def test_a_stop_string_begun_in_the_first_token_ends_the_stream(tokenizer):
+    import asyncio
+
+    prompt = tokenizer.encode("Once upon a time")
+    outs = tokenizer.encode(" there was a little fox", add_special_tokens=False)
+    first = tokenizer.decode(outs[:1])
+    llm = FakeLLM(tokenizer, [(outs[1:2], "(vLLM's text is not used)", None, None), (outs[2:3], "x", None, None)])
+    req = resumed_request(tokenizer, prompt, outs[0], 8, temperature=0.0, stop=[first[-2:] + " w"])
+    got = asyncio.run(chunks_of(decode_path(llm), req))
+    assert llm.seen[0][0] == prompt + outs[:1] and llm.seen[0][1].max_tokens == 7  # no replay
+    assert len(got) == 1 and got[0].finished and got[0].finish_reason == "stop" and llm.aborted == ["r"]
+    # the client had first[:-len(stop)+1]: it gets the rest of the first token's text, before the stop
+    held = held_chars(SamplingParams(stop=[first[-2:] + " w"]))
+    assert first[:len(first) - held] + got[0].text == first[:-2]
