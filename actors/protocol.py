@@ -20,6 +20,7 @@ Life cycle of one P/D request through these types:
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
@@ -109,10 +110,15 @@ class PrefillResult:
     # the answer goes on (vLLM's stop-string buffer: the longest stop string less one); the
     # decode engine streams them (or the stop string they begin) with the next tokens.
     held_chars: int = 0
+    # (hop, CLOCK_MONOTONIC seconds) set by the engine on the way to the first token (`Stamps`)
+    stamps: tuple[tuple[str, float], ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def replace(self, **changes: Any) -> "PrefillResult":
+        return dataclasses.replace(self, **changes)
 
     @property
     def streamed_text(self) -> str:
@@ -149,6 +155,7 @@ class TokenChunk:
     error: str | None = None
     logprobs: Logprobs | None = None  # one entry per token id (requests that ask for logprobs)
     cumulative_logprob: float | None = None  # of the whole answer so far
+    stamps: tuple[tuple[str, float], ...] = ()  # first chunk of a stream: (hop, CLOCK_MONOTONIC s), see Stamps
 
     @property
     def failed(self) -> bool:
@@ -162,10 +169,54 @@ class TokenChunk:
     def replace(self, **changes: Any) -> "TokenChunk":
         return dataclasses.replace(self, **changes)
 
+    def merge(self, later: "TokenChunk") -> "TokenChunk":
+        """This delta followed by `later` as one delta (a consumer that fell behind takes what
+        arrived at once): token ids and text concatenated; what the first delta of a stream says
+        (prompt size, cached tokens, the transfer verdict, stamps) from this one; how the stream
+        ended (finished, finish_reason, error) from `later`; logprobs concatenated, the cumulative
+        logprob the later one's."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or ()) + (later.logprobs or ())
+        return TokenChunk(
+            self.request_id, self.token_ids + later.token_ids, self.text + later.text,
+            finished=later.finished, finish_reason=later.finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens or later.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens if self.num_cached_tokens is not None else later.num_cached_tokens,
+            recomputed=self.recomputed or later.recomputed, error=later.error,
+            stamps=self.stamps or later.stamps, logprobs=logprobs,
+            cumulative_logprob=later.cumulative_logprob if later.cumulative_logprob is not None
+            else self.cumulative_logprob)
+
     @classmethod
     def error_chunk(cls, request_id: str, message: str, num_prompt_tokens: int = 0) -> "TokenChunk":
         return cls(request_id, finished=True, finish_reason="error", error=message,
                    num_prompt_tokens=num_prompt_tokens)
+
+
+class Stamps:
+    """Per-request timestamps on the way to the first token: (hop, seconds) pairs of
+    CLOCK_MONOTONIC (`time.monotonic()`), which every process of one host shares; across
+    hosts only differences taken within one process mean anything. Appending costs a
+    clock read, so they are always taken; the front shows them on request (`serving.front.trace`)."""
+
+    FRONT_IN = "front_in"  # the ingress's handler has the request (after HTTP, the Serve proxy, the replica)
+    PREPARED = "prepared"  # parsed, rendered, tokenized, sampling params derived
+    ROUTED = "routed"  # the router chose the engines and calls the prefill engine
+    ENGINE_IN = "engine_in"  # the engine actor's method runs
+    VLLM_QUEUED = "vllm_queued"  # vLLM's scheduler queued the request (derived from vLLM's own stats)
+    VLLM_SCHEDULED = "vllm_scheduled"  # vLLM first scheduled it (its prefill computes from here)
+    VLLM_OUT = "vllm_out"  # vLLM's output handler has the first token
+    ENGINE_OUT = "engine_out"  # the engine actor returns / yields it
+    ROUTER_IN = "router_in"  # the router has the first token back
+    SSE = "sse"  # the front writes the response's first bytes
+    # not a time: prompt tokens vLLM computed in the step that produced the first token (several
+    # prompts packed into one step all wait for the whole step)
+    VLLM_STEP_TOKENS = "vllm_step_prompt_tokens"
+
+    @staticmethod
+    def now(name: str) -> tuple[str, float]:
+        return (name, time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -236,6 +287,12 @@ class LoadSnapshot:
     outstanding_tokens_avg: float
     prefill_latency_p90_s: float | None
     itl_p90_s: float | None
+    # what the engine measured of itself (moving averages; None before any sample), for scaling
+    prefill_tokens_per_s: float | None = None  # prompt tokens per second of its prefills' wall time
+    step_s: float | None = None  # its decode streams' per-token gaps
+    arrivals_per_s: float = 0.0  # decode requests started per second, recently
+    prompt_tokens_avg: float | None = None  # of the requests it decoded
+    output_tokens_avg: float | None = None
 
 
 @dataclass(frozen=True)
@@ -311,6 +368,16 @@ class EngineInfo:
     backend: str = "synthetic"
     model: str = ""
     pid: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStart:
+    """`EngineActor.start()`: the engine is up (registered, when a coordinator is configured)."""
+
+    engine_id: str
+    role: str
+    pairs: dict[str, str] = field(default_factory=dict)  # "prefill->decode" -> "ok" or why it is refused
+    restarted: bool = False  # this process is a restart by Ray
 
 
 @dataclass(frozen=True)

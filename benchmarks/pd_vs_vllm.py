@@ -75,8 +75,9 @@ class Run:
         res["run_dir"] = str(self.run_dir)
 
     # ------------------------------------------------------------ phases
-    def phase(self, rnd: int, key: str, kind: str, detail: str, fn):
-        """Run `fn()` as one recorded phase: host load before/after, CPU of everything else."""
+    def phase(self, rnd: int, key: str, kind: str, detail: str, fn, cpu_out: dict | None = None):
+        """Run `fn()` as one recorded phase: host load before/after, CPU of everything else
+        (and, into `cpu_out`, the CPU seconds of the set-up's processes by kind)."""
         before = procs.host_state()
         ours = (self.group.all_pids() if self.group else []) + [os.getpid()]
         win = procs.CpuWindow(ours)
@@ -85,6 +86,8 @@ class Run:
             return fn()
         finally:
             cpu = win.close(self.group.all_pids() if self.group else [])
+            if cpu_out is not None and self.group is not None:
+                cpu_out.update(procs.cpu_seconds_by_kind(self.group.all_pids(), cpu["per_pid_pct"], cpu["wall_s"]))
             after = procs.host_state()
             peak = max(before["loadavg"][0], after["loadavg"][0])
             self.res["phases"].append({
@@ -171,11 +174,13 @@ class Run:
         for rate in rates:
             reqs = client.poisson_requests(self.args.seed, rnd, rate, self.args.load_requests, self.mix,
                                            self.args.load_max_tokens, self.vocab)
+            cpu: dict = {}
             recs, duration = self.phase(rnd, key, "load", f"{setup}@{rate}", lambda: asyncio.run(client.poisson(
                 self.group.endpoints[setup], self.settings["served_model_name"], reqs,
-                self.args.request_timeout_s, self.args.drain_s)))
+                self.args.request_timeout_s, self.args.drain_s)), cpu_out=cpu)
+            cpu["tokens"] = sum(r.completion_tokens or 0 for r in recs if r.ok)
             self.res["load"].setdefault(setup, {}).setdefault(str(rate), []).append(
-                {"round": rnd, "duration_s": duration, "records": [r.to_json() for r in recs]})
+                {"round": rnd, "duration_s": duration, "cpu": cpu, "records": [r.to_json() for r in recs]})
 
     # ------------------------------------------------------------ main
     def run(self) -> None:

@@ -37,9 +37,11 @@ Measured per case (`--reps` times, pull and gather alternating):
   gather    for each of the 60 (layer, plane) tensors:
             dst.index_copy_(0, local_ids, src.index_select(0, remote_ids)).
 
-Patterns: `contiguous` (blocks 0..n-1 on both sides) and `scattered` (n random
-blocks of the pool in random order on both sides: what a warm vLLM cache hands
-out). The first pull of each case is verified byte for byte (sampled layers).
+Patterns (`benchmarks/kv_patterns.py`): `contiguous` (blocks 0..n-1 on both
+sides), `scattered` (n blocks drawn uniformly from the pool on each side: the
+worst case, every block its own extent) and `churned` (what vLLM's free queue
+hands out after requests came and went: descending runs). The first pull of
+each case is verified byte for byte (sampled layers).
 
 First handshake: the consumer meets the producer engine `--handshake-reps`
 times (dropping it in between): fetch its payload over Ray, decode it, add the
@@ -59,15 +61,10 @@ first handshake <= 50 ms per peer rank.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import cProfile
 import datetime as dt
-import io
 import json
 import os
 import platform
-import pstats
-import random
 import shlex
 import statistics
 import sys
@@ -81,238 +78,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-NUM_LAYERS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE = 30, 3, 64, 16
+from benchmarks.kv_patterns import PATTERNS  # noqa: E402
+from benchmarks.transfer_report import plot, table  # noqa: E402
+
+from benchmarks.transfer_ranks import BLOCK_SIZE, HEAD_SIZE, NUM_HEADS, NUM_LAYERS, Consumer, Producer  # noqa: E402
+
 RAY_TEMP = "/tmp/raypd-bench-ray"
-PRODUCER, CONSUMER = "bench-P", "bench-D"
-
-
-# ------------------------------------------------------------------ ranks
-def make_rank(engine_id: str, role: str, num_blocks: int, layout: str, seed: int | None):
-    """A RankTransfer over NIXL with a [layer][plane] cache filled from `seed` (zeros if None)."""
-    import torch
-
-    from actors.kv.handshake import CompatInfo
-    from actors.kv.layout import BlockLayout, CacheGeometry
-    from actors.kv.rank_transfer import RankIdentity, RankTransfer
-    from actors.kv.transport import NixlTransport
-
-    lay = BlockLayout.parse(layout)
-    dims = {"KV": 2, "H": NUM_HEADS, "N": BLOCK_SIZE, "D": HEAD_SIZE}
-    shape = (num_blocks, *(dims[a] for a in lay.axes))
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    planes = 1 if "KV" in lay.axes else 2
-    cache = [[torch.zeros(shape) if gen is None else torch.empty(shape).uniform_(-1, 1, generator=gen)
-              for _ in range(planes)] for _ in range(NUM_LAYERS)]
-    geometry = CacheGeometry.from_tensors(cache, lay, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE)
-    compat = CompatInfo(model_id="bench-30L-3H-64D", dtype="float32", num_kv_heads=NUM_HEADS,
-                        num_layers=NUM_LAYERS, head_size=HEAD_SIZE, cache_dtype="float32",
-                        kv_packing="packed" if planes == 1 else "split")
-    identity = RankIdentity(engine_id=engine_id, role=role, tp_rank=0, tp_size=1, block_size=BLOCK_SIZE)
-    transport = NixlTransport(f"{engine_id}-{os.getpid()}-{time.monotonic_ns() % 10**6}", geometry,
-                              read_timeout_s=60.0)
-    return cache, RankTransfer(identity, geometry, cache, compat, transport)
-
-
-def thread_ids() -> set[int]:
-    return {int(t) for t in os.listdir("/proc/self/task")}
-
-
-def thread_cpu_s(tids: set[int]) -> float:
-    """User + system CPU seconds of these threads of this process (gone ones count 0)."""
-    total = 0
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-class Producer:
-    """A prefill rank whose engine loop (an asyncio pump) steps its RankTransfer while leases are held."""
-
-    def __init__(self, num_blocks: int, layout: str, seed: int, poll_us: float):
-        import torch
-
-        torch.set_num_threads(1)
-        before = thread_ids()
-        self.cache, self.xfer = make_rank(PRODUCER, "prefill", num_blocks, layout, seed)
-        self.agent_threads = thread_ids() - before  # started with the NIXL agent
-        self.poll_s = poll_us / 1e6
-        self.steps = 0
-        self.released = 0
-        self._pump: asyncio.Task | None = None
-
-    async def handshake(self) -> bytes:
-        return self.xfer.handshake()
-
-    async def hold(self, req_id: str, block_ids: list[int]) -> bool:
-        self.xfer.hold(req_id, block_ids, ttl_s=120.0)
-        if self._pump is None or self._pump.done():
-            self._pump = asyncio.get_running_loop().create_task(self._run())
-        return True
-
-    async def _run(self) -> None:
-        """Step while something is held (an idle engine is not polled)."""
-        while self.xfer.needs_step:
-            self.released += len(self.xfer.step().released)
-            self.steps += 1
-            await asyncio.sleep(self.poll_s)
-
-    async def idle_agent_cpu(self, seconds: float) -> dict:
-        """CPU of the agent's threads while nothing is held and no pump runs."""
-        if self._pump is not None:
-            await asyncio.wait_for(self._pump, 30)  # the last lease is released, the pump ends
-        c0, t0 = thread_cpu_s(self.agent_threads), time.monotonic()
-        await asyncio.sleep(seconds)
-        c1, t1 = thread_cpu_s(self.agent_threads), time.monotonic()
-        return {"threads": len(self.agent_threads), "cpu_s": c1 - c0, "wall_s": t1 - t0,
-                "core_pct": 100 * (c1 - c0) / (t1 - t0)}
-
-    async def shutdown(self) -> dict:
-        if self._pump is not None:
-            self._pump.cancel()
-        huge = self.xfer.transport.huge_page_bytes
-        return {"pump_steps": self.steps, "leases_released": self.released, "huge_page_bytes": huge,
-                **self.xfer.shutdown()}
-
-
-class Consumer:
-    """A decode rank pulling from the producer; also runs the in-process baseline."""
-
-    def __init__(self, num_blocks: int, layout: str, seed: int, producer, poll_us: float):
-        import ray
-        import torch
-
-        torch.set_num_threads(1)
-        self.num_blocks = num_blocks
-        self.dst, self.xfer = make_rank(CONSUMER, "decode", num_blocks, layout, None)
-        self.src, self.src_huge_bytes = make_src(num_blocks, layout, seed)
-        self.producer = producer
-        self.poll_s = poll_us / 1e6
-        self.fetch_s = 0.0
-        self._seq = 0
-
-        def directory(engine_id: str, pp_rank: int, ranks: list[int]) -> list[bytes]:
-            t0 = time.perf_counter()
-            payload = ray.get(self.producer.handshake.remote())  # as a rank asks the coordinator
-            self.fetch_s += time.perf_counter() - t0
-            return [payload for _ in ranks]
-
-        self.directory = directory
-
-    # ------------------------------------------------------------ helpers
-    def ids(self, n_blocks: int, pattern: str, seed: int) -> tuple[list[int], list[int]]:
-        if pattern == "contiguous":
-            return list(range(n_blocks)), list(range(n_blocks))
-        rng = random.Random(seed)
-        return rng.sample(range(self.num_blocks), n_blocks), rng.sample(range(self.num_blocks), n_blocks)
-
-    def _zero(self, local_ids: list[int]) -> None:
-        import torch
-
-        idx = torch.tensor(local_ids, dtype=torch.long)
-        for row in self.dst:
-            for t in row:
-                t.index_fill_(0, idx, 0.0)
-
-    def verify(self, local_ids: list[int], remote_ids: list[int], layers=(0, 14, 29)) -> bool:
-        import torch
-
-        li, ri = torch.tensor(local_ids), torch.tensor(remote_ids)
-        return all(torch.equal(d.index_select(0, li), s.index_select(0, ri))
-                   for layer in layers for d, s in zip(self.dst[layer], self.src[layer]))
-
-    # ------------------------------------------------------------ methods
-    def first_handshake(self, reps: int) -> list[dict]:
-        """Meet the producer engine `reps` times (dropped in between); times of each meeting."""
-        shape = (PRODUCER, 1, 1, 1)
-        out = []
-        for _ in range(reps):
-            self.xfer.drop_engine(PRODUCER)
-            self.fetch_s = 0.0
-            t0 = time.perf_counter()
-            self.xfer.connect(shape, self.directory)
-            total = time.perf_counter() - t0
-            out.append({"total_s": total, "fetch_s": self.fetch_s, "peer_ranks": 1})
-        return out
-
-    def pull(self, n_blocks: int, pattern: str, seed: int, verify: bool, profile: bool = False) -> dict:
-        import ray
-
-        from actors.kv.pull_types import PullRequest
-
-        local_ids, remote_ids = self.ids(n_blocks, pattern, seed)
-        self._zero(local_ids)
-        self._seq += 1
-        req_id = f"r{self._seq}"
-        ray.get(self.producer.hold.remote(req_id, remote_ids))  # the prefill's lease (not timed)
-        req = PullRequest(PRODUCER, remote_ids, 1, 1, 1, local_ids, n_blocks * BLOCK_SIZE)
-        prof = cProfile.Profile() if profile else None
-        before = self.xfer.transport.stats.descriptors_posted
-        if prof:
-            prof.enable()
-        t0 = time.perf_counter()
-        self.xfer.start_pull(req_id, req, self.directory)
-        t1 = time.perf_counter()
-        while True:
-            step = self.xfer.step()
-            if req_id in step.done:
-                break
-            if req_id in step.failed:
-                raise RuntimeError(f"pull {req_id} failed: {step.failed[req_id]}")
-            if self.poll_s > 0:
-                time.sleep(self.poll_s)
-        t2 = time.perf_counter()
-        if prof:
-            prof.disable()
-        ok = self.verify(local_ids, remote_ids) if verify else None
-        stats = self.xfer.transport.stats
-        row = {"pull_s": t2 - t0, "start_s": t1 - t0, "descs": stats.descriptors_posted - before, "verified": ok}
-        if prof:
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
-            row["profile"] = text.getvalue()
-        return row
-
-    def gather(self, n_blocks: int, pattern: str, seed: int) -> dict:
-        import torch
-
-        local_ids, remote_ids = self.ids(n_blocks, pattern, seed)
-        self._zero(local_ids)
-        li = torch.tensor(local_ids, dtype=torch.long)
-        ri = torch.tensor(remote_ids, dtype=torch.long)
-        t0 = time.perf_counter()
-        for d_row, s_row in zip(self.dst, self.src):
-            for d, s in zip(d_row, s_row):
-                d.index_copy_(0, li, s.index_select(0, ri))
-        t1 = time.perf_counter()
-        nbytes = n_blocks * sum(t[0].numel() * t.element_size() for t in self.dst[0]) * NUM_LAYERS
-        return {"gather_s": t1 - t0, "bytes": nbytes}
-
-    def shutdown(self) -> dict:
-        huge = self.xfer.transport.huge_page_bytes
-        return {"huge_page_bytes": huge, "baseline_src_huge_page_bytes": self.src_huge_bytes, **self.xfer.shutdown()}
-
-
-def make_src(num_blocks: int, layout: str, seed: int):
-    """The producer's cache, rebuilt from the same seed in this process (no NIXL)."""
-    import torch
-
-    from actors.kv.layout import BlockLayout
-
-    lay = BlockLayout.parse(layout)
-    dims = {"KV": 2, "H": NUM_HEADS, "N": BLOCK_SIZE, "D": HEAD_SIZE}
-    shape = (num_blocks, *(dims[a] for a in lay.axes))
-    from actors.kv.hugepages import back_with_huge_pages
-
-    gen = torch.Generator().manual_seed(seed)
-    planes = 1 if "KV" in lay.axes else 2
-    src = [[torch.empty(shape).uniform_(-1, 1, generator=gen) for _ in range(planes)] for _ in range(NUM_LAYERS)]
-    huge = back_with_huge_pages([(t.data_ptr(), t.numel() * t.element_size()) for row in src for t in row])
-    return src, huge
 
 
 # ------------------------------------------------------------------ driver
@@ -330,6 +101,7 @@ def measure_layout(ray, args, layout: str, tokens: list[int], patterns: list[str
         consumer = ray.remote(Consumer).options(num_cpus=1).remote(pool, layout, args.seed, producer,
                                                                      args.consumer_poll_us)
         handshakes = ray.get(consumer.first_handshake.remote(args.handshake_reps), timeout=120)
+        ray.get([consumer.set_verify.remote("off"), producer.set_verify.remote("off")], timeout=60)
         for n_tok in tokens:
             n_blocks = -(-n_tok // BLOCK_SIZE)
             for pattern in patterns:
@@ -351,8 +123,9 @@ def measure_layout(ray, args, layout: str, tokens: list[int], patterns: list[str
                 nbytes = gathers[0]["bytes"]
                 rows.append({
                     "layout": layout, "tokens": n_tok, "pattern": pattern, "blocks": n_blocks, "bytes": nbytes,
-                    "descriptors": pulls[0]["descs"],
+                    "descriptors": pulls[0]["descs"], "spans": pulls[0]["spans"],
                     "pull_s": t_pull, "start_pull_s": median([p["start_s"] for p in pulls]),
+                    "data_s": median([p["data_s"] for p in pulls]), "confirm_s": median([p["confirm_s"] for p in pulls]),
                     "gather_s": t_gather, "pull_gbps": nbytes / t_pull / 1e9, "gather_gbps": nbytes / t_gather / 1e9,
                     "ratio_pull_over_gather": t_gather / t_pull,
                     "pull_all_s": [p["pull_s"] for p in pulls], "gather_all_s": [g["gather_s"] for g in gathers],
@@ -360,6 +133,7 @@ def measure_layout(ray, args, layout: str, tokens: list[int], patterns: list[str
                 })
                 print(f"  {layout} {n_tok:>5} tok {pattern:<10} pull {t_pull * 1e3:8.2f} ms  gather "
                       f"{t_gather * 1e3:8.2f} ms  ratio {t_gather / t_pull:.2f}", file=sys.stderr, flush=True)
+        verify_rows = measure_verify(ray, args, producer, consumer, layout, tokens, patterns[0], deadline)
         idle = ray.get(producer.idle_agent_cpu.remote(args.idle_s), timeout=args.idle_s + 60)
         print(f"  {layout} idle agent: {idle['threads']} threads, {idle['cpu_s'] * 1e3:.0f} ms CPU in "
               f"{idle['wall_s']:.1f} s", file=sys.stderr, flush=True)
@@ -370,7 +144,31 @@ def measure_layout(ray, args, layout: str, tokens: list[int], patterns: list[str
             if h is not None:
                 ray.kill(h)
     return {"layout": layout, "first_handshake": handshakes, "idle_agent": idle, "producer": p_stats,
-            "consumer": c_stats, "profiles": profiles, "rows": rows}
+            "consumer": c_stats, "profiles": profiles, "rows": rows, "verify_rows": verify_rows}
+
+
+def measure_verify(ray, args, producer, consumer, layout: str, tokens: list[int], pattern: str,
+                   deadline: float) -> list[dict]:
+    """What `transfer.verify` costs: the same pulls with off, sample and all (producer and reader)."""
+    rows = []
+    for n_tok in tokens:
+        n_blocks = -(-n_tok // BLOCK_SIZE)
+        for mode in [m for m in args.verify.split(",") if m]:
+            if time.monotonic() > deadline:
+                continue
+            ray.get([consumer.set_verify.remote(mode), producer.set_verify.remote(mode)], timeout=60)
+            pulls = [ray.get(consumer.pull.remote(n_blocks, pattern, args.seed * 1000 + rep, rep == 0), timeout=120)
+                     for rep in range(args.reps)]
+            if not pulls[0]["verified"]:
+                raise RuntimeError(f"pulled bytes differ from the source ({layout}, {n_tok} tokens, verify {mode})")
+            row = {"layout": layout, "tokens": n_tok, "pattern": pattern, "verify": mode,
+                   "checked_blocks": pulls[0]["checked"],
+                   **{k: median([p[k] for p in pulls]) for k in ("pull_s", "hold_s", "confirm_s", "verify_s")}}
+            rows.append(row)
+            print(f"  {layout} {n_tok:>5} tok verify {mode:<6} pull {row['pull_s'] * 1e3:8.2f} ms  hold "
+                  f"{row['hold_s'] * 1e3:7.2f} ms  check {row['verify_s'] * 1e3:7.2f} ms", file=sys.stderr, flush=True)
+    ray.get([consumer.set_verify.remote("off"), producer.set_verify.remote("off")], timeout=60)
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -404,98 +202,12 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-LAYOUT_NOTES = {
-    "HND": "K and V planes per layer (flash-attention style): 60 regions, 12 KiB per block",
-    "NHD": "K and V planes per layer, token-major: 60 regions, 12 KiB per block",
-    "HCND": "K/V packed per block (vLLM's CPU backend, what raypd serves here): 30 regions, 24 KiB per block",
-}
-
-
-def table(res: dict) -> str:
-    s, h = res["shape"], res["host"]
-    lines = [
-        f"# {res['date']}",
-        f"# command: {res['command']}",
-        f"# host: {h['cpus']} CPUs, load average {h['loadavg_before'][0]:.2f} before / "
-        f"{h['loadavg_after'][0]:.2f} after (1 min; shared machine)",
-        f"KV pull as raypd runs it (RankTransfer over NIXL/UCX, two Ray actors, loopback) vs in-process gather"
-        f" -- {s['layers']} layers x {s['kv_heads']} kv heads x {s['head_size']}, block {s['block_size']},"
-        f" {s['dtype']}; medians of {res['settings']['reps']} reps",
-    ]
-    mib = 2**20
-    for part in res["layouts"]:
-        layout = part["layout"]
-        lines += ["", f"layout {layout}: {LAYOUT_NOTES.get(layout, '')}"]
-        hdr = (f"{'tokens':>6} {'pattern':<10} {'MiB':>6} {'descs':>6} {'pull ms':>8} {'(start':>7} "
-               f"{'gather ms':>9} {'pull GB/s':>9} {'gather GB/s':>11} {'pull/gather':>11}")
-        lines += [hdr, "-" * len(hdr)]
-        for r in part["rows"]:
-            lines.append(f"{r['tokens']:>6} {r['pattern']:<10} {r['bytes'] / mib:>6.1f} {r['descriptors']:>6} "
-                         f"{r['pull_s'] * 1e3:>8.2f} {r['start_pull_s'] * 1e3:>7.2f} {r['gather_s'] * 1e3:>9.2f} "
-                         f"{r['pull_gbps']:>9.2f} {r['gather_gbps']:>11.2f} {r['ratio_pull_over_gather']:>11.2f}")
-        for r in part["rows"]:
-            if r["tokens"] in (4096, 8192):
-                verdict = "meets" if r["ratio_pull_over_gather"] >= 0.8 else "BELOW"
-                lines.append(f"goal ({layout}, {r['tokens']} tokens, {r['pattern']}): pull/gather = "
-                             f"{r['ratio_pull_over_gather']:.2f} -> {verdict} the 0.8 goal")
-        hs = part["first_handshake"]
-        if hs:
-            later = [x["total_s"] for x in hs[1:]]
-            worst = max(x["total_s"] / x["peer_ranks"] for x in hs)
-            lines.append(f"first handshake ({layout}; fetch payload over Ray + add peer + connect + prepare lists), "
-                         f"1 peer rank: first in process {hs[0]['total_s'] * 1e3:.1f} ms (fetch "
-                         f"{hs[0]['fetch_s'] * 1e3:.1f}), later median {median(later) * 1e3:.1f} ms of {len(later)} -> "
-                         f"{'meets' if worst <= 0.050 else 'BELOW'} the 50 ms per peer rank goal "
-                         f"(worst {worst * 1e3:.1f} ms)")
-        idle = part["idle_agent"]
-        lines.append(f"idle agent ({layout}; producer, nothing held, no pump): its {idle['threads']} threads used "
-                     f"{idle['cpu_s'] * 1e3:.0f} ms CPU in {idle['wall_s']:.1f} s = {idle['core_pct']:.2f} % of a core")
-        lines.append(f"huge pages (2 MiB) under the data: producer KV {part['producer']['huge_page_bytes'] // mib} MiB,"
-                     f" consumer KV {part['consumer']['huge_page_bytes'] // mib} MiB, baseline source "
-                     f"{part['consumer']['baseline_src_huge_page_bytes'] // mib} MiB")
-    lines += [
-        "",
-        "pull = RankTransfer.start_pull -> step() until done (plan lookup + vectorised id checks + descriptor",
-        "  indices + NIXL post, in which UCX's CMA copy runs, + completion + layout post-processing); start =",
-        "  start_pull alone; gather = index_select + index_copy_ of the same blocks for every (layer, plane)",
-        "  tensor in the consumer; descs = descriptors posted (NIXL merges neighbours itself)",
-        f"wall {res['wall_s']:.0f} s",
-    ]
-    return "\n".join(lines)
-
-
-def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    all_rows = [r for part in res["layouts"] for r in part["rows"]]
-    patterns = sorted({r["pattern"] for r in all_rows})
-    fig, axes = plt.subplots(1, len(patterns), figsize=(6 * len(patterns), 4), squeeze=False)
-    for ax, pattern in zip(axes[0], patterns):
-        for part in res["layouts"]:
-            rows = [r for r in part["rows"] if r["pattern"] == pattern]
-            xs = [r["tokens"] for r in rows]
-            ax.plot(xs, [r["pull_gbps"] for r in rows], marker="o", label=f"raypd pull, {part['layout']}")
-            ax.plot(xs, [r["gather_gbps"] for r in rows], marker="s", linestyle="--",
-                    label=f"in-process gather, {part['layout']}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("GB/s (median)")
-        ax.set_title(f"{pattern} blocks")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("KV pull, 30 layers x 3 heads x 64, block 16, fp32")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1024,4096,8192", help="comma-separated token counts")
-    p.add_argument("--patterns", default="contiguous,scattered", help="block patterns: contiguous,scattered")
+    p.add_argument("--patterns", default="contiguous,scattered,churned",
+                   help=f"block patterns ({', '.join(PATTERNS)}; benchmarks/kv_patterns.py)")
     p.add_argument("--reps", type=int, default=7, help="repetitions per case (medians are reported)")
     p.add_argument("--handshake-reps", type=int, default=6, help="first handshakes measured")
     p.add_argument("--layouts", default="HND,HCND",
@@ -506,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=5.0, help="idle spell over which the agent's threads are timed")
     p.add_argument("--consumer-poll-us", type=float, default=50.0, help="consumer's sleep between steps")
     p.add_argument("--verify-all", action="store_true", help="verify every pull (default: the first per case)")
+    p.add_argument("--verify", default="off,sample,all",
+                   help="transfer.verify modes measured (first pattern, every token count)")
     p.add_argument("--profile", action="store_true", help="cProfile the last pull of each case (in the JSON)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=600.0, help="stop starting new cases after this")

@@ -11,6 +11,15 @@ are moved into raypd's fields here, so each has one value (see
 actors/engine/config.py). `check_engine_args` checks the rest against vLLM's
 own argument classes where vLLM is importable (the CLI calls it; the engines
 check again when they start).
+
+One default differs from vLLM's: a prefill engine runs one prompt at a time
+(`max_num_seqs` 1, `PREFILL_DEFAULT_KWARGS`; set it in `prefill.engine_kwargs` to
+change it). vLLM would pack every queued prompt into one step of up to
+`max_num_batched_tokens`, so that each of them gets its first token only when the
+whole pack is computed (four 512-token prompts: ~4x one prompt's time for all four
+on a CPU core); one at a time, first come first served, the first of them is
+back after its own prefill. A prefill's request leaves vLLM's running set with its
+first token (its blocks stay under their lease), so this bounds only the compute.
 """
 
 from __future__ import annotations
@@ -33,8 +42,12 @@ from actors.engine.config import (
 )
 from actors.control.ledger import BreakerConfig
 from serving.cluster.autoscale_policy import AutoscalerConfig
+from serving.routing.placement import PlacementConfig, chunked_prefill_budget
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "both")
+PREFILL_CAPABLE, DECODE_CAPABLE = ("prefill", "both"), ("decode", "both")
+# vLLM engine arguments a prefill engine gets unless its engine_kwargs set them (see the module docstring)
+PREFILL_DEFAULT_KWARGS: dict[str, Any] = {"max_num_seqs": 1}
 
 
 class ConfigError(ValueError):
@@ -59,19 +72,21 @@ class EngineGroupConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
     cpu_bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
+    compute_nice: int = Field(10, ge=0, le=19)  # CPU hosts: vLLM's worker threads yield to the serving path
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of this role (over the shared ones)
 
 
 class RouterConfig(_Strict):
-    """Engine choice and remote-vs-local prefill; formula and rules: serving/routing/policy.py."""
+    """Engine choice and colocated-vs-disaggregated placement (serving/routing/planner.py)."""
 
-    # cache_aware: engines publish vLLM's KV cache events and the router scores cached prefix + load;
-    # least_outstanding: load alone, and engines run without KV events
+    # cache_aware: engines publish vLLM's KV cache events and the router counts each engine's cached
+    # prefix of the prompt; least_outstanding: load alone, and engines run without KV events
     policy: Literal["least_outstanding", "cache_aware"] = "cache_aware"
     cache_weight: float = Field(1.0, ge=0)  # cost of one uncached prompt token vs one token of queued work
-    short_prompt_tokens: int = Field(0, ge=0)  # uncached prompt tokens below this: the decode engine prefills
-    prefill_saturation_tokens: int = Field(0, ge=0)  # prefill queue that makes decode prefill itself (0: off)
-    decode_headroom_tokens: int = Field(4096, ge=0)  # ...only while the decode engine owes fewer tokens
+    # slo: per request, the SLO model (serving/routing/placement.py) picks colocated or disaggregated and
+    # where; disaggregate: every request is prefilled remotely whenever a prefill engine is usable
+    placement: Literal["slo", "disaggregate"] = "slo"
+    slo: PlacementConfig = PlacementConfig()  # targets, weights and the priors rates start from
     index_refresh_s: float = Field(0.1, gt=0)  # how stale the router's copy of the prefix index may get
     no_prefill_fallback: Literal["decode_local", "reject"] = "decode_local"
     prefill_retries: int = Field(1, ge=0, le=3)
@@ -88,6 +103,10 @@ class TransferConfig(_Strict):
     # spent waiting for it); larger ones load asynchronously. 0: always async (EngineConfig)
     sync_load_max_tokens: int = Field(4096, ge=0)
     fault_rate: float = Field(0.0, ge=0.0, le=1.0)  # test knob: fail this fraction of KV pulls on purpose
+    # KV integrity (actors.kv.integrity): producers checksum each (block, head) when they lease a
+    # prefill, readers check all blocks or a 1-in-8 sample of them after the pull; a mismatch fails it.
+    # Off by default: on CPU `all` adds 1.6-6x the pull's time, `sample` 20-140 % (benchmarks/transfer.py).
+    verify: Literal["off", "sample", "all"] = "off"
 
 
 class RestartConfig(_Strict):
@@ -108,6 +127,8 @@ class HttpConfig(_Strict):
     max_inflight_requests: int = Field(512, ge=1)  # per ingress replica; beyond it: 429
     num_replicas: int = Field(1, ge=1, le=64)  # Ray Serve ingress replicas
     replica_num_cpus: float = Field(0.0, ge=0)  # CPUs reserved per ingress replica
+    # answer requests sent with `X-Raypd-Trace: 1` with their first token's hop stamps (serving.front.trace)
+    trace: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -135,6 +156,9 @@ class DeploymentConfig(_Strict):
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of both roles
     prefill: EngineGroupConfig = EngineGroupConfig()
     decode: EngineGroupConfig = EngineGroupConfig()
+    # role-flexible engines: each can prefill for a peer, decode a peer's prefill, or serve a request
+    # end to end; the router places every request (router.placement). Given alone, there are no fixed pools.
+    both: EngineGroupConfig = EngineGroupConfig(count=0)
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
     breaker: BreakerConfig = BreakerConfig()
@@ -150,6 +174,10 @@ class DeploymentConfig(_Strict):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        both = data.get("both")
+        if isinstance(both, dict) and both.get("count", 0):  # role-flexible engines only, unless pools are given
+            for role in ("prefill", "decode"):
+                data.setdefault(role, {"count": 0})
         explicit = {f: f for f in DEPLOYMENT_FIELDS if f in data}
         shared = lift_owned_kwargs(data, dict(data.get("engine_kwargs") or {}), DEPLOYMENT_FIELDS,
                                    "engine_kwargs", explicit)
@@ -176,46 +204,75 @@ class DeploymentConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_field(self) -> "DeploymentConfig":
-        if self.decode.count < 1:
-            raise ValueError("at least one decode engine is needed (decode.count >= 1)")
-        if self.prefill.count == 0 and self.router.no_prefill_fallback == "reject":
+        groups = {role: getattr(self, role) for role in ROLES if getattr(self, role).count}
+        if not any(r in groups for r in DECODE_CAPABLE):
+            raise ValueError("at least one decode-capable engine is needed (decode.count or both.count >= 1)")
+        if not any(r in groups for r in PREFILL_CAPABLE) and self.router.no_prefill_fallback == "reject":
             raise ValueError("no prefill engine and router.no_prefill_fallback=reject: nothing could be served")
-        p, d = self.prefill, self.decode
-        if self.prefill.count:
-            big, small = max(p.tp_size, d.tp_size), min(p.tp_size, d.tp_size)
-            if big % small:
-                raise ValueError(f"prefill tp_size {p.tp_size} and decode tp_size {d.tp_size} must divide one another")
-            pb, db = self.engine_config("prefill").effective_block_size, self.engine_config("decode").effective_block_size
-            if db % pb:
-                raise ValueError(f"prefill block_size {pb} must divide decode block_size {db}")
-        for role, group in (("prefill", p), ("decode", d)):
-            bounds = getattr(self.autoscaler, role)
-            if self.autoscaler.enabled and not bounds.min <= group.count <= bounds.max:
+        for pr in (r for r in PREFILL_CAPABLE if r in groups):
+            for dr in (r for r in DECODE_CAPABLE if r in groups and r != pr):
+                p, d = groups[pr], groups[dr]
+                if max(p.tp_size, d.tp_size) % min(p.tp_size, d.tp_size):
+                    raise ValueError(f"{pr} tp_size {p.tp_size} and {dr} tp_size {d.tp_size} must divide one another")
+                pb, db = self.engine_config(pr).effective_block_size, self.engine_config(dr).effective_block_size
+                if db % pb:
+                    raise ValueError(f"{pr} block_size {pb} must divide {dr} block_size {db}")
+        for role in ROLES:
+            group = getattr(self, role)
+            bounds = getattr(self.autoscaler, role, None)
+            # a role with no engines is never scaled (the autoscaler scales only the roles deployed)
+            if (bounds is not None and self.autoscaler.enabled and group.count
+                    and not bounds.min <= group.count <= bounds.max):
                 raise ValueError(f"{role}.count {group.count} must lie within autoscaler.{role} "
                                  f"min {bounds.min} .. max {bounds.max}")
             if group.cpu_bind is not None and len(group.cpu_bind) != group.count:
                 raise ValueError(f"{role}.cpu_bind needs one entry per engine ({group.count})")
-        for role in ("prefill", "decode"):
+        for role in ROLES:
+            if role not in groups and role != "decode" and role != "prefill":
+                continue
             try:
                 self.engine_config(role)  # surfaces per-engine rules (dcp, heads, block size)
             except ValidationError as exc:
                 raise ValueError(f"{role} engines: " + "; ".join(e["msg"] for e in exc.errors())) from None
         return self
 
+    def chunk_budget(self, role: str) -> int | None:
+        """vLLM's max_num_batched_tokens on `role`'s engines: the user's, else, on decode-capable vLLM
+        engines under SLO placement, one that keeps a step with a local prefill chunk within the ITL
+        target at the placement model's prior rates (None: vLLM's default)."""
+        group: EngineGroupConfig = getattr(self, role)
+        kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+        if "max_num_batched_tokens" in kwargs:
+            return int(kwargs["max_num_batched_tokens"])
+        if self.backend != "vllm" or role not in DECODE_CAPABLE or self.router.placement != "slo":
+            return None
+        slo = self.router.slo
+        block = group.block_size or 128  # vLLM's CPU default (GPU configs set their block size)
+        return chunked_prefill_budget(slo.prior_step_s, slo.prior_prefill_tokens_per_s, slo.itl_target_s,
+                                      max_num_seqs=int(kwargs.get("max_num_seqs", 128)), block_size=block)
+
     def engine_config(self, role: str, index: int = 0, engine_id: str | None = None) -> EngineConfig:
-        group: EngineGroupConfig = getattr(self, "decode" if role == "both" else role)
+        group: EngineGroupConfig = getattr(self, role)
+        kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+        if role == "prefill" and self.backend == "vllm":
+            kwargs = {**PREFILL_DEFAULT_KWARGS, **kwargs}
+        budget = self.chunk_budget(role)
+        if budget is not None:
+            kwargs["max_num_batched_tokens"] = budget
         return EngineConfig(
             role=role, backend=self.backend, engine_id=engine_id, model=self.model,
             synthetic=self.synthetic, dtype=self.dtype, tp_size=group.tp_size, pp_size=group.pp_size,
-            engine_kwargs={**self.engine_kwargs, **group.engine_kwargs},
+            engine_kwargs=kwargs,
             dcp_size=group.dcp_size, block_size=group.block_size, max_model_len=self.max_model_len,
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
             kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
             read_timeout_s=self.transfer.read_timeout_s, fault_rate=self.transfer.fault_rate,
             sync_load_max_tokens=self.transfer.sync_load_max_tokens,
+            kv_verify=self.transfer.verify,
             num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
             resources=group.resources,
             cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,
+            compute_nice=group.compute_nice,
         )
 
     @property
@@ -246,7 +303,7 @@ def check_engine_args(cfg: DeploymentConfig) -> list[str]:
     Raises ConfigError naming the key; returns notes on what raypd will override.
     Without vLLM installed (or for the synthetic backend) there is nothing to check here.
     """
-    if cfg.backend != "vllm" or not (cfg.engine_kwargs or cfg.prefill.engine_kwargs or cfg.decode.engine_kwargs):
+    if cfg.backend != "vllm" or not (cfg.engine_kwargs or any(getattr(cfg, r).engine_kwargs for r in ROLES)):
         return []
     from actors.engine.vllm.args import EngineArgsError, check_engine_kwargs, pd_overrides, vllm_available
 

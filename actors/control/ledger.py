@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
 from actors.kv.breaker import CircuitBreaker
-from actors.protocol import PairState, PrefillRoute, RouteTable
+from actors.protocol import PairState
 
 
 class BreakerConfig(BaseModel):

@@ -47,15 +47,18 @@ import ray
 
 from actors.engine.config import EngineConfig
 from actors.engine.vllm.kv_events import relay_for
+from actors.engine.vllm.trace import timer_for
 from actors.engine.load import EngineLoad, LoadMeter
 from actors.protocol import (
     Backend,
     EngineRequest,
     EngineInfo,
     EngineRequestError,
+    EngineStart,
     EngineStats,
     ModelInfo,
     PrefillResult,
+    Stamps,
     TokenChunk,
 )
 from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
@@ -92,9 +95,10 @@ class EngineActor:
         self._handshakes: list[bytes] = []
         self._register_lock = asyncio.Lock()
         self._kv_relay: Any = None  # actors.engine.vllm.kv_events.KVEventsRelay: KV cache events -> coordinator
+        self._timer: Any = None  # actors.engine.vllm.trace.RequestTimer: vLLM's queued/compute split per request
         self.meter = LoadMeter()  # queues and latencies for the autoscaler
         self._start_lock = asyncio.Lock()
-        self._start_info: dict | None = None
+        self._start_info: EngineStart | None = None
         self._watcher: asyncio.Task | None = None
         self._running: dict[str, float] = {}
         self.counters = {"requests": 0, "finished": 0, "errors": 0, "aborted": 0, "recomputed": 0}
@@ -122,7 +126,7 @@ class EngineActor:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
-    async def start(self) -> dict:
+    async def start(self) -> EngineStart:
         """Build the backend and register with the coordinator (if any).
 
         Idempotent: several ingress replicas share one engine and each calls
@@ -133,7 +137,7 @@ class EngineActor:
                 self._start_info = await self._start()
             return self._start_info
 
-    async def _start(self) -> dict:
+    async def _start(self) -> EngineStart:
         if self.coordinator_name is not None:
             from actors.control.coordinator import NAMESPACE
 
@@ -142,6 +146,11 @@ class EngineActor:
         self.startup.reached(LOADING, self.cfg.model if self.cfg.backend == "vllm" else "synthetic")
         try:
             await self.backend.start(self._coordinator, on_new_incarnation=self._register)
+            self._timer = timer_for(self.backend)
+            if self.cfg.backend == "vllm":
+                from actors.engine.vllm.compute_priority import lower_compute_priority
+
+                await asyncio.to_thread(lower_compute_priority, self.cfg.compute_nice)
             self.startup.reached(KV_REGISTERED)
             if self._coordinator is not None:
                 self._kv_relay = relay_for(self.backend, self.engine_id, self._relay_kv_events)
@@ -154,7 +163,7 @@ class EngineActor:
             raise
         self.started = True
         self.startup.reached(READY)
-        return {"engine_id": self.engine_id, "role": self.cfg.role, "pairs": pairs, "restarted": self.restarted}
+        return EngineStart(self.engine_id, self.cfg.role, pairs, self.restarted)
 
     async def start_phases(self) -> list[StartPhase]:
         """Start-up phases reached so far (polled by the launcher while start() runs)."""
@@ -242,11 +251,13 @@ class EngineActor:
     @ray.method(max_task_retries=0)
     async def prefill(self, req: EngineRequest) -> PrefillResult:
         """Run the prompt for remote decode: the first token and the transfer params."""
+        entered = Stamps.now(Stamps.ENGINE_IN)
         self._check_role("prefill", "both")
         self.counters["requests"] += 1
         started = self.meter.prefill_started(req)
         try:
-            return await self.backend.prefill(req)
+            out = await self.backend.prefill(req)
+            return out.replace(stamps=out.stamps + self._engine_stamps(entered, req.request_id))
         except EngineRequestError:
             raise
         except Exception as exc:
@@ -255,9 +266,15 @@ class EngineActor:
         finally:
             self.meter.prefill_done(started)
 
+    def _engine_stamps(self, entered: tuple[str, float], request_id: str) -> tuple[tuple[str, float], ...]:
+        """This engine's hops of a request's first token: entry, vLLM's queue and compute, exit."""
+        inside = self._timer.take(request_id) if self._timer is not None else ()
+        return (entered, *inside, Stamps.now(Stamps.ENGINE_OUT))
+
     @ray.method(max_task_retries=0)
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
         """Stream token deltas; the last chunk has `finished` and `finish_reason`."""
+        entered: tuple[str, float] | None = Stamps.now(Stamps.ENGINE_IN)
         self._check_role("decode", "both")
         req_id = req.request_id
         params = None
@@ -280,6 +297,9 @@ class EngineActor:
                     self.counters["recomputed"] += 1
                 if chunk.failed:
                     self.counters["errors"] += 1
+                if entered is not None and (chunk.token_ids or chunk.finished):
+                    chunk = chunk.replace(stamps=(entered, Stamps.now(Stamps.ENGINE_OUT)))
+                    entered = None
                 yield chunk
             self.counters["finished"] += 1
         except (asyncio.CancelledError, GeneratorExit):

@@ -115,6 +115,9 @@ class EngineConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
+    # CPU hosts: the nice value of vLLM's worker threads, so that the serving path preempts the
+    # compute (actors/engine/vllm/compute_priority.py); 0 leaves them at the actor's priority
+    compute_nice: int = Field(10, ge=0, le=19)
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments, passed through (actors.engine.vllm.args)
     # False: plain vLLM with no KV connector at all (role "both" only). Used as the
     # colocated baseline of benchmarks/pd_vs_vllm.py; such an engine cannot take part
@@ -125,6 +128,7 @@ class EngineConfig(_Strict):
     kv_events: bool = True
     # Test knob: this fraction of KV pulls fails on purpose (fault-injection suites only).
     fault_rate: float = Field(0.0, ge=0.0, le=1.0)
+    kv_verify: Literal["off", "sample", "all"] = "off"  # transfer.verify: KV checksums (actors.kv.integrity)
 
     @model_validator(mode="before")
     @classmethod

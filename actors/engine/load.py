@@ -56,6 +56,23 @@ class _Average:
         return self.avg
 
 
+class _Rate:
+    """Events per second, recently: a count decayed with time constant `tau_s`."""
+
+    def __init__(self, tau_s: float, now: float):
+        self.tau_s, self.count, self.at = tau_s, 0.0, now
+
+    def add(self, now: float) -> None:
+        self.per_s(now)
+        self.count += 1.0
+
+    def per_s(self, now: float) -> float:
+        if now > self.at:
+            self.count *= math.exp(-(now - self.at) / self.tau_s)
+            self.at = now
+        return self.count / self.tau_s
+
+
 class _Latencies:
     def __init__(self, window_s: float):
         self.window_s = window_s
@@ -95,11 +112,21 @@ class EngineLoad:
                    meter)
 
 
+class _Ewma:
+    """A moving average of samples (weight `alpha` for the newest); None before the first."""
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha, self.value = alpha, None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
 class DecodeTrack:
     """One decode request's debt to its engine."""
 
     def __init__(self, meter: "LoadMeter", owed: int):
-        self.meter, self.owed = meter, owed
+        self.meter, self.owed, self.asked = meter, owed, owed
         self.first = True  # the first chunk's wait is prefill or a KV pull, not an inter-token gap
         self.last = meter.clock()
         meter._outstanding.add(owed, self.last)
@@ -111,12 +138,14 @@ class DecodeTrack:
         now = self.meter.clock()
         if not self.first:
             self.meter._itl.add((now - self.last) / n, now)
+            self.meter._step.add((now - self.last) / n)
         self.first, self.last = False, now
         paid = min(n, self.owed)
         self.owed -= paid
         self.meter._outstanding.add(-paid, now)
 
     def done(self) -> None:
+        self.meter._output.add(self.asked - self.owed)
         if self.owed:
             self.meter._outstanding.add(-self.owed, self.meter.clock())
             self.owed = 0
@@ -130,6 +159,9 @@ class LoadMeter:
         self._outstanding = _Average(window_s, now)
         self._prefill_latency = _Latencies(window_s)
         self._itl = _Latencies(window_s)
+        self._prefill_rate, self._step = _Ewma(), _Ewma()  # tokens/s of prefills, s per decoded token
+        self._prompt, self._output = _Ewma(), _Ewma()  # per decoded request
+        self._arrivals = _Rate(window_s * 6, now)  # decode starts per second
 
     def prefill_started(self, req: Any) -> tuple[int, float]:
         n = _estimate_prompt_tokens(req)
@@ -142,8 +174,12 @@ class LoadMeter:
         now = self.clock()
         self._queued.add(-n, now)
         self._prefill_latency.add(now - t0, now)
+        if now > t0:
+            self._prefill_rate.add(n / (now - t0))
 
     def decode_started(self, req: Any) -> DecodeTrack:
+        self._arrivals.add(self.clock())
+        self._prompt.add(_estimate_prompt_tokens(req) - getattr(req, "num_resumed_tokens", 0))
         return DecodeTrack(self, req.max_tokens)
 
     def snapshot(self) -> LoadSnapshot:
@@ -153,4 +189,7 @@ class LoadMeter:
             outstanding_tokens=self._outstanding.value,
             outstanding_tokens_avg=round(self._outstanding.read(now), 1),
             prefill_latency_p90_s=self._prefill_latency.p90(now), itl_p90_s=self._itl.p90(now),
+            prefill_tokens_per_s=self._prefill_rate.value, step_s=self._step.value,
+            arrivals_per_s=round(self._arrivals.per_s(now), 4),
+            prompt_tokens_avg=self._prompt.value, output_tokens_avg=self._output.value,
         )

@@ -6,7 +6,9 @@ incompatible model is a clear `HandshakeError`, never a crash:
   1. envelope  {"protocol": int, "compat_hash": str, "body": {...}}
      -> protocol and compatibility hash are checked before the body is read;
   2. body      engine id, role, rank identity, agent name, agent metadata
-     (base64), cache geometry (region addresses, block length, block count).
+     (base64), cache geometry (region addresses, block length, block count)
+     and, for ranks that lease blocks, where their lease board lives
+     (`actors.kv.lease_board`: readers confirm leases there).
 
 The compatibility hash covers what must be equal for KV bytes to mean the same
 thing on both sides: model id, dtype, kv heads, layers, head size, cache dtype
@@ -23,8 +25,9 @@ from dataclasses import asdict, dataclass
 
 from actors.kv.errors import HandshakeError, LayoutError
 from actors.kv.layout import CacheGeometry
+from actors.kv.lease_board import BoardInfo
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: lease boards (readers confirm leases after their READ)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class RankHandshake:
     agent_metadata: bytes
     geometry: CacheGeometry
     compat: CompatInfo
+    board: BoardInfo | None = None  # None: a rank nobody reads from (decode only)
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -93,6 +97,8 @@ class RankHandshake:
             "geometry": self.geometry.to_dict(),
             "compat": asdict(self.compat),
         }
+        if self.board is not None:
+            body["board"] = self.board.to_dict()
         envelope = {"protocol": PROTOCOL_VERSION, "compat_hash": self.compat.compat_hash(), "body": body}
         return json.dumps(envelope, separators=(",", ":")).encode()
 
@@ -154,8 +160,9 @@ def decode_handshake(data: bytes, expect_compat_hash: str | None = None) -> Rank
         geometry = CacheGeometry.from_dict(body["geometry"])
     except (KeyError, TypeError, ValueError, LayoutError) as exc:
         raise HandshakeError("geometry", f"malformed: {exc}") from None
+    board = BoardInfo.from_dict(body["board"]) if body.get("board") is not None else None
     return RankHandshake(
         engine_id=body["engine_id"], role=body["role"], agent_name=body["agent_name"],
-        agent_metadata=metadata, geometry=geometry, compat=compat,
+        agent_metadata=metadata, geometry=geometry, compat=compat, board=board,
         **{name: body[name] for name in _INT_FIELDS},
     )

@@ -8,9 +8,16 @@ prepared with the transport once, plus the first descriptor index of every
 vectorised min/max per side) and its descriptor indices computed by numpy
 broadcasting (`SourceRead.indices`); nothing is planned per request.
 
-Descriptor order is region-major, then run, then block: neighbouring blocks
-that are also neighbours in memory sit next to each other in the READ, and
-NIXL merges them into one extent when it builds the transfer.
+Descriptor order is region-major, then run, then local block: a request's
+pairs are sorted by their local position, so every run of blocks adjacent in
+*both* caches sits next to each other in the READ in ascending order, whatever
+order the engine listed them in (vLLM hands out freed blocks in reverse, so
+runs often come descending on both sides), and NIXL merges each run into one
+extent when it builds the transfer. On one host every extent is one
+`process_vm_readv` call (~2.5 us of kernel overhead each, on top of the copy,
+`actors/kv/NIXL_NOTES.md`): fewer extents is what makes scattered pulls fast.
+`SourceRead.indices` also returns how many extents the READ has after merging
+(`spans`), so the benchmark and the stats can show it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from actors.kv.errors import BlockRangeError, LayoutError
 from actors.kv.handshake import RankHandshake
 from actors.kv.layout import BlockLayout, CacheGeometry
 from actors.kv.read_plan import ReadPlan, ReadSpec
+from actors.kv.topology import rank_global_heads
 
 PeerKey = tuple[str, int, int]  # (engine id, pp rank, tp rank)
 
@@ -44,10 +52,21 @@ class SourceRead:
     remote_num_blocks: int
     bytes_per_item: int  # bytes moved per remote block (or per token) over every region
     dtype: type
+    # adjacent positions are adjacent bytes on both sides (one run tiling each unit), so NIXL
+    # merges pairs adjacent in both caches into one extent
+    merges: bool = False
+    # what the lease confirmation needs to recompute this source's checksums (actors.kv.confirm)
+    local_heads: tuple[int, int] = (0, 1)
+    remote_heads: tuple[int, int] = (0, 1)  # in the source's own head indices
+    remote_head0: int = 0  # the source's first global head
+    all_layers: tuple[int, ...] | None = None  # layers read, when they are every layer the source holds
 
     def indices(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int
-                ) -> tuple[np.ndarray, np.ndarray, int]:
-        """(local indices, remote indices, bytes) of one request; ids are already checked."""
+                ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """(local indices, remote indices, bytes, spans) of one request; ids are already checked.
+
+        `spans` is the number of extents NIXL posts once it merged neighbours.
+        """
         if self.token_shard is None:
             ratio = self.local_units
             if remote_ids.size > local_ids.size * ratio:
@@ -57,7 +76,8 @@ class SourceRead:
                 )
             item = np.arange(remote_ids.size)
             local_pos = local_ids[item // ratio] * ratio + item % ratio
-            remote_pos = remote_ids
+            order = np.argsort(local_pos, kind="stable")  # runs adjacent in both caches: ascending
+            local_pos, remote_pos = local_pos[order], remote_ids[order]
         else:
             r_size, r_rank, l_size, l_rank = self.token_shard
             tokens = np.arange(num_tokens)
@@ -73,7 +93,11 @@ class SourceRead:
             local_pos = local_ids[l_blk] * self.local_units + l_slot % self.local_units
         li = (self.local_base + local_pos[None, None, :]).astype(self.dtype).ravel()
         ri = (self.remote_base + remote_pos[None, None, :]).astype(self.dtype).ravel()
-        return li, ri, int(local_pos.size) * self.bytes_per_item
+        spans = li.size
+        if self.merges and local_pos.size > 1:
+            joined = int(np.count_nonzero((np.diff(local_pos) == 1) & (np.diff(remote_pos) == 1)))
+            spans -= joined * self.local_base.shape[0] * self.local_base.shape[1]
+        return li, ri, int(local_pos.size) * self.bytes_per_item, spans
 
 
 @dataclass(frozen=True)
@@ -132,6 +156,11 @@ def _cuts(spec: ReadSpec, local: CacheGeometry, remote: CacheGeometry) -> tuple[
     return l_cut, r_cut
 
 
+def _tiles(cut: UnitCut) -> bool:
+    """One run covering the whole unit: unit k+1 starts where unit k ends."""
+    return len(cut.runs) == 1 and cut.runs[0] == (0, cut.unit_stride)
+
+
 def table_of(geometry: CacheGeometry, cut: UnitCut) -> DescTable:
     return DescTable(tuple(b for planes in geometry.bases for b in planes), geometry.num_blocks,
                      geometry.block_bytes, cut)
@@ -165,6 +194,10 @@ def build_stage(transport: Any, local: CacheGeometry, plan: ReadPlan, peers: dic
             remote_num_blocks=remote.num_blocks,
             bytes_per_item=l_cut.bytes_per_unit * len(l_regions),
             dtype=index_dtype(max(len(l_table), len(r_table))),
+            merges=spec.token_shard is None and _tiles(l_cut) and _tiles(r_cut),
+            local_heads=spec.local_heads, remote_heads=spec.remote_heads,
+            remote_head0=rank_global_heads(hs.tp_rank, hs.tp_size, hs.compat.num_kv_heads, hs.compat.is_mla)[0],
+            all_layers=tuple(layers) if layers == list(remote.layers) else None,
         ))
         if spec.token_shard is None:
             remote_layout, ratio = remote.layout, spec.block_size_ratio

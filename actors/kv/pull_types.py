@@ -49,6 +49,16 @@ class PullRequest:
 
 
 @dataclass(frozen=True)
+class PullTiming:
+    """Where one finished pull's time went (`RankTransfer.timings`; the transfer benchmark reads it)."""
+
+    data_s: float  # start -> every data READ done
+    confirm_s: float  # -> every lease record seen HELD (retries included)
+    verify_s: float  # checksum recomputation and comparison
+    checked_blocks: int
+
+
+@dataclass(frozen=True)
 class StepResult:
     """Everything one `RankTransfer.step()` produced."""
 

@@ -2,36 +2,36 @@
 
 Life cycle of a request on a decode (reader) rank:
 
-  start_pull    the first request of a shape (remote engine, tp, pp, dcp)
-                handshakes (`connect`): payloads of exactly the ranks
-                `handshake_target_ranks` names, peers added and connected,
-                descriptor lists prepared (`PeerPlan`, cached). Every request
-                then checks its block ids against both sides' block counts
-                (vectorised), computes descriptor indices and posts one READ
-                per source rank, each carrying a notice; replicas we skip are
-                told at once. Nothing reaches the wire unless every id is valid;
-  step          finished pulls are permuted into the local layout (block-size
-                ratio, HND/NHD) and reported done; a failed pull reports its
-                blocks invalid and sends ok=false notices to every source, so
-                producers free at once;
-  abandon       a request that will never pull tells its producers the same.
+  1. start_pull  the first request of a shape (remote engine, tp, pp, dcp)
+                 handshakes (`connect`): payloads of exactly the ranks
+                 `handshake_target_ranks` names, peers added and connected,
+                 descriptor lists prepared (`PeerPlan`, cached), and for every
+                 source rank the lists of its lease board (`actors.kv.confirm`).
+                 Every request then checks its block ids against both sides'
+                 block counts (vectorised), computes descriptor indices and
+                 posts one READ per source rank; replicas we skip are told at
+                 once. Nothing reaches the wire unless every id is valid;
+  2. step        data READs done -> the lease confirmation is READ from every
+                 source's board (the record, plus checksums with
+                 `transfer.verify`); HELD everywhere -> the blocks are permuted
+                 into the local layout (block-size ratio, HND/NHD), checked
+                 against the checksums, the sources are notified and the pull
+                 is reported done. RELEASED, no record within the read timeout,
+                 a checksum mismatch or any READ error fails the pull: its
+                 blocks are reported invalid and every source gets an ok=false
+                 notice, so producers free at once (fail closed);
+  3. abandon     a request that will never pull tells its producers the same.
 
-Life cycle on a prefill (producer) rank:
-
-  hold          the request's blocks go under a lease; notices that arrived
-                before the lease (a fast reader) are applied at once;
-  step          notices release leases (all readers heard, or a reader gave
-                up); expired leases are released too;
-  release       the engine frees a lease itself (abort, or a reader that will
-                never come): reported by the next step like any release.
+On a prefill (producer) rank, `hold` / `release` and the lease part of `step`
+are `actors.kv.producer.LeaseKeeper`'s (its module opens with that life cycle).
 
 `step()` is the one place that decides what a step polls (pulls, then
 leases with the notices that arrived) and returns everything it produced as a
 `StepResult`. Nothing here starts a thread or spins: the owner calls `step()`
 (vLLM: every engine step) while `needs_step`. Moving bytes does not wait for
 `step()`: NIXL's progress thread (`actors.kv.nixl_binding`) serves peers'
-READs of this rank's memory, sends our notices and collects theirs even while
-the owner is busy; `step()` decides what finished and what to release.
+READs of this rank's memory and its board and collects notices even while the
+owner is busy, so a producer owes its readers nothing between its steps.
 """
 
 from __future__ import annotations
@@ -45,17 +45,20 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from actors.kv.confirm import EXPIRED, MISSING, Confirmer, SourceConfirm
 from actors.kv.descriptors import checked_block_ids
 from actors.kv.errors import HandshakeError, KVTransferError
 from actors.kv.faults import NO_FAULTS, FaultPolicy, InjectedFault
 from actors.kv.handshake import CompatInfo, RankHandshake, decode_handshake
+from actors.kv.integrity import check_mode
 from actors.kv.layout import CacheGeometry, compatible_geometry, to_local_layout
-from actors.kv.lease import LeaseTable
-from actors.kv.notify import ReaderNotice, decode_notice
+from actors.kv.lease_board import lease_tag
+from actors.kv.notify import ReaderNotice
+from actors.kv.producer import LeaseKeeper, new_board
 from actors.kv.pull_plan import PeerPlan, PeerKey, StagePlan, build_stage
 from actors.kv.read_plan import plan_reads
-from actors.kv.pull_types import PullRequest, RankIdentity, Shape, StepResult
-from actors.kv.topology import EngineTransferInfo, TransferTopology
+from actors.kv.pull_types import PullRequest, PullTiming, RankIdentity, Shape, StepResult
+from actors.kv.topology import EngineTransferInfo, TransferTopology, rank_global_heads
 
 logger = logging.getLogger("raypd.transfer")
 
@@ -68,14 +71,21 @@ class _Pull:
     req: PullRequest
     started: float
     local_ids: np.ndarray | None = None
+    remote_ids: np.ndarray | None = None
     plan: PeerPlan | None = None
     sources: tuple[PeerKey, ...] = ()  # every rank told about this pull
+    confirming: bool = False  # data READs done; reading the lease records
+    retry_at: float | None = None  # no record yet: READ it again then
+    retries: int = 0
+    data_s: float = 0.0
+
 
 
 class RankTransfer:
     def __init__(self, identity: RankIdentity, geometry: CacheGeometry, planes: list[list[torch.Tensor]],
                  compat: CompatInfo, transport, is_mla: bool = False, faults: FaultPolicy = NO_FAULTS,
-                 clock: Callable[[], float] = time.monotonic, early_notice_ttl_s: float = 60.0):
+                 clock: Callable[[], float] = time.monotonic, early_notice_ttl_s: float = 60.0,
+                 verify: str = "off"):
         self.identity = identity
         self.geometry = geometry
         self.planes = planes  # [local layer][plane] -> [num_blocks, *block dims] view
@@ -87,13 +97,18 @@ class RankTransfer:
             engine_id=identity.engine_id, is_mla=is_mla, is_mamba=False,
             total_num_kv_heads=compat.num_kv_heads, dcp_size=identity.dcp_size,
         )
-        self.leases = LeaseTable(clock=clock)
+        self.verify = check_mode(verify)
         self._clock = clock
+        head0 = rank_global_heads(identity.tp_rank, identity.tp_size, compat.num_kv_heads, is_mla)[0]
+        self.board = new_board(geometry, identity.role, verify, transport)
+        self.keeper = LeaseKeeper(geometry, planes, head0, verify, self.board, faults, clock, early_notice_ttl_s)
+        self.leases = self.keeper.leases
+        self.confirmer = Confirmer(transport, geometry.num_blocks, verify, with_sums=verify != "off")
+        self._confirms: dict[PeerKey, SourceConfirm] = {}
         self._plans: dict[Shape, PeerPlan] = {}
         self._pulls: dict[str, _Pull] = {}
-        self._early: dict[str, tuple[float, list[ReaderNotice]]] = {}
-        self._released: list[str] = []  # freed outside step(), reported by the next step()
-        self.early_notice_ttl_s = early_notice_ttl_s
+        self.timings: dict[str, PullTiming] = {}  # the last finished pulls (bounded)
+        self.integrity = {"checked_blocks": 0, "mismatched_pulls": 0, "unverifiable": 0}
 
     def handshake(self) -> bytes:
         i = self.identity
@@ -102,6 +117,7 @@ class RankTransfer:
             pp_rank=i.pp_rank, pp_size=i.pp_size, dcp_size=i.dcp_size, block_size=i.block_size,
             agent_name=self.transport.name, agent_metadata=self.transport.metadata(),
             geometry=self.geometry, compat=self.compat,
+            board=self.board.info() if self.board is not None else None,
         ).encode()
 
     # -------------------------------------------------------------- handshake
@@ -136,8 +152,12 @@ class RankTransfer:
                 remote_physical_blocks_per_logical=1, remote_pp_rank=pp_rank,
                 start_layer=layers[0], end_layer=layers[1], remote_dcp_size=dcp_size,
             ))
-            stages.append(build_stage(self.transport, self.geometry, plan_reads(self.topology, engine_id, pp_rank),
-                                      peers))
+            stage = build_stage(self.transport, self.geometry, plan_reads(self.topology, engine_id, pp_rank), peers)
+            for src in stage.reads:
+                self._confirms[src.key] = self.confirmer.prepare(
+                    len(stages) * 64 + stage.reads.index(src), src, peers[src.key[2]].board, src.all_layers,
+                    src.local_heads, src.remote_heads, src.remote_head0)
+            stages.append(stage)
             # replicated: ranks holding the same KV are read once, the others only notified
             logger.info("%s connected to %s: %s, replicated=%s", self.identity.reader_name, engine_id,
                         self.topology.describe(engine_id, pp_rank),
@@ -166,12 +186,11 @@ class RankTransfer:
             plan = pull.plan = self.connect(req.shape, directory)
             pull.sources = tuple(key for stage in plan.stages for key in stage.notify)
             local_ids = pull.local_ids = checked_block_ids("local", req.local_block_ids, self.geometry.num_blocks)
-            remote_ids = checked_block_ids("remote", req.remote_block_ids, plan.remote_num_blocks)
+            remote_ids = pull.remote_ids = checked_block_ids("remote", req.remote_block_ids, plan.remote_num_blocks)
             posts = [(stage, src, *src.indices(local_ids, remote_ids, req.num_tokens))
                      for stage in plan.stages for src in stage.reads]  # every index, before any post
-            for stage, src, li, ri, nbytes in posts:
-                notice = self._notice(pull, req_id, stage.consumers, True)
-                self.transport.start_read(req_id, src.key, src.local, li, src.remote, ri, notice, nbytes)
+            for stage, src, li, ri, nbytes, spans in posts:  # notices follow the confirmation
+                self.transport.start_read(req_id, src.key, src.local, li, src.remote, ri, b"", nbytes, spans)
             for stage in plan.stages:
                 for key in stage.skipped:  # replicas we do not read from free their copy now
                     self._send_quietly(key, self._notice(pull, req_id, stage.consumers, True))
@@ -221,93 +240,133 @@ class RankTransfer:
             return
         slots = math.ceil(pull.req.num_tokens / self.identity.dcp_size)
         n_blocks = min(pull.local_ids.size, math.ceil(slots / self.identity.block_size))
-        index = torch.from_numpy(pull.local_ids[:n_blocks])
+        index = torch.from_numpy(pull.local_ids[:n_blocks]).to(self.planes[0][0].device)
         for stage in stages:
             for layer in stage.transform_layers:
                 for plane in self.planes[layer - self.geometry.first_layer]:
                     to_local_layout(plane, index, stage.remote_layout, self.geometry.layout, stage.ratio)
 
     # ------------------------------------------------------------------ step
+    def _lease_id(self, pull: _Pull, req_id: str) -> str:
+        return pull.req.remote_request_id or req_id
+
+    def _read_sources(self, pull: _Pull) -> list[SourceConfirm]:
+        return [self._confirms[src.key] for stage in pull.plan.stages for src in stage.reads]
+
+    def _confirm(self, req_id: str, pull: _Pull) -> None:
+        """READ every source's lease record (and the checksums we check)."""
+        pull.confirming, pull.retry_at = True, None
+        self.confirmer.post(req_id, self._read_sources(pull), lease_tag(self._lease_id(pull, req_id)),
+                            pull.local_ids, pull.remote_ids)
+
+    def _finish(self, req_id: str, pull: _Pull, now: float) -> str | None:
+        """A pull whose confirmation READs landed: None when done, else why it failed (or MISSING)."""
+        tag = lease_tag(self._lease_id(pull, req_id))
+        sources = self._read_sources(pull)
+        state, modes = self.confirmer.outcome(sources, tag, int(pull.local_ids[0]))
+        if state == EXPIRED:
+            return "the producer's lease had ended when the read was confirmed (its blocks may be reused)"
+        if state == MISSING:
+            return MISSING
+        confirmed = now
+        self._to_local_layout(pull)
+        t0 = time.perf_counter()
+        bad, checked, unverifiable = self.confirmer.mismatches(
+            sources, modes, tag, self.planes, self.geometry.layout, self.geometry.first_layer,
+            pull.local_ids, pull.remote_ids)
+        verify_s = time.perf_counter() - t0
+        self.integrity["checked_blocks"] += checked
+        self.integrity["unverifiable"] += unverifiable
+        if bad:
+            self.integrity["mismatched_pulls"] += 1
+            return "KV integrity check failed: " + "; ".join(bad)
+        for stage in pull.plan.stages:
+            for src in stage.reads:
+                self._send_quietly(src.key, self._notice(pull, req_id, stage.consumers, True))
+        self.timings[req_id] = PullTiming(pull.data_s, confirmed - pull.started - pull.data_s, verify_s, checked)
+        while len(self.timings) > 256:
+            self.timings.pop(next(iter(self.timings)))
+        return None
+
+    def _advance(self, done: dict[str, float], failed: dict[str, str]) -> bool:
+        """One poll of the transport; True when confirmation READs were posted."""
+        polled = self.transport.poll()
+        now = self._clock()
+        posted = False
+        for req_id in polled.done:
+            pull = self._pulls.get(req_id)
+            if pull is None:
+                continue
+            try:
+                if not pull.confirming:
+                    pull.data_s = now - pull.started
+                    self._confirm(req_id, pull)
+                    posted = True
+                    continue
+                outcome = self._finish(req_id, pull, now)
+            except (KVTransferError, ValueError, RuntimeError) as exc:
+                outcome = f"confirming the read failed: {type(exc).__name__}: {exc}"
+            if outcome is None:
+                done[req_id] = now - self._pulls.pop(req_id).started
+            elif outcome == MISSING and now - pull.started <= self.transport.read_timeout_s:
+                pull.retry_at, pull.retries = now + min(0.05, 0.001 * 2 ** pull.retries), pull.retries + 1
+            elif outcome == MISSING:
+                failed[req_id] = f"no lease record at the producer within {self.transport.read_timeout_s:.1f}s"
+            else:
+                failed[req_id] = outcome
+        failed.update(polled.failed)
+        for req_id, pull in self._pulls.items():
+            if pull.retry_at is not None and pull.retry_at <= now and req_id not in failed:
+                try:
+                    self._confirm(req_id, pull)
+                    posted = True
+                except (KVTransferError, ValueError) as exc:
+                    failed[req_id] = f"confirming the read failed: {exc}"
+        return posted
+
     def step(self) -> StepResult:
         """Advance pulls and leases once; report everything that finished."""
         done: dict[str, float] = {}
         failed: dict[str, str] = {}
         invalid: dict[str, tuple[int, ...]] = {}
         if self._pulls or self.transport.in_flight():
-            polled = self.transport.poll()
-            now = self._clock()
-            for req_id in polled.done:
+            if self._advance(done, failed):
+                self._advance(done, failed)  # a confirmation often lands at once: no need to wait a step
+            for req_id, reason in failed.items():
                 pull = self._pulls.pop(req_id, None)
-                if pull is None:
-                    continue
-                try:
-                    self._to_local_layout(pull)
-                except (KVTransferError, ValueError, RuntimeError) as exc:
-                    polled.failed[req_id] = f"layout transform failed: {exc}"
-                    self._pulls[req_id] = pull
-                    continue
-                done[req_id] = now - pull.started
-            for req_id, reason in polled.failed.items():
-                pull = self._pulls.pop(req_id, None)
-                failed[req_id] = reason
+                self.transport.cancel(req_id)
                 invalid[req_id] = tuple(int(b) for b in pull.req.local_block_ids) if pull else ()
                 for key in (pull.sources if pull else ()):
                     self._send_quietly(key, self._notice(pull, req_id, 1, False))
-        released, self._released = self._released, []
-        expired: list[str] = []
-        if self.leases.held() or self._early:
-            released += self._apply_notices()
-            expired = [req_id for req_id, _ in self.leases.expire()]
+        notices = self.transport.get_notifs() if self.keeper.wants_notices else []
+        released, expired = self.keeper.step(notices)
         return StepResult(done, failed, invalid, tuple(released), tuple(expired))
 
     @property
     def needs_step(self) -> bool:
         """Whether `step()` has anything to report or release (pulls, leases, early notices)."""
-        return bool(self._pulls or self.leases.held() or self._early or self._released)
+        return bool(self._pulls or self.keeper.busy)
+
+    def set_verify(self, mode: str) -> None:
+        """Switch `transfer.verify` (checksums need a rank built with verify on: it owns their memory)."""
+        self.verify = self.keeper.verify = self.confirmer.verify = check_mode(mode)
 
     # -------------------------------------------------------------- producer
     def hold(self, req_id: str, block_ids: Sequence[int], ttl_s: float) -> None:
-        """Lease the blocks; notices that came first apply now (a release shows in `step()`)."""
-        self.leases.grant(req_id, block_ids, readers=1, ttl_s=ttl_s)
-        for notice in self._early.pop(req_id, (0.0, []))[1]:
-            if self._apply(notice) is not None:
-                self._released.append(req_id)
+        """Lease the blocks and publish the lease (a release by early notices shows in `step()`)."""
+        self.keeper.hold(req_id, block_ids, ttl_s)
 
     def release(self, req_id: str) -> list[int]:
         """Free a request's lease now; the next `step()` reports it released."""
-        self._early.pop(req_id, None)
-        blocks = self.leases.release(req_id)
-        if blocks:
-            self._released.append(req_id)
-        return blocks
-
-    def _apply(self, notice: ReaderNotice) -> list[int] | None:
-        if not notice.ok:
-            return self.leases.release(notice.req_id) or None
-        return self.leases.notify(notice.req_id, notice.reader, notice.readers_expected)
-
-    def _apply_notices(self) -> list[str]:
-        released: list[str] = []
-        for msg in self.transport.get_notifs():
-            notice = decode_notice(msg)
-            if notice is None:
-                continue
-            if self.leases.get(notice.req_id) is None:
-                # A reader faster than our lease grant: keep the notice for a while.
-                self._early.setdefault(notice.req_id, (self._clock(), []))[1].append(notice)
-                continue
-            if self._apply(notice) is not None:
-                released.append(notice.req_id)
-        now = self._clock()
-        for req_id in [r for r, (t, _) in self._early.items() if now - t > self.early_notice_ttl_s]:
-            del self._early[req_id]
-        return released
+        return self.keeper.release(req_id)
 
     # ------------------------------------------------------------- lifecycle
     def drop_engine(self, engine_id: str) -> int:
         """Forget a remote engine (it died or restarted): plans, topology, peers."""
         for shape in [s for s in self._plans if s[0] == engine_id]:
             del self._plans[shape]
+        for key in [k for k in self._confirms if k[0] == engine_id]:
+            del self._confirms[key]
         self.topology.unregister_remote_engine(engine_id)
         return self.transport.remove_engine(engine_id)
 
@@ -319,7 +378,8 @@ class RankTransfer:
         s = self.transport.stats
         return {
             "agent": self.transport.name,
-            "leases": self.leases.counters(),
+            "leases": self.keeper.counters(),
+            "integrity": dict(self.integrity),
             "pulls_in_flight": len(self._pulls),
             "transport_in_flight": self.transport.in_flight(),
             "peers": len(self.transport.peers()),
@@ -327,6 +387,7 @@ class RankTransfer:
             "lists_prepared": s.lists_prepared,
             "reads_posted": s.reads_posted,
             "descriptors_posted": s.descriptors_posted,
+            "spans_posted": s.spans_posted,
             "bytes_posted": s.bytes_posted,
             "requests_done": s.requests_done,
             "requests_failed": s.requests_failed,

@@ -5,7 +5,9 @@ Life cycle of one request's pull on a decode rank:
   add_peer            once per remote rank (handshake): connect to its agent;
   local_list /        once per descriptor table: prepared lists are cached
   remote_list         (local ones per table, remote ones per (peer, table)) and
-                      released with their peer;
+                      released with their peer; KV lists are of the cache's
+                      memory kind, lease-board lists of DRAM (`register_extra`
+                      adds DRAM this rank READs into or is read from);
   start_read          post one READ by descriptor index; `notif` reaches the
                       peer when the data has moved;
   poll                non-blocking; a request is DONE when all its READs are,
@@ -58,6 +60,7 @@ class _Pending:
 class TransportStats:
     reads_posted: int = 0
     descriptors_posted: int = 0
+    spans_posted: int = 0  # extents once NIXL merged descriptors adjacent in both caches
     bytes_posted: int = 0
     requests_done: int = 0
     requests_failed: int = 0
@@ -78,8 +81,8 @@ class TransportBase:
         self.read_timeout_s = read_timeout_s
         self._clock = clock
         self._peers: dict[PeerKey, RankHandshake] = {}
-        self._local: dict[DescTable, Any] = {}
-        self._remote: dict[tuple[PeerKey, DescTable], Any] = {}
+        self._local: dict[tuple[DescTable, str | None], Any] = {}
+        self._remote: dict[tuple[PeerKey, DescTable, str | None], Any] = {}
         self._pending: dict[str, _Pending] = {}
         self._closed = False
         self.stats = TransportStats()
@@ -87,7 +90,9 @@ class TransportBase:
     # ------------------------------------------------------- backend hooks
     def _connect(self, hs: RankHandshake) -> None: raise NotImplementedError
     def _disconnect(self, hs: RankHandshake) -> None: raise NotImplementedError
-    def _prepare(self, hs: RankHandshake | None, table: DescTable) -> Any: raise NotImplementedError
+    def _prepare(self, hs: RankHandshake | None, table: DescTable, mem: str | None) -> Any:
+        raise NotImplementedError
+    def _register(self, regions: list[tuple[int, int]]) -> None: raise NotImplementedError
     def _post(self, hs: RankHandshake, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray,
               notif: bytes) -> Any: raise NotImplementedError
     def _state(self, handle: Any) -> str: raise NotImplementedError
@@ -148,28 +153,35 @@ class TransportBase:
             logger.warning("disconnecting %s: %s", key, exc)
 
     # ----------------------------------------------------- descriptor lists
-    def local_list(self, table: DescTable) -> Any:
-        """This rank's descriptors cut by `table`, prepared once and cached."""
+    def register_extra(self, regions: list[tuple[int, int]]) -> None:
+        """Register DRAM besides the KV cache (lease board, landing rows); before `metadata()`
+        when peers must read it."""
         self._require_open()
-        handle = self._local.get(table)
+        self._register(regions)
+
+    def local_list(self, table: DescTable, mem: str | None = None) -> Any:
+        """This rank's descriptors cut by `table` (KV memory, or `mem`), prepared once and cached."""
+        self._require_open()
+        handle = self._local.get((table, mem))
         if handle is None:
-            handle = self._local[table] = self._prepare(None, table)
+            handle = self._local[(table, mem)] = self._prepare(None, table, mem)
             self.stats.lists_prepared += 1
         return handle
 
-    def remote_list(self, key: PeerKey, table: DescTable) -> Any:
+    def remote_list(self, key: PeerKey, table: DescTable, mem: str | None = None) -> Any:
         """A peer's descriptors cut by `table`, prepared once per peer and cached."""
         self._require_open()
-        handle = self._remote.get((key, table))
+        handle = self._remote.get((key, table, mem))
         if handle is None:
-            handle = self._remote[(key, table)] = self._prepare(self.peer(key), table)
+            handle = self._remote[(key, table, mem)] = self._prepare(self.peer(key), table, mem)
             self.stats.lists_prepared += 1
         return handle
 
     # -------------------------------------------------------------- reads
     def start_read(self, req_id: str, key: PeerKey, local: Any, li: np.ndarray, remote: Any,
-                   ri: np.ndarray, notif: bytes, nbytes: int) -> None:
-        """Post one READ of descriptors `ri` of a peer's list into `li` of ours."""
+                   ri: np.ndarray, notif: bytes, nbytes: int, spans: int | None = None) -> None:
+        """Post one READ of descriptors `ri` of a peer's list into `li` of ours (`spans`: the
+        extents they merge into, for the stats)."""
         self._require_open()
         hs = self.peer(key)
         pending = self._pending.setdefault(req_id, _Pending([], self._clock()))
@@ -181,6 +193,7 @@ class TransportBase:
         pending.handles.append((key, handle))
         self.stats.reads_posted += 1
         self.stats.descriptors_posted += int(li.size)
+        self.stats.spans_posted += int(li.size) if spans is None else int(spans)
         self.stats.bytes_posted += nbytes
 
     def fail_request(self, req_id: str, reason: str) -> None:
@@ -298,10 +311,13 @@ class NixlTransport(TransportBase):
     def _disconnect(self, hs: RankHandshake) -> None:
         self._agent.remove_remote(hs.agent_name)  # also releases its prepared lists
 
-    def _prepare(self, hs: RankHandshake | None, table: DescTable) -> Any:
+    def _prepare(self, hs: RankHandshake | None, table: DescTable, mem: str | None) -> Any:
         if hs is None:
-            return self._agent.prepare_local(table.rows(), self.mem)
-        return self._agent.prepare_remote(hs.agent_name, table.rows(), self.mem)
+            return self._agent.prepare_local(table.rows(), mem or self.mem)
+        return self._agent.prepare_remote(hs.agent_name, table.rows(), mem or self.mem)
+
+    def _register(self, regions: list[tuple[int, int]]) -> None:
+        self._agent.register(regions, mem="DRAM")
 
     def _post(self, hs: RankHandshake, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray,
               notif: bytes) -> Any:

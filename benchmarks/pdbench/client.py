@@ -3,7 +3,8 @@
 Every request is the same for every set-up: a prompt of random token ids
 (exact length, a fresh prompt per request so no prefix cache ever hits), greedy
 (`temperature 0`), `ignore_eos` so each answer has exactly `max_tokens` tokens,
-`stream_options.include_usage`. A token chunk is a streamed chunk with non-empty
+`stream_options.include_usage`, `X-Raypd-Trace: 1` (raypd answers with its per-hop
+stamps; other servers ignore it). A token chunk is a streamed chunk with non-empty
 text; its arrival time is taken when the client has parsed it.
 
 Workloads: `low_load` sends requests one at a time, cycling over the prompt
@@ -23,6 +24,9 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 from openai import AsyncOpenAI
+
+from serving.front.trace import HEADER as TRACE_HEADER
+from serving.front.trace import parse as parse_trace
 
 
 @dataclass
@@ -49,6 +53,9 @@ class Record:
     completion_tokens: int | None = None
     end_s: float | None = None  # last byte, from the phase start
     text: str = ""
+    sent_mono: float | None = None  # time.monotonic() at send (the clock raypd's trace stamps use)
+    headers_s: float | None = None  # response headers parsed, from the request's send
+    trace: list | None = None  # raypd's X-Raypd-Trace stamps [[hop, monotonic s], ...] (serving.front.trace)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -111,10 +118,16 @@ async def send(client: AsyncOpenAI, model: str, req: Request, phase_t0: float) -
     rec = Record(req.idx, req.length, req.at_s)
     parts: list[str] = []
     t0 = time.perf_counter()
+    rec.sent_mono = time.monotonic()
     try:
-        stream = await client.completions.create(
+        raw = await client.completions.with_raw_response.create(
             model=model, prompt=req.prompt, max_tokens=req.max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            extra_headers={TRACE_HEADER: "1"})
+        rec.headers_s = time.perf_counter() - t0
+        if raw.headers.get(TRACE_HEADER):
+            rec.trace = [[k, v] for k, v in parse_trace(raw.headers[TRACE_HEADER])]
+        stream = raw.parse()
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:

@@ -264,3 +264,35 @@ class CpuWindow:
 def host_state() -> dict:
     la = os.getloadavg()
     return {"loadavg": [round(x, 2) for x in la], "cpus": NCPU, "time": time.time()}
+
+
+def cpu_seconds_by_kind(pids: list[int], per_pid_pct: dict[int, float], wall_s: float) -> dict:
+    """A set-up's CPU over a window, in seconds: `compute` (vLLM's engine cores and workers, and
+    what runs under them), `front` (each process that owns a vLLM engine core: vLLM's API server,
+    raypd's EngineActor, a Serve LLM engine replica; and its other children), `rest` (everything
+    else the set-up started: Ray's and Serve's processes, raypd's ingress and coordinator, proxies);
+    plus the seconds of every process by name."""
+    parent = {p: ppid(p) for p in pids}
+    names = {p: proc_name(p) for p in pids}
+    kids: dict[int, list[int]] = {}
+    for p, q in parent.items():
+        kids.setdefault(q, []).append(p)
+    compute: set[int] = set()
+    for p in pids:
+        if names[p].startswith("VLLM::"):
+            compute |= set(tree(p)) & set(pids) | {p}
+    front: set[int] = set()
+    for p in pids:
+        if p not in compute and any(names.get(k, "").startswith("VLLM::EngineCore") for k in kids.get(p, [])):
+            front |= {p} | {k for k in kids.get(p, []) if k not in compute}
+    out = {"compute": 0.0, "front": 0.0, "rest": 0.0, "by_process": {}}
+    for p in pids:
+        sec = per_pid_pct.get(p, 0.0) * wall_s / 100.0
+        kind = "compute" if p in compute else "front" if p in front else "rest"
+        out[kind] += sec
+        label = f"{kind}: {names[p]}"
+        out["by_process"][label] = out["by_process"].get(label, 0.0) + sec
+    out["by_process"] = {k: round(v, 3) for k, v in sorted(out["by_process"].items(), key=lambda kv: -kv[1])}
+    for k in ("compute", "front", "rest"):
+        out[k] = round(out[k], 3)
+    return out

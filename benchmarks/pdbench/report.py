@@ -95,8 +95,40 @@ def summarize(res: dict) -> dict:
                                    stats.ratio(b["itl_p90"], load["a2"][r]["itl_p90"])]
         headline[r] = row
     return {"low": low, "same_text_as_a": same, "ttft_ratios": ratios, "slo_reference": ref, "load": load,
-            "load_headline": headline, "idle": idle_rows(res),
+            "load_headline": headline, "idle": idle_rows(res), "cpu_per_token": cpu_per_token(res),
+            "hops": {"low": {n: stats.hop_stats(_low(res, "b", n)) for n in lengths if _low(res, "b", n)},
+                     "load": {r: stats.hop_stats([x for run in res.get("load", {}).get("b", {}).get(str(r), [])
+                                                  for x in run["records"]]) for r in rates
+                              if str(r) in res.get("load", {}).get("b", {})}},
             "flagged_phases": [p for p in res["phases"] if p["load_above_cores"]]}
+
+
+def cpu_per_token(res: dict) -> dict:
+    """Per set-up and rate: ms of CPU per streamed token by kind (procs.cpu_seconds_by_kind), pooled
+    over rounds; and per set-up over every rate."""
+    out: dict = {}
+    for s, by_rate in res.get("load", {}).items():
+        pooled = {"compute": 0.0, "front": 0.0, "rest": 0.0, "tokens": 0, "by_process": {}}
+        rows = {}
+        for rate, runs in by_rate.items():
+            acc = {"compute": 0.0, "front": 0.0, "rest": 0.0, "tokens": 0}
+            for run in runs:
+                cpu = run.get("cpu") or {}
+                for k in ("compute", "front", "rest", "tokens"):
+                    acc[k] += cpu.get(k, 0)
+                    pooled[k] += cpu.get(k, 0)
+                for name, sec in (cpu.get("by_process") or {}).items():
+                    pooled["by_process"][name] = pooled["by_process"].get(name, 0.0) + sec
+            if acc["tokens"]:
+                rows[rate] = {k: 1e3 * acc[k] / acc["tokens"] for k in ("compute", "front", "rest")} | \
+                    {"tokens": acc["tokens"]}
+        if pooled["tokens"]:
+            rows["all"] = {k: 1e3 * pooled[k] / pooled["tokens"] for k in ("compute", "front", "rest")} | {
+                "tokens": pooled["tokens"],
+                "top": sorted(((n, 1e3 * v / pooled["tokens"]) for n, v in pooled["by_process"].items()),
+                              key=lambda kv: -kv[1])[:8]}
+        out[s] = rows
+    return out
 
 
 def idle_rows(res: dict) -> dict:
@@ -115,10 +147,10 @@ def idle_rows(res: dict) -> dict:
 
 
 def _window_rows(ps: list[dict]) -> list[tuple[str, float, str]]:
-    by_pid = {p.pid: p for p in ps}
+    by_pid = {p["pid"]: p for p in ps}
     kids: dict[int, list[int]] = {}
     for p in ps:
-        kids.setdefault(p["ppid"], []).append(p.pid)
+        kids.setdefault(p["ppid"], []).append(p["pid"])
 
     def subtree(pid: int) -> float:
         return by_pid[pid]["cpu_pct"] + sum(subtree(k) for k in kids.get(pid, []))
@@ -137,8 +169,8 @@ def _window_rows(ps: list[dict]) -> list[tuple[str, float, str]]:
             counted.setdefault(label, []).append(p["cpu_pct"])
             rows.append((label, p["cpu_pct"], kind))
     for p in ps:  # engine trees: a process whose child is vLLM's engine core
-        if any(by_pid[k]["name"].startswith("VLLM::EngineCore") for k in kids.get(p.pid, [])):
-            rows.append((f"engine tree: {p['name']}{core(p)} + vLLM children", subtree(p.pid), "engine tree"))
+        if any(by_pid[k]["name"].startswith("VLLM::EngineCore") for k in kids.get(p["pid"], [])):
+            rows.append((f"engine tree: {p['name']}{core(p)} + vLLM children", subtree(p["pid"]), "engine tree"))
     idle_workers = [p["cpu_pct"] for p in ps if p["name"] == "ray::IDLE"]
     if idle_workers:
         rows.append((f"ray::IDLE pool workers (x{len(idle_workers)})", sum(idle_workers), "process"))
@@ -224,6 +256,51 @@ def table(res: dict) -> str:
             out.append(f"{'':>6} (b) vs others: " + "; ".join(
                 f"{k} {v[0]:.2f}/{v[1]:.2f} = {f_x(v[2])}" if "goodput" in k else f"{k} {v[0]:.0f}/{v[1]:.0f} ms = {f_x(v[2])}"
                 for k, v in h.items()))
+    out += ["", "TOKEN GAPS UNDER 1 MS: fraction of all gaps between consecutive token chunks (tok1->2 included; "
+            "goal under load: (b) < 5 %, colocated (a)/(a2) beside it)"]
+    for s in ORDER:
+        lows = [sm["low"].get(s, {}).get(n) for n in lengths]
+        loads = [sm["load"].get(s, {}).get(r) for r in rates]
+        if not any(lows) and not any(loads):
+            continue
+        f = lambda x: "-" if not x or math.isnan(x.get("gaps_under_1ms", math.nan)) else \
+            f"{100 * x['gaps_under_1ms']:.1f}% of {x['gaps']}"
+        parts = (["low load: " + ", ".join(f"{n}: {f(x)}" for n, x in zip(lengths, lows) if x)] if any(lows) else []) + \
+            (["load: " + ", ".join(f"{r}/s: {f(x)}" for r, x in zip(rates, loads) if x)] if any(loads) else [])
+        out.append(f"  {NAMES[s]:<36} " + "; ".join(parts))
+    cpt = sm.get("cpu_per_token", {})
+    if cpt:
+        out += ["", "CPU PER STREAMED TOKEN under load (ms of CPU per token, /proc utime+stime over each load phase): "
+                "rest = outside the engines (raypd: ingress, Serve proxy/controller, coordinator, GCS, raylet, agents; "
+                "(a2)/(c): the benchmark's proxy), front = each engine's owning process (vLLM's API server, raypd's "
+                "EngineActor), compute = vLLM EngineCore + workers"]
+        for s in ORDER:
+            rows = cpt.get(s)
+            if not rows:
+                continue
+            out.append(f"  {NAMES[s]:<36} " + "; ".join(
+                f"{r}{'/s' if r != 'all' else ''}: rest {v['rest']:.2f} front {v['front']:.2f} compute {v['compute']:.1f}"
+                for r, v in rows.items()))
+            if "all" in rows:
+                out.append("      top: " + ", ".join(f"{n} {ms:.2f}" for n, ms in rows["all"]["top"]))
+        b, a2 = cpt.get("b", {}).get("all"), cpt.get("a2", {}).get("all")
+        if b and a2 and a2["front"]:
+            out.append(f"  goal: (b) outside the engines / (a2) vLLM API servers = {b['rest']:.2f} / {a2['front']:.2f} "
+                       f"= {b['rest'] / a2['front']:.2f} (goal <= 1.0)")
+    hops = sm.get("hops", {})
+    if any(hops.get("low", {}).values()) or any(hops.get("load", {}).values()):
+        out += ["", "FIRST TOKEN PATH of (b), per hop (ms p50/p90/max; X-Raypd-Trace stamps, CLOCK_MONOTONIC of this host)"]
+        cols = [(f"low {n}", h) for n, h in hops.get("low", {}).items()] + \
+               [(f"load {r}/s", h) for r, h in hops.get("load", {}).items()]
+        out.append(f"  {'hop':<52}" + "".join(f"{c:>20}" for c, _ in cols))
+        for label, _, _ in stats.HOPS:
+            cells = []
+            for _, h in cols:
+                x = h.get(label)
+                cells.append(f"{f_ms(x['p50'])}/{f_ms(x['p90'])}/{f_ms(x['max'])}" if x else "-")
+            out.append(f"  {label:<52}" + "".join(f"{c:>20}" for c in cells))
+        out.append(f"  {'prompt tokens in the step of token 1 (p50/max)':<52}" + "".join(
+            f"{_step_tokens(h.get('_step_prompt_tokens')):>20}" for _, h in cols))
     out += ["", "IDLE: CPU % of one core per process over the idle windows (after warm-up, no requests), mean of rounds"]
     bare = {lab.split(" (x")[0]: pct for lab, pct, kind in sm["idle"].get("B", []) if kind == "reference"}
     ref_pct = bare.get("ray::BareAsyncActor")
@@ -251,6 +328,10 @@ def table(res: dict) -> str:
     if res.get("leftover_pids"):
         out.append(f"LEFTOVER PROCESSES: {res['leftover_pids']}")
     return "\n".join(out)
+
+
+def _step_tokens(x: dict | None) -> str:
+    return f"{x['p50']:.0f}/{x['max']:.0f}" if x else "-"
 
 
 # ------------------------------------------------------------------ plot

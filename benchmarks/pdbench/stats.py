@@ -6,6 +6,16 @@ Definitions (every set-up alike, from the client's token-chunk arrival times):
   ITL         gaps between consecutive token chunks after the second token
   mean ITL    (last - first token) / (completion tokens - 1), per request (vLLM's TPOT)
   max gap     the longest gap between two token chunks of a request, tok1->2 included
+  gaps < 1 ms the fraction of all gaps between consecutive token chunks (tok1->2 included) under 1 ms:
+              chunks that piled up somewhere and reached the client in a burst
+  CPU/token   CPU seconds (utime + stime, /proc) of a set-up's processes over a load phase / tokens
+              streamed in it (usage.completion_tokens), split into the engines' compute (vLLM's
+              EngineCore and workers), each engine's front process (the process that owns vLLM's
+              engine core: vLLM's API server, raypd's EngineActor, Serve LLM's engine replica) and
+              the rest (raypd: ingress, Serve proxy and controller, coordinator, GCS, raylet,
+              dashboard agents...; (a2)/(c): the benchmark's proxy)
+  hops        raypd only: its X-Raypd-Trace stamps (serving/front/trace.py, CLOCK_MONOTONIC, shared
+              with the client on this host) as the durations of each hop to the first token
 Goodput SLO of a request of prompt length n (reference: the low-load colocated set-up (a), same run):
   TTFT <= 3 x (a)'s low-load TTFT p50 at n, mean ITL <= 1.5 x (a)'s low-load mean ITL p50 at n,
   max gap <= 1 s.
@@ -15,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from serving.bench.load import percentile
+from serving.bench.samples import percentile
 
 NAN = float("nan")
 
@@ -50,6 +60,50 @@ def latency_stats(recs: list[dict]) -> dict:
         for q in qs:
             out[f"{name}_p{q}"] = pct(vals, q)
     out["max_gap_max"] = max((max(gaps(r)) for r in ok if len(r["token_times_s"]) > 1), default=NAN)
+    every = [g for r in ok for g in gaps(r)]
+    out["gaps"] = len(every)
+    out["gaps_under_1ms"] = sum(1 for g in every if g < 0.001) / len(every) if every else NAN
+    return out
+
+
+# The hops of raypd's trace, in path order: (label, from stamp, to stamp). "client" stamps are the
+# benchmark's own (request sent, first token parsed), on the same clock.
+HOPS = (
+    ("client -> front (HTTP, Serve proxy, replica, body)", "client_sent", "front_in"),
+    ("front: parse, render, sampling params", "front_in", "prepared"),
+    ("router: routes, plan", "prepared", "routed"),
+    ("router -> prefill actor (Ray call)", "routed", "engine_in"),
+    ("actor -> vLLM queue (waits for the running step)", "engine_in", "vllm_queued"),
+    ("vLLM queue -> scheduled", "vllm_queued", "vllm_scheduled"),
+    ("vLLM prefill step(s)", "vllm_scheduled", "vllm_out"),
+    ("vLLM output -> actor returns", "vllm_out", "engine_out"),
+    ("prefill actor -> router (Ray reply)", "engine_out", "router_in"),
+    ("router -> response start (front)", "router_in", "sse"),
+    ("response start -> client parsed token 1", "sse", "client_first"),
+)
+
+
+def hop_stats(recs: list[dict]) -> dict:
+    """Per hop: p50 / p90 / max in seconds over the records that carry a trace; and the
+    prompt tokens vLLM computed in the step that gave each first token (p50 / max)."""
+    rows: dict[str, list[float]] = {label: [] for label, _, _ in HOPS}
+    step_tokens: list[float] = []
+    for r in recs:
+        if not r.get("ok") or not r.get("trace") or r.get("sent_mono") is None:
+            continue
+        t = {k: v for k, v in r["trace"]}
+        step = t.pop("vllm_step_prompt_tokens", None)
+        if step is not None:
+            step_tokens.append(step)
+        t["client_sent"] = r["sent_mono"]
+        t["client_first"] = r["sent_mono"] + r["ttft_s"]
+        for label, a, b in HOPS:
+            if a in t and b in t:
+                rows[label].append(t[b] - t[a])
+    out = {label: {"n": len(v), "p50": pct(v, 50), "p90": pct(v, 90), "max": max(v) if v else NAN}
+           for label, v in rows.items() if v}
+    if step_tokens:
+        out["_step_prompt_tokens"] = {"p50": pct(step_tokens, 50), "max": max(step_tokens)}
     return out
 
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from serving.bench.load import WORDS, LevelResult, Sample, closed_loop, percentile, print_level, summarize
+from serving.bench.samples import WORDS, LevelResult, Sample, closed_loop, percentile, print_level, summarize
+from serving.bench.sse import stream_request, target
 
 
 @dataclass(frozen=True)
@@ -56,49 +56,11 @@ class TurnSample(Sample):
     turn: int = 0
     prompt_tokens: int = 0
     cached_tokens: int | None = None
-    text: str = ""
 
-
-async def chat_turn(client: Any, url: str, body: dict, headers: dict, turn: int) -> TurnSample:
-    """One streamed chat request: timings, the answer's text and the usage the server reports."""
-    t0 = time.perf_counter()
-    sample = TurnSample(ok=False, turn=turn)
-    last = None
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                sample.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                return sample
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                obj = json.loads(line[6:])
-                if "error" in obj:
-                    sample.error = obj["error"].get("message")
-                    return sample
-                usage = obj.get("usage")
-                if usage:
-                    sample.output_tokens = usage.get("completion_tokens", 0)
-                    sample.prompt_tokens = usage.get("prompt_tokens", 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    sample.cached_tokens = details.get("cached_tokens")
-                for choice in obj.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        now = time.perf_counter()
-                        if last is None:
-                            sample.ttft = now - t0
-                        else:
-                            sample.itls.append(now - last)
-                        last = now
-                        sample.text += piece
-        sample.e2e = time.perf_counter() - t0
-        sample.ok = last is not None
-        if not sample.ok:
-            sample.error = "no content streamed"
-    except Exception as exc:  # noqa: BLE001 - a failed request is a sample
-        sample.error = f"{type(exc).__name__}: {exc}"
-    return sample
+    def usage(self, usage: dict) -> None:
+        self.output_tokens = usage.get("completion_tokens", 0)
+        self.prompt_tokens = usage.get("prompt_tokens", 0)
+        self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 async def run_conversation(client: Any, url: str, model: str, conv: Conversation, args: argparse.Namespace,
@@ -109,7 +71,7 @@ async def run_conversation(client: Any, url: str, model: str, conv: Conversation
         messages.append({"role": "user", "content": question})
         body = {"model": model, "messages": list(messages), "max_tokens": args.output_len, "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True}
-        sample = await chat_turn(client, url, body, headers, turn)
+        sample = await stream_request(client, url, body, headers, True, TurnSample(ok=False, turn=turn))
         samples.append(sample)
         if not sample.ok:
             break  # the conversation cannot go on without its answer
@@ -159,19 +121,9 @@ def print_chat_level(r: ChatLevelResult) -> None:
 async def run_chat_load(args: argparse.Namespace, url: str | None = None, seed: int | None = None
                         ) -> list[ChatLevelResult]:
     """Every concurrency level against `url` (default `--url`); `seed` (default `--seed`) picks the texts."""
-    import httpx
-
-    url = (url or args.url).rstrip("/")
     seed = args.seed if seed is None else seed
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
-    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        model = args.model
-        if model is None:
-            r = await client.get(url + "/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+    async with target(args, url) as t:
+        client, url, headers, model, levels = t.client, t.url, t.headers, t.model, t.levels
         warm = Conversation("Warm-up.", ("warm up " * 8,))
         await run_conversation(client, url, model, warm, args, headers)  # handshakes, connections
         results = []
@@ -188,11 +140,6 @@ async def run_chat_load(args: argparse.Namespace, url: str | None = None, seed: 
 
 def run_chat(args: argparse.Namespace) -> int:
     import asyncio
-
-    if args.compare_routing:
-        from serving.bench.chat_compare import run_compare
-
-        return run_compare(args)
 
     results = asyncio.run(run_chat_load(args))
     if args.json_out:
@@ -212,7 +159,5 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-routing", metavar="CONFIG", default=None,
                    help="chat: start CONFIG's engines (e.g. configs/local.yaml) and run the workload through two "
                         "fronts on them, cache-aware routing + conditional P/D on vs off (serving/bench/chat_compare.py)")
-    p.add_argument("--local-prefill-tokens", type=int, default=256,
-                   help="--compare-routing, on: uncached prompt tokens below this are prefilled on the decode engine")
     p.add_argument("--chat-results", default="benchmarks/results/chat_routing.json",
                    help="--compare-routing: write the results here (JSON, and the printed table as .txt); '' for none")

@@ -5,11 +5,10 @@ SmolLM2, 1 prefill + 1 decode, prefix caching on, KV events on), then two
 fronts under uvicorn in child processes, attached to the same engines, that
 differ only in their router settings:
 
-  off  router.policy least_outstanding, short_prompt_tokens 0: every prompt is
-       prefilled on the prefill engine (raypd before issue 12);
-  on   router.policy cache_aware, short_prompt_tokens `--local-prefill-tokens`,
-       prefill_saturation_tokens 2048: the decode engine prefills a prompt whose
-       uncached part is short (or while the prefill engine is saturated).
+  off  router.policy least_outstanding, placement disaggregate: every prompt is
+       prefilled on a prefill engine, by load alone;
+  on   router.policy cache_aware, placement slo: each request colocated or
+       disaggregated by the SLO model, counting each engine's cached prefix.
 
 For each concurrency level the chat workload (serving.bench.chat) runs through
 `off`, then through `on`, with different seeds (the same shape of conversations,
@@ -33,7 +32,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from serving.bench.load import write_results
+from serving.bench.samples import free_port, host_state, write_results
 from serving.bench.chat import ChatLevelResult, run_chat_load
 
 VARIANTS = ("off", "on")
@@ -41,9 +40,8 @@ VARIANTS = ("off", "on")
 
 def variant_router(variant: str, args: argparse.Namespace) -> dict:
     if variant == "off":
-        return {"policy": "least_outstanding", "short_prompt_tokens": 0, "prefill_saturation_tokens": 0}
-    return {"policy": "cache_aware", "short_prompt_tokens": args.local_prefill_tokens,
-            "prefill_saturation_tokens": 2048}
+        return {"policy": "least_outstanding", "placement": "disaggregate"}
+    return {"policy": "cache_aware", "placement": "slo"}
 
 
 def decisions_of(metrics_text: str) -> dict[str, float]:
@@ -90,10 +88,11 @@ def run_compare(args: argparse.Namespace) -> int:
     import httpx
     import ray
 
-    from serving.bench.overhead import free_port, host_state
+
     from serving.config import DeploymentConfig, load_config
     from serving.ops.health_probe import wait_healthy
-    from serving.cluster.launcher import init_ray, launch, shutdown_deployment
+    from serving.cluster.ray_init import init_ray
+    from serving.cluster.launcher import launch, shutdown_deployment
 
     base = load_config(args.compare_routing).model_dump(mode="json")
     base["name"] = "raypd-bench-chat"
@@ -142,7 +141,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def write(path: str, args: argparse.Namespace, cfg: Any, results: dict, decisions: dict, before: dict,
           text: str) -> None:
-    from serving.bench.overhead import host_state
+
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     after = host_state()

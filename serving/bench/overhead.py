@@ -21,19 +21,13 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import sys
 import time
 from typing import Any
 
-from serving.bench.load import Sample, closed_loop, make_prompt, one_request, percentile, write_results
+from serving.bench.samples import Sample, closed_loop, free_port, host_state, make_prompt, percentile, write_results
+from serving.bench.sse import stream_request
 from serving.ops.health_probe import wait_healthy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def direct_request(prefill: Any, decode: Any, i: int, prompt: str, max_tokens: int) -> Sample:
@@ -88,7 +82,7 @@ async def measure_overhead(args: argparse.Namespace, dep: Any, fronts: dict[str,
 
         def via(url: str) -> Any:
             async def front(i: int) -> Sample:
-                return await one_request(client, url, body, {}, False)
+                return await stream_request(client, url, body, {}, False, Sample(ok=False))
             return front
 
         workers = {"direct": direct, **{name: via(url) for name, url in fronts.items()}}
@@ -144,21 +138,7 @@ def overhead_table(res: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def host_state() -> dict:
-    """What else the machine was doing: the results are only as quiet as the host."""
-    import os
-    import platform
-
-    import psutil
-
-    busy = sorted(((p.info["cpu_percent"] or 0.0, (p.info["name"] or "?")) for p in psutil.process_iter(
-        ["cpu_percent", "name"])), reverse=True)
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg": list(os.getloadavg()), "memory_available_gib": round(psutil.virtual_memory().available / 2**30, 1),
-            "processes": len(busy)}
-
-
-def write_results(path: str, res: dict, args: argparse.Namespace, before: dict, table: str) -> None:
+def write_overhead_results(path: str, res: dict, args: argparse.Namespace, before: dict, table: str) -> None:
     import datetime
     import os
 
@@ -177,7 +157,8 @@ def _uvicorn_front_main(config_json: str, port: int, address: str) -> None:
 
     from serving.front import create_app, served_model_of
     from serving.config import DeploymentConfig
-    from serving.cluster.launcher import init_ray, launch
+    from serving.cluster.ray_init import init_ray
+    from serving.cluster.launcher import launch
     from serving.cluster.clients import build_router
 
     cfg = DeploymentConfig.from_dict(json.loads(config_json))
@@ -197,7 +178,8 @@ def run_overhead(args: argparse.Namespace) -> int:
 
     from serving.cluster.app import build_app
     from serving.config import DeploymentConfig, load_config
-    from serving.cluster.launcher import init_ray, launch, shutdown_deployment
+    from serving.cluster.ray_init import init_ray
+    from serving.cluster.launcher import launch, shutdown_deployment
 
     base = load_config(args.config)
     if base.backend != "synthetic":
@@ -227,7 +209,7 @@ def run_overhead(args: argparse.Namespace) -> int:
         table = overhead_table(res, args)
         print("\n" + table, flush=True)
         if args.results:
-            write_results(args.results, res, args, before, table)
+            write_overhead_results(args.results, res, args, before, table)
         return 0
     finally:
         if child is not None and child.poll() is None:

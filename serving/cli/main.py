@@ -38,7 +38,7 @@ DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "local.ya
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from serving.cluster.launcher import DEFAULT_TEMP_DIR
+    from serving.cluster.ray_init import DEFAULT_TEMP_DIR
     from serving.cli.quickstart import add_arguments as add_deployment_flags
 
     parser = argparse.ArgumentParser(
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "status":
             cmd.add_argument("--json", action="store_true", help="print the status as JSON")
         if name == "bench":
-            from serving.bench.load import add_arguments
+            from serving.bench.command import add_arguments
 
             add_arguments(cmd)
     return parser
@@ -106,20 +106,13 @@ def _checked(args: argparse.Namespace, command: str):
 
 
 def _wait_healthy(url: str, timeout_s: float) -> dict | None:
-    import httpx
+    """The front's readiness once ready, else its last answer (None: it never answered)."""
+    from serving.ops.health_probe import NotHealthy, wait_healthy
 
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"{url}/health", timeout=5)
-            last = r.json()
-            if r.status_code == 200:
-                return last
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    return last
+    try:
+        return wait_healthy(url, timeout_s, interval_s=0.5)
+    except NotHealthy as exc:
+        return exc.last
 
 
 def _prepare_model(model: str) -> None:
@@ -151,7 +144,7 @@ def _api_keys(cfg: Any, joining: bool) -> Any:
 
 
 def _auth_line() -> str:
-    from serving.cluster.launcher import ray_auth_mode
+    from serving.cluster.ray_init import ray_auth_mode
 
     if ray_auth_mode() != "token":
         return "Ray token authentication off"
@@ -168,7 +161,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from serving.front.api_keys import ApiKeyError
     from serving.cluster.app import build_app
     from serving.cli.status import engine_lines, phase_line
-    from serving.cluster.launcher import init_ray, launch, ray_auth_mode, ray_logs_dir, shutdown_deployment
+    from serving.cluster.ray_init import init_ray, ray_auth_mode, ray_logs_dir
+    from serving.cluster.launcher import launch, shutdown_deployment
 
     cfg = _checked(args, "up")
     if cfg is None:
@@ -220,7 +214,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             pid=os.getpid(), create_time=runstate.process_create_time(os.getpid()), name=cfg.name, url=url,
             config=args.config, gcs_address=ray.get_runtime_context().gcs_address,
             started_cluster=started_cluster, ray_auth_mode=ray_auth_mode()))
-        state = "ready" if health and health.get("healthy") else f"NOT ready ({(health or {}).get('reason')})"
+        state = "ready" if health and health.get("ready") else f"NOT ready ({(health or {}).get('reason')})"
         print(f"raypd: serving model {cfg.served_model_name!r} at {url}/v1 ({state})", flush=True)
         for line in engine_lines(dep):
             print(line, flush=True)
@@ -268,7 +262,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def _connect(args: argparse.Namespace, state: runstate.UpState | None) -> bool:
     import ray
 
-    from serving.cluster.launcher import init_ray, use_ray_token_auth
+    from serving.cluster.ray_init import init_ray, use_ray_token_auth
 
     address = args.address or (state.gcs_address if state else None)
     if not address:
@@ -290,7 +284,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from serving.cli.status import collect_status, print_status
 
-    from serving.cluster.launcher import RayAuthError
+    from serving.cluster.ray_init import RayAuthError
 
     state = runstate.read_state(args.temp_dir)
     try:
@@ -340,7 +334,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         if state.started_cluster:  # that cluster ended with its `raypd up`: nothing left to clean
             runstate.remove_state(args.temp_dir)
             return 0
-    from serving.cluster.launcher import RayAuthError
+    from serving.cluster.ray_init import RayAuthError
 
     try:
         connected = _connect(args, state)
@@ -376,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "bench":
-        from serving.bench.load import run
+        from serving.bench.command import run
 
         return run(args)
     return {"up": cmd_up, "config": cmd_config, "status": cmd_status, "down": cmd_down}[args.command](args)

@@ -1,7 +1,8 @@
 """A deployment from command-line flags: `raypd up --model ...`, `raypd config --model ...`.
 
   --model PATH_OR_ID            a local model folder, a hub id, or smollm2 (the embedded model)
-  --prefill N --decode M        engines per role
+  --both N                      N role-flexible engines (the default without role counts: 2)
+  --prefill N --decode M        fixed pools: engines per role
   --prefill-tp X --decode-tp Y  tensor parallel size per role
   --engine-arg KEY=VALUE        a vLLM engine argument for both roles (repeatable);
   --prefill-engine-arg / --decode-engine-arg   the same for one role
@@ -29,6 +30,9 @@ from serving.config import ROLES, ConfigError, DeploymentConfig
 
 DEPLOYMENT_FLAGS = ("model", "prefill", "decode", "prefill_tp", "decode_tp", "engine_arg", "prefill_engine_arg",
                     "decode_engine_arg")
+
+
+DEFAULT_ENGINES = 2
 
 
 def add_arguments(cmd: argparse.ArgumentParser) -> None:
@@ -101,7 +105,14 @@ def deployment_from_flags(args: argparse.Namespace, base: dict[str, Any] | None)
     data: dict[str, Any] = {"name": "raypd"} if generated else dict(base)
     if args.model:
         data["model"] = _model_spec(args.model)
+    def asked(role: str) -> bool:
+        return any(getattr(args, f) not in (None, []) for f in (role, f"{role}_tp", f"{role}_engine_arg"))
+
+    if generated and not any(asked(role) for role in ROLES):
+        data["both"] = {"count": DEFAULT_ENGINES}  # no pools asked for: role-flexible engines, placed per request
     for role in ROLES:
+        if role not in data and not asked(role):
+            continue
         group = dict(data.get(role) or {})
         if getattr(args, role) is not None:
             group["count"] = getattr(args, role)
@@ -130,7 +141,8 @@ def _for_this_cpu(cfg: DeploymentConfig) -> DeploymentConfig:
     data = cfg.model_dump(mode="json", exclude_defaults=True)
     at = 0
     for role, group in zip(ROLES, groups):
-        data.setdefault(role, {})["cpu_bind"] = binds[at:at + group.count]
+        if group.count:
+            data.setdefault(role, {})["cpu_bind"] = binds[at:at + group.count]
         at += group.count
     engines_cpus = sum(g.num_cpus * g.count for g in groups)
     if cfg.ray.num_cpus is None and engines_cpus > len(cores):

@@ -75,7 +75,7 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
     import ray
 
     from actors.control.coordinator import COORDINATOR_NAME, NAMESPACE
-    from serving.cluster.launcher import find_engines
+    from serving.cluster.engines import find_engines
 
     out: dict[str, Any] = {"deployment": name, "engines": {}, "coordinator": None, "serve": None, "breakers": {}}
     try:
@@ -102,7 +102,7 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
         entry["registered"] = eid in registered
         entry["summary"] = registered.get(eid)
         out["engines"][eid] = entry
-    from serving.cluster.autoscaler import find_autoscaler
+    from serving.cluster.launcher import find_autoscaler
 
     scaler = find_autoscaler(name)
     if scaler is not None:
@@ -131,7 +131,7 @@ def print_status(status: dict, url: str | None) -> None:
     serve_info = status.get("serve") or {}
     ready = serve_info.get("readiness")
     if ready:
-        print(f"front: {'ready' if ready['ready'] else 'NOT READY: ' + str(ready.get('reason'))}")
+        print(f"front: {'healthy' if ready['ready'] else 'NOT READY: ' + str(ready.get('reason'))}")
     else:
         print(f"front: not reachable ({status.get('serve_error', 'no Serve app')})")
     print("engines:")

@@ -1,8 +1,9 @@
 """The Ray Serve application: `build_app(config) -> serve.Application`.
 
-One ingress deployment (FastAPI, `serving.front`) whose replicas get-or-create
-the coordinator and the engine actors (`serving.cluster.launcher`) and route over
-them (`serving.routing.router`). The same builder serves three launchers:
+One ingress deployment (FastAPI, `serving.front`) whose replicas attach to the
+deployment's engines through its launcher (`serving.cluster.launcher`: the one
+owner of engine start-up; the first replica's attach launches them) and route
+over them (`serving.routing.router`). The same builder serves three entry points:
 
   serve run serving.cluster.app:build_app config_path=configs/synthetic.yaml
   a Serve config file / KubeRay RayService:
@@ -19,7 +20,6 @@ them (`serving.routing.router`). The same builder serves three launchers:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,12 +99,12 @@ class RaypdIngress:
     """One replica of the HTTP front; the engines are shared by every replica."""
 
     async def __init__(self, config: dict):
-        from serving.front import served_model
-        from serving.cluster.launcher import launch
         from serving.cluster.clients import build_router
+        from serving.cluster.launcher import attach
+        from serving.front import served_model
 
         self.cfg = DeploymentConfig.from_dict(config)
-        self.deployment = await asyncio.to_thread(launch, self.cfg)
+        self.deployment = await attach(self.cfg)  # the launcher starts the engines, once
         self.router = build_router(self.cfg, self.deployment)
         self.model = await served_model(await next(iter(self.deployment.decodes.values())).model_info.remote())
         logger.info("ingress replica attached to %d engines of %s", len(self.deployment.engines), self.cfg.name)

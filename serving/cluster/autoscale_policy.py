@@ -1,6 +1,15 @@
-"""P:D autoscaling policy (pure): how many prefill and how many decode engines, each on its own signals.
+"""P:D autoscaling policy (pure): how many prefill, decode and role-flexible engines.
 
-Each role is scaled between `min` and `max` by its own `RolePolicy`:
+Each role is scaled between `min` and `max` by its own `RolePolicy`. What says a role
+needs one more engine, or could do with one fewer (`autoscaler.policy`):
+
+  model       (default) the placement model's pool predictions
+              (`serving.routing.pool_pressure`, fed with the rates the engines measured
+              of themselves, the arrival rate and the request mix): the pool whose
+              predicted TTFT or ITL violation dominates grows; one predicted to stay well
+              within its targets with one engine fewer shrinks; with role `both`
+              engines it is the engine count;
+  thresholds  the per-role thresholds below:
 
   prefill  pressure: queued prompt tokens per engine above `queued_tokens_per_engine`,
            or the p90 prefill latency (the pool's part of TTFT) above `ttft_target_s`;
@@ -20,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -66,8 +75,10 @@ class AutoscalerConfig(_Strict):
     down_fraction: float = Field(0.5, gt=0, lt=1)
     drain_quiet_s: float = Field(5.0, ge=0)  # idle this long (router views refreshed, no prefill in flight) before stop
     drain_timeout_s: float = Field(600.0, gt=0)  # a drain that never gets idle stops anyway (counted)
+    policy: Literal["model", "thresholds"] = "model"
     prefill: PrefillScaling = PrefillScaling()
     decode: DecodeScaling = DecodeScaling()
+    both: DecodeScaling = DecodeScaling()  # role-flexible engines: bounds of their count
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ def _under(value: float | None, limit: float) -> bool:
 
 
 class RolePolicy:
-    def __init__(self, role: Literal["prefill", "decode"], scaling: PrefillScaling | DecodeScaling,
+    def __init__(self, role: Literal["prefill", "decode", "both"], scaling: PrefillScaling | DecodeScaling,
                  cfg: AutoscalerConfig):
         self.role, self.scaling, self.cfg = role, scaling, cfg
         self.pressure_since: float | None = None
@@ -144,15 +155,21 @@ class RolePolicy:
                 and s.kv_usage * s.engines / fewer < f * d.kv_usage_high
                 and _under(s.itl_p90_s, f * d.itl_target_s))
 
-    def decide(self, s: PoolSignals, now: float) -> ScaleDecision:
+    def decide(self, s: PoolSignals, now: float, advice: Any = None) -> ScaleDecision:
+        """`advice`: the model's `pool_pressure` answer (policy model), else the thresholds decide."""
         lo, hi = self.scaling.min, self.scaling.max
         if s.engines < lo:
             return ScaleDecision(self.role, s.engines, lo, "below_min")
         if s.engines > hi:
             return ScaleDecision(self.role, s.engines, hi, "above_max")
-        why = self.pressure(s)
+        if advice is not None:
+            mine = advice.role == self.role
+            why = advice.reason if mine and advice.delta > 0 else None
+            idle = mine and advice.delta < 0
+        else:
+            why = self.pressure(s)
+            idle = why is None and self.idle(s)
         self.pressure_since = (self.pressure_since if self.pressure_since is not None else now) if why else None
-        idle = why is None and self.idle(s)
         self.idle_since = (self.idle_since if self.idle_since is not None else now) if idle else None
         if why and s.engines < hi and now - self.pressure_since >= self.cfg.up_delay_s \
                 and now - self.last_change >= self.cfg.up_cooldown_s:

@@ -1,4 +1,4 @@
-"""The P:D autoscaler: one named Ray actor per deployment that applies `serving.cluster.autoscale_policy`.
+"""The P:D autoscaler: the launcher's loop that applies `serving.cluster.autoscale_policy`.
 
 Life cycle of a pool change:
 
@@ -17,9 +17,10 @@ Life cycle of a pool change:
            entries go), killed, and its placement group removed. A drain that
            never gets idle stops after `drain_timeout_s` (counted).
 
-A role with a change in progress makes no other decision. The actor is created
-by `serving.cluster.launcher.launch` (so `raypd up` and the Serve app both get it) and
-stopped by `shutdown_deployment`; once it runs it owns the pool sizes.
+A role with a change in progress makes no other decision. It runs inside the
+deployment's launcher actor (`serving.cluster.launcher`, the one owner of engine
+start-up), which it asks to start and stop engines (`EngineHands`); once it runs it
+owns the pool sizes.
 """
 
 from __future__ import annotations
@@ -28,31 +29,32 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import ray
 
-from actors.control.coordinator import NAMESPACE
+from actors.control.coordinator import get_coordinator
 from actors.engine.load import EngineLoad
 from serving.cluster.autoscale_policy import PoolSignals, RolePolicy, ScaleDecision
+from serving.routing.placement import EngineEstimate
+from serving.routing.pool_pressure import LoadMix, ScaleAdvice, pool_pressure
+from serving.cluster.engines import Unschedulable, handle_of
+from serving.cluster.names import engine_id, engine_index
 from serving.config import DeploymentConfig
-from serving.cluster.launcher import ROLES, Deployment, Unschedulable, actor_name_of, start_engine, stop_engine
 
 logger = logging.getLogger("raypd.autoscaler")
 
 LOAD_TIMEOUT_S = 5.0
 DRAIN_POLL_S = 0.5
+ROLES = ("prefill", "decode", "both")
 
 
-def autoscaler_name(deployment: str) -> str:
-    return f"raypd-{deployment}-autoscaler"
+class EngineHands(Protocol):
+    """What the autoscaler asks of the launcher."""
 
-
-def engine_index(deployment: str, role: str, engine: str) -> int | None:
-    prefix = f"{deployment}-{role}-"
-    tail = engine[len(prefix):] if engine.startswith(prefix) else ""
-    return int(tail) if tail.isdigit() else None
+    async def start_engine(self, role: str, index: int) -> Any: ...
+    async def stop_engine(self, engine: str) -> None: ...
 
 
 @dataclass
@@ -63,7 +65,7 @@ class RoleStatus:
     min: int = 0
     max: int = 0
     last_decision: str = "none yet"
-    signals: dict = field(default_factory=dict)
+    signals: PoolSignals | None = None
 
 
 @dataclass
@@ -85,11 +87,13 @@ class AutoscalerStatus:
 
 
 class Autoscaler:
-    def __init__(self, config: dict):
-        self.cfg = DeploymentConfig.from_dict(config)
+    def __init__(self, cfg: DeploymentConfig, hands: EngineHands):
+        self.cfg, self.hands = cfg, hands
         acfg = self.cfg.autoscaler
-        self.policies = {role: RolePolicy(role, getattr(acfg, role), acfg) for role in ROLES}
-        self.roles = {role: RoleStatus(min=getattr(acfg, role).min, max=getattr(acfg, role).max) for role in ROLES}
+        self.active = [r for r in ROLES if getattr(cfg, r).count]  # the roles this deployment runs
+        self.policies = {role: RolePolicy(role, getattr(acfg, role), acfg) for role in self.active}
+        self.roles = {role: RoleStatus(min=getattr(acfg, role).min, max=getattr(acfg, role).max)
+                      for role in self.active}
         self.changes: dict[str, asyncio.Task] = {}  # role -> the change in progress
         self.draining: dict[str, asyncio.Task] = {}  # engine -> its drain
         self.counters: Counter[str] = Counter()
@@ -99,10 +103,9 @@ class Autoscaler:
         self._coordinator: Any = None
 
     # ------------------------------------------------------------ life cycle
-    async def start(self) -> bool:
+    def start(self) -> None:
         if self._loop is None or self._loop.done():
             self._loop = asyncio.get_running_loop().create_task(self._run())
-        return True
 
     async def _run(self) -> None:
         while True:
@@ -114,18 +117,16 @@ class Autoscaler:
 
     def coordinator(self) -> Any:
         if self._coordinator is None:
-            from actors.control.coordinator import get_coordinator
-
             self._coordinator = get_coordinator()
         return self._coordinator
 
     def handle(self, engine: str) -> Any | None:
         """The engine's actor, None when it is gone."""
         if engine not in self._handles:
-            try:
-                self._handles[engine] = ray.get_actor(actor_name_of(self.cfg.name, engine), namespace=NAMESPACE)
-            except ValueError:
+            handle = handle_of(engine)
+            if handle is None:
                 return None
+            self._handles[engine] = handle
         return self._handles[engine]
 
     # ----------------------------------------------------------------- step
@@ -139,7 +140,8 @@ class Autoscaler:
             logger.warning("coordinator unavailable: %s", exc)
             return []
         decisions = []
-        for role in ROLES:
+        loads: dict[str, list[EngineLoad]] = {}
+        for role in self.active:
             mine = [e for e in listed if engine_index(self.cfg.name, role, e.engine_id) is not None]
             st = self.roles[role]
             st.serving = sorted((e.engine_id for e in mine if not e.draining), key=self._index_of(role))
@@ -147,11 +149,14 @@ class Autoscaler:
             for engine in st.draining:  # e.g. after this actor restarted: finish what was started
                 if engine not in self.draining:
                     self._drain(role, engine, ScaleEvent(now, role, "down", "resumed", engine))
-            signals = await self._signals(st.serving)
-            st.signals = asdict(signals)
+            loads[role] = await self._loads(st.serving)
+            st.signals = self._signals(len(st.serving), loads[role])
+        advice = self._advice(loads) if self.cfg.autoscaler.policy == "model" else None
+        for role in self.active:
+            st = self.roles[role]
             if role in self.changes or st.draining:
                 continue
-            decision = self.policies[role].decide(signals, now)
+            decision = self.policies[role].decide(st.signals, now, advice)
             st.last_decision = f"{decision.direction}: {decision.reason}"
             decisions.append(decision)
             if decision.direction == "up":
@@ -163,7 +168,7 @@ class Autoscaler:
     def _index_of(self, role: str) -> Any:
         return lambda engine: engine_index(self.cfg.name, role, engine)
 
-    async def _signals(self, serving: list[str]) -> PoolSignals:
+    async def _loads(self, serving: list[str]) -> list[EngineLoad]:
         async def one(engine: str) -> EngineLoad | None:
             handle = self.handle(engine)
             if handle is None:
@@ -175,11 +180,14 @@ class Autoscaler:
                 self._handles.pop(engine, None)
                 return None
 
-        loads = [x for x in await asyncio.gather(*(one(e) for e in serving)) if x is not None]
+        return [x for x in await asyncio.gather(*(one(e) for e in serving)) if x is not None]
+
+    @staticmethod
+    def _signals(engines: int, loads: list[EngineLoad]) -> PoolSignals:
         p90s = [x.meter.prefill_latency_p90_s for x in loads if x.meter.prefill_latency_p90_s is not None]
         itls = [x.meter.itl_p90_s for x in loads if x.meter.itl_p90_s is not None]
         return PoolSignals(
-            engines=len(serving),
+            engines=engines,
             queued_prompt_tokens=sum(x.meter.queued_prompt_tokens_avg for x in loads),
             prefill_latency_p90_s=max(p90s) if p90s else None,
             outstanding_tokens=sum(x.meter.outstanding_tokens_avg for x in loads),
@@ -187,22 +195,39 @@ class Autoscaler:
             itl_p90_s=max(itls) if itls else None,
         )
 
+    def _advice(self, loads: dict[str, list[EngineLoad]]) -> ScaleAdvice:
+        """The placement model's pool predictions, from what the engines measured of themselves."""
+        slo = self.cfg.router.slo
+        estimates = []
+        for role, xs in loads.items():
+            budget = self.cfg.chunk_budget(role) or slo.default_chunk_budget_tokens
+            for x in xs:
+                m = x.meter
+                estimates.append(EngineEstimate(
+                    x.engine_id, role, m.prefill_tokens_per_s or slo.prior_prefill_tokens_per_s,
+                    m.step_s or slo.prior_step_s, budget, slo.prior_step_per_stream_s,
+                    queued_prefill_tokens=m.queued_prompt_tokens, decode_streams=x.running))
+        deciding = [x for r in ("decode", "both") for x in loads.get(r, ())]
+        prompts = [x.meter.prompt_tokens_avg for x in deciding if x.meter.prompt_tokens_avg is not None]
+        outputs = [x.meter.output_tokens_avg for x in deciding if x.meter.output_tokens_avg is not None]
+        mix = LoadMix(sum(prompts) / len(prompts) if prompts else 0.0, sum(outputs) / len(outputs) if outputs else 0.0)
+        rate = sum(x.meter.arrivals_per_s for x in deciding)  # every request decodes on one engine
+        return pool_pressure(estimates, rate, mix, slo, self.cfg.autoscaler.down_fraction)
+
     # ------------------------------------------------------------------ grow
     def _grow(self, role: str, decision: ScaleDecision, now: float) -> None:
         st = self.roles[role]
         taken = {engine_index(self.cfg.name, role, e) for e in st.serving + st.draining}
         index = next(i for i in range(len(taken) + 1) if i not in taken)
-        event = ScaleEvent(now, role, "up", decision.reason, f"{self.cfg.name}-{role}-{index}")
+        event = ScaleEvent(now, role, "up", decision.reason, engine_id(self.cfg.name, role, index))
         self.history.append(event)
         self.policies[role].applied(now)
         st.starting = [index]
         self.changes[role] = asyncio.get_running_loop().create_task(self._start(role, index, event))
 
     async def _start(self, role: str, index: int, event: ScaleEvent) -> None:
-        from serving.cluster.launcher import default_start_timeout
-
         try:
-            await start_engine(self.cfg, role, index, default_start_timeout(self.cfg))
+            await self.hands.start_engine(role, index)
             event.outcome = "started"
             self.counters[f"{role}_scaled_up"] += 1
         except Unschedulable as exc:
@@ -248,7 +273,7 @@ class Autoscaler:
                     self.counters[f"{role}_drain_timeouts"] += 1
                     break
                 await asyncio.sleep(DRAIN_POLL_S)
-            await stop_engine(self.cfg, engine, self.handle(engine))
+            await self.hands.stop_engine(engine)
             self.counters[f"{role}_scaled_down"] += 1
         except Exception as exc:  # noqa: BLE001 - recorded; the engine stays listed and is retried
             event.outcome = f"failed: {type(exc).__name__}: {exc}"
@@ -269,67 +294,23 @@ class Autoscaler:
 
     # ---------------------------------------------------------------- status
     async def status(self) -> AutoscalerStatus:
-        return AutoscalerStatus(self.cfg.name, {r: RoleStatus(**asdict(s)) for r, s in self.roles.items()},
+        return AutoscalerStatus(self.cfg.name, {r: replace(s, serving=list(s.serving), starting=list(s.starting), draining=list(s.draining)) for r, s in self.roles.items()},
                                 dict(self.counters), list(self.history))
 
-    async def stop(self) -> None:
+    def stop(self) -> None:
         """Stop deciding (before the deployment is torn down); drains in progress are left to shutdown."""
         for task in [self._loop, *self.changes.values()]:
             if task is not None:
                 task.cancel()
 
 
-def start_autoscaler(cfg: DeploymentConfig) -> Any:
-    """Get or create the deployment's autoscaler actor and start its loop."""
-    handle = ray.remote(Autoscaler).options(
-        name=autoscaler_name(cfg.name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_concurrency=16, max_restarts=-1,
-    ).remote(cfg.model_dump(mode="json"))
-    ray.get(handle.start.remote(), timeout=60)
-    return handle
-
-
-def find_autoscaler(deployment: str) -> Any | None:
-    try:
-        return ray.get_actor(autoscaler_name(deployment), namespace=NAMESPACE)
-    except ValueError:
-        return None
-
-
-def attach(cfg: DeploymentConfig, coordinator: Any) -> Deployment | None:
-    """Once the autoscaler runs it owns the pool sizes: a later `launch` (another ingress
-    replica, a restarted `raypd up`) joins the serving engines instead of creating `count`."""
-    if find_autoscaler(cfg.name) is None:
-        return None
-    dep = Deployment(cfg.name, coordinator)
-    for e in ray.get(coordinator.engines.remote(), timeout=60):
-        for role, pool in (("prefill", dep.prefills), ("decode", dep.decodes)):
-            if engine_index(cfg.name, role, e.engine_id) is not None and not e.draining:
-                try:
-                    pool[e.engine_id] = ray.get_actor(actor_name_of(cfg.name, e.engine_id), namespace=NAMESPACE)
-                except ValueError:
-                    pass  # died meanwhile
-    return dep if dep.decodes else None
-
-
-def stop_autoscaler(deployment: str, timeout_s: float = 10.0) -> None:
-    handle = find_autoscaler(deployment)
-    if handle is None:
-        return
-    try:
-        ray.get(handle.stop.remote(), timeout=timeout_s)
-    except ray.exceptions.RayError as exc:
-        logger.info("autoscaler stop: %s", exc)
-    ray.kill(handle)
-
-
 def status_lines(status: AutoscalerStatus) -> list[str]:
     """`raypd status` lines: one per role, then the last scale events."""
     lines = ["autoscaler:"]
     for role, st in status.roles.items():
-        sig = st.signals
-        load = (f"queued {sig.get('queued_prompt_tokens', 0):.0f} prompt tok" if role == "prefill"
-                else f"outstanding {sig.get('outstanding_tokens', 0):.0f} tok, kv {sig.get('kv_usage', 0):.0%}")
+        sig = st.signals or PoolSignals(engines=0)
+        load = (f"queued {sig.queued_prompt_tokens:.0f} prompt tok" if role == "prefill"
+                else f"outstanding {sig.outstanding_tokens:.0f} tok, kv {sig.kv_usage:.0%}")
         lines.append(f"  {role:<7} {len(st.serving)} serving (min {st.min}, max {st.max})"
                      + (f", starting {st.starting}" if st.starting else "")
                      + (f", draining {st.draining}" if st.draining else "")

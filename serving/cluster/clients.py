@@ -19,10 +19,12 @@ from typing import Any
 
 import ray
 
-from actors.control.coordinator import COORDINATOR_NAME, NAMESPACE
+from serving.cluster.launcher import find_launcher
+from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, actor_name_of
 from actors.protocol import RouteTable
 from actors.control.prefix_index import IndexCursor, IndexUpdate
 from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
+from serving.cluster.merge import merge_ready
 from serving.routing.prefix_view import PrefixCacheView
 from serving.routing.planner import planner_for
 from serving.routing.router import EngineUnavailable, RequestRejected, Router
@@ -94,11 +96,14 @@ class RayEngineClient:
         try:
             async for ref in gen:
                 try:
-                    chunk = await ref
+                    chunk, failure = await merge_ready(gen, await ref)  # and whatever else arrived
                 except (ray.exceptions.RayError, EngineRequestError) as exc:
                     raise self._error(exc) from None
                 finished = chunk.finished
                 yield chunk
+                if failure is not None:
+                    raise self._error(failure) if isinstance(failure, (ray.exceptions.RayError, EngineRequestError)) \
+                        else failure
         except ray.exceptions.RayError as exc:
             raise self._error(exc) from None
         finally:
@@ -147,13 +152,11 @@ class RayDirectory:
         self.coordinator.handle.prefill_failed.remote(decode_id, prefill_id, reason)
 
 
-def resolve_engine(deployment: str) -> Any:
+def resolve_engine() -> Any:
     """Looks up the engines the directory names by actor name (engines started after the router
     was built: scaled up by the autoscaler); None when no such actor exists."""
-    from serving.cluster.launcher import actor_name_of
-
     def resolve(engine_id: str) -> RayEngineClient | None:
-        name = actor_name_of(deployment, engine_id)
+        name = actor_name_of(engine_id)
         try:
             return RayEngineClient(engine_id, ray.get_actor(name, namespace=NAMESPACE), name)
         except ValueError:
@@ -182,20 +185,17 @@ def prefix_index_view(directory: RayDirectory, refresh_s: float) -> PrefixCacheV
 
 def build_router(cfg: Any, deployment: Any) -> Router:
     """A Router over a launched deployment (`serving.cluster.launcher.Deployment`)."""
-    from serving.cluster.launcher import actor_name_of
-
     directory = RayDirectory(deployment.coordinator)
     router = Router(
-        prefills={eid: RayEngineClient(eid, h, actor_name_of(cfg.name, eid)) for eid, h in deployment.prefills.items()},
-        decodes={eid: RayEngineClient(eid, h, actor_name_of(cfg.name, eid)) for eid, h in deployment.decodes.items()},
+        prefills={eid: RayEngineClient(eid, h, actor_name_of(eid)) for eid, h in deployment.prefills.items()},
+        decodes={eid: RayEngineClient(eid, h, actor_name_of(eid)) for eid, h in deployment.decodes.items()},
         directory=directory,
         config=cfg.router,
-        resolve_engine=resolve_engine(cfg.name),
-        planner=planner_for(cfg.router, prefix_index_view(directory, cfg.router.index_refresh_s)),
+        resolve_engine=resolve_engine(),
+        planner=planner_for(cfg.router, prefix_index_view(directory, cfg.router.index_refresh_s),
+                            {r: b for r in ("prefill", "decode", "both") if (b := cfg.chunk_budget(r))}),
     )
-    if cfg.autoscaler.enabled:
-        from serving.cluster.autoscaler import find_autoscaler
-
-        handle = find_autoscaler(cfg.name)
+    if cfg.autoscaler.enabled:  # the launcher runs the autoscaler; its status() is the autoscaler's
+        handle = find_launcher(cfg.name)
         router.autoscaler = AutoscalerClient(handle) if handle is not None else None
     return router

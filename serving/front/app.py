@@ -39,6 +39,7 @@ from serving.front import errors
 from serving.front.accounting import Accounting
 from serving.front.routes import FrontState, count_refusal, open_router, router
 from serving.front.served_model import ServedModel, SyntheticServedModel
+from serving.ops.loop_watch import LoopWatch
 from serving.ops.metrics import ServiceMetrics
 
 
@@ -77,20 +78,26 @@ def create_app(cfg: DeploymentConfig, router_: Any, model: ServedModel | None = 
         cluster = ClusterFrontMetrics()
         exporter = RouterExporter(lambda: app.state.front.router)
 
+    watch = LoopWatch("ingress") if cfg.http.trace else None  # lag and gc pauses, logged when long
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if exporter is not None:
             exporter.start()
+        if watch is not None:
+            watch.start()
         yield
         if exporter is not None:
             exporter.stop()
+        if watch is not None:
+            watch.stop()
 
     app = FastAPI(title="raypd", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     metrics = metrics or ServiceMetrics(lambda: app.state.front.router, cluster=cluster)
     app.state.front = FrontState(cfg=cfg, router=router_, model=model, metrics=metrics,
                                  accounting=Accounting(metrics, cfg.http.max_inflight_requests),
-                                 api_keys=api_keys(cfg), created=int(time.time()))
+                                 api_keys=api_keys(cfg), created=int(time.time()), watch=watch)
 
     async def api_error(request: Request, exc: errors.ApiError) -> JSONResponse:
         count_refusal(request, exc.status)

@@ -21,11 +21,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
+from actors.protocol import Stamps
 from serving.config import DeploymentConfig
 from serving.front.accounting import Accounting, RequestTicket
 from serving.front.errors import CLIENT_ERRORS, ApiError, error_response, invalid_request, invalid_value
 from serving.front.prepare import Kind, parse, prepare
 from serving.front.responses import SSEResponse, Shapes, collect, json_response, sse_events
+from serving.front.trace import RequestTrace
+from serving.front.trace import requested as traced
 from serving.front.served_model import ServedModel
 from serving.ops.metrics import CONTENT_TYPE, ServiceMetrics
 from serving.routing.errors import InvalidRequest, RoutingError
@@ -61,6 +64,7 @@ class FrontState:
     accounting: Accounting
     api_keys: tuple[bytes, ...]
     created: int
+    watch: Any = None  # serving.ops.loop_watch.LoopWatch (http.trace)
 
     @property
     def model_name(self) -> str:
@@ -199,6 +203,9 @@ async def chat_completions(request: Request, state: Front, body: Body) -> Respon
 
 
 async def generate(request: Request, state: FrontState, body: dict, kind: Kind) -> Response:
+    trace = RequestTrace()
+    if state.watch is not None:
+        state.watch.busy()
     ticket = state.accounting.start(kind)
     handed_over = False
     status = "500"
@@ -208,18 +215,23 @@ async def generate(request: Request, state: FrontState, body: dict, kind: Kind) 
         ticket.admit()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         prep = await prepare(kind, parsed, state.model, rid)
+        trace.mark(Stamps.PREPARED)
         ticket.stream = await open_stream(state, prep.engine_request)
+        trace.extend(getattr(ticket.stream, "first_stamps", ()))
+        shown = trace if traced(request.headers, state.cfg.http.trace) else None
         shapes = Shapes(prep, state.model_name)
         if prep.stream:
             handed_over = True
             return SSEResponse(sse_events(shapes, ticket), on_close=ticket.settle, media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+                               headers={"Cache-Control": "no-cache", "X-Request-Id": rid}, trace=shown)
         answer = await collect(shapes, ticket, request)
         if answer is None:
             status = "499"
             return Response(status_code=499)
         status = "200"
-        return json_response(answer)
+        if shown is not None:
+            shown.mark(Stamps.SSE)
+        return json_response(answer, headers=dict([shown.header_str()]) if shown is not None else None)
     except ApiError as err:
         status = str(err.status)
         return error_response(err)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -52,15 +53,24 @@ class ClusterFrontMetrics:
 
 
 class RouterExporter:
-    """Periodically records the router's families into Ray metrics (one per ingress replica)."""
+    """Periodically records the router's families into Ray metrics (one per ingress replica).
 
-    def __init__(self, router_getter: Any, interval_s: float = EXPORT_INTERVAL_S):
+    The engines' stats are asked for only when this router has served requests since
+    the last ask (or once every `idle_refresh_s`): an idle service makes no calls to its
+    engines, whose stats do not change without requests (a death shows in the directory
+    and in the next ask). `/metrics` and `raypd status` still ask at once."""
+
+    def __init__(self, router_getter: Any, interval_s: float = EXPORT_INTERVAL_S, idle_refresh_s: float = 60.0,
+                 clock: Any = time.monotonic):
         self.collector = RouterCollector(router_getter)
         self.router_getter = router_getter
         self.interval_s = interval_s
+        self.idle_refresh_s = idle_refresh_s
+        self.clock = clock
         self._metrics: dict[str, Any] = {}
         self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._task: asyncio.Task | None = None
+        self._asked: tuple[int, float] | None = None  # (router requests, when) at the last ask of the engines
 
     def _metric(self, family: Any, label_keys: tuple[str, ...]) -> Any:
         m = self._metrics.get(family.name)
@@ -90,11 +100,19 @@ class RouterExporter:
                 else:
                     metric.set(sample.value, tags=tags or None)
 
+    def _should_ask(self, router: Any) -> bool:
+        requests = getattr(getattr(router, "pool", None), "counters", {}).get("requests", 0)
+        now = self.clock()
+        if self._asked is not None and self._asked[0] == requests and now - self._asked[1] < self.idle_refresh_s:
+            return False
+        self._asked = (requests, now)
+        return True
+
     async def run(self) -> None:
         while True:
             try:
                 router = self.router_getter()
-                if router is not None:
+                if router is not None and self._should_ask(router):
                     await asyncio.wait_for(router.refresh_engine_stats(), self.interval_s)
                 self.export_once()
             except asyncio.CancelledError:

@@ -1,4 +1,4 @@
-"""Where one request goes: the router's hook into cache-aware scoring and conditional disaggregation.
+"""Where one request goes: the decode engine, its prefill engines in order, and colocated or disaggregated.
 
 Per request (`RoutePlanner.plan`, called once by `Router.open`):
 
@@ -6,23 +6,33 @@ Per request (`RoutePlanner.plan`, called once by `Router.open`):
      policy only) is refreshed in the background when older than
      `index_refresh_s`; a request never waits for it (a stale copy costs a
      cache miss at worst, never a wrong answer);
-  2. candidates: the live decode engines with the prompt tokens each one's
-     prefix cache holds and the tokens this router has charged it; for a decode
-     engine, its usable prefill engines (compatible, breaker not open) with
-     their cached tokens and queued prompt tokens;
-  3. `serving.routing.policy.select` scores them and decides remote or local
-     prefill from the tokens the chosen decode engine does not hold;
+  2. candidates: the live decode-capable engines (role decode or both) with the
+     prompt tokens each one's prefix cache holds; for each, its usable prefill
+     engines (role prefill or both, compatible, breaker not open);
+  3. placement (`router.placement`):
+       slo          (default) `serving.routing.placement` predicts every allowed
+                    option's TTFT and the stall it imposes (queued prefill work at
+                    each engine's learned rate, its decode streams, the chunked-
+                    prefill budget, the pair's pull) and picks the one that keeps
+                    TTFT and ITL within their targets at the least cost;
+       disaggregate every request is prefilled on a prefill engine when one is
+                    usable (`serving.routing.policy` scores the engines);
   4. the decision is counted by (decision, reason), exported as
      `raypd_disagg_decisions_total{decision,reason}`.
+
+Migration (`choose_decode`) scores decode engines as a first placement does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 
 from actors.protocol import EngineRequest, RouteTable
 from serving.config import RouterConfig
+from serving.routing.placement import EngineEstimate, Placement, place
 from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, rank, select
 from serving.routing.pool import EnginePool
 from serving.routing.prefix_view import PrefixCacheView
@@ -35,32 +45,88 @@ class RoutePlan:
     prefill_ids: tuple[str, ...]  # usable prefill engines for the decode engine, best first
     decision: DisaggDecision
     cached_tokens: int  # prompt tokens the decode engine's prefix cache holds (as the index knows)
+    placement: Placement | None = None  # the SLO model's predictions (placement slo)
 
 
 class RoutePlanner:
-    def __init__(self, settings: ScoreSettings, view: PrefixCacheView | None = None, fallback_local: bool = True):
+    def __init__(self, settings: ScoreSettings, view: PrefixCacheView | None = None, fallback_local: bool = True,
+                 config: RouterConfig | None = None, chunk_budgets: dict[str, int] | None = None):
         self.settings, self.view, self.fallback_local = settings, view, fallback_local
+        self.config = config or RouterConfig()
+        self.chunk_budgets = dict(chunk_budgets or {})  # role -> vLLM's max_num_batched_tokens there
         self.decisions: Counter[tuple[str, str]] = Counter()  # (decision, reason) -> requests
 
     def plan(self, pool: EnginePool, req: EngineRequest, routes: RouteTable, turn: int,
              exclude: set[str] = frozenset()) -> RoutePlan | None:
-        """The decode engine (not in `exclude`), its prefill engines in order and remote or local
-        prefill; None without a live decode engine (nothing counted: the router rejects the request)."""
+        """The decode engine (not in `exclude`), its prefill engines in order and colocated or
+        disaggregated; None without a live decode engine (nothing counted: the router rejects it)."""
         live = pool.live_decodes(routes, exclude)
         if not live:
             return None
         prefills_of = {d: pool.usable_prefills(d, routes) for d in live}
         cached = self._cached(req, live + sorted({p for ps in prefills_of.values() for p in ps}))
-        decodes = self._decode_candidates(pool, live, cached)
+        if self.config.placement == "slo":
+            plan = self._place(pool, req, live, prefills_of, cached, turn)
+        else:
+            plan = self._disaggregate(pool, req, live, prefills_of, cached, turn)
+        self.decisions[(plan.decision.decision, plan.decision.reason)] += 1
+        return plan
 
+    def _disaggregate(self, pool: EnginePool, req: EngineRequest, live: list[str], prefills_of: dict[str, list[str]],
+                      cached: dict[str, int], turn: int) -> RoutePlan:
         def prefills_for(d: str) -> list[Candidate]:
             return [Candidate(p, cached.get(p, 0), pool.prefill_load[p].tokens, pool.prefill_load[p].requests)
                     for p in prefills_of[d]]
 
-        sel = select(req.num_prompt_tokens, decodes, prefills_for, self.settings, turn, self.fallback_local)
-        self.decisions[(sel.decision.decision, sel.decision.reason)] += 1
+        sel = select(req.num_prompt_tokens, self._decode_candidates(pool, live, cached), prefills_for,
+                     self.settings, turn, self.fallback_local)
         return RoutePlan(sel.decode.engine_id, tuple(p.engine_id for p in sel.prefills), sel.decision,
                          sel.decode.cached_tokens)
+
+    def _place(self, pool: EnginePool, req: EngineRequest, live: list[str], prefills_of: dict[str, list[str]],
+               cached: dict[str, int], turn: int) -> RoutePlan:
+        """The SLO model's choice among every allowed (prefill engine or colocated, decode engine)."""
+        n = len(live)
+        live = live[turn % n:] + live[:turn % n]  # equal predictions: round robin
+        ids = list(dict.fromkeys(live + [p for d in live for p in prefills_of[d]]))
+        engines = [self.estimate(pool, e, cached.get(e, 0)) for e in ids]
+        usable = {d: set(ps) for d, ps in prefills_of.items()}
+
+        def allowed(prefill_id: str | None, decode_id: str) -> bool:
+            if decode_id not in usable:
+                return False
+            if prefill_id is None:
+                return self.fallback_local or pool.role_of(decode_id) == "both"
+            return prefill_id in usable[decode_id]
+
+        chosen = place(max(1, req.num_prompt_tokens), engines, self.config.slo, pool.rates.transfer, allowed,
+                       answer_tokens=req.max_tokens)
+        if chosen is None:  # decode engines that may not prefill and no prefill engine: refused
+            d = live[0]
+            return RoutePlan(d, (), DisaggDecision("reject", "no_prefill_engine"), cached.get(d, 0))
+        d = chosen.option.decode_id
+        others = [p.option.prefill_id for p in chosen.predictions
+                  if p.option.decode_id == d and p.option.prefill_id not in (None, chosen.option.prefill_id)]
+        kind, _, why = chosen.reason.partition("/")
+        if chosen.option.prefill_id is None:
+            return RoutePlan(d, tuple(others), DisaggDecision("local", why), cached.get(d, 0), chosen)
+        return RoutePlan(d, (chosen.option.prefill_id, *others), DisaggDecision("remote", why), cached.get(d, 0),
+                         chosen)
+
+    def estimate(self, pool: EnginePool, engine_id: str, cached_tokens: int = 0) -> EngineEstimate:
+        """One engine as the SLO model sees it: learned rates, what this router has in flight there."""
+        role = pool.role_of(engine_id)
+        prefill = pool.prefill_load.get(engine_id)
+        decode = pool.decode_load.get(engine_id)
+        budget = self.chunk_budgets.get(role) or self.config.slo.default_chunk_budget_tokens
+        estimate = pool.rates.estimate(engine_id, role, decode_streams=decode.requests if decode else 0,
+                                       queued_prefill_tokens=prefill.tokens if prefill else 0,
+                                       cached_tokens=cached_tokens, chunk_budget_tokens=budget)
+        return dataclasses.replace(estimate, prefill_busy=pool.prefill_busy(engine_id))
+
+    def steps_for(self, pool: EnginePool, engine_id: str, tokens: int) -> int:
+        """Engine steps a prefill of `tokens` takes there (its chunked-prefill budget)."""
+        return max(1, math.ceil(tokens / self.estimate(pool, engine_id).chunk_budget_tokens))
 
     def choose_decode(self, pool: EnginePool, req: EngineRequest, routes: RouteTable, turn: int,
                       exclude: set[str] = frozenset()) -> str | None:
@@ -90,11 +156,11 @@ class RoutePlanner:
                                self.view.error if self.view is not None else None)
 
 
-def planner_for(config: RouterConfig, view: PrefixCacheView | None = None) -> RoutePlanner:
-    """The planner a router config describes (`view`: the prefix index copy, used when cache-aware)."""
+def planner_for(config: RouterConfig, view: PrefixCacheView | None = None,
+                chunk_budgets: dict[str, int] | None = None) -> RoutePlanner:
+    """The planner a router config describes (`view`: the prefix index copy, used when cache-aware;
+    `chunk_budgets`: each role's chunked-prefill budget, as the engines were started with)."""
     cache_aware = config.policy == "cache_aware"
-    score = ScoreSettings(cache_weight=config.cache_weight if cache_aware else 0.0,
-                          short_prompt_tokens=config.short_prompt_tokens,
-                          prefill_saturation_tokens=config.prefill_saturation_tokens,
-                          decode_headroom_tokens=config.decode_headroom_tokens)
-    return RoutePlanner(score, view if cache_aware else None, config.no_prefill_fallback == "decode_local")
+    score = ScoreSettings(cache_weight=config.cache_weight if cache_aware else 0.0)
+    return RoutePlanner(score, view if cache_aware else None, config.no_prefill_fallback == "decode_local",
+                        config, chunk_budgets)

@@ -14,17 +14,12 @@ token of queued work: 0 routes by load alone, large values follow the cache
 even onto busy engines. Ties go to fewer requests, then round robin. With
 `policy: least_outstanding` nothing is cached as far as scoring knows.
 
-Remote or local prefill (`decide_prefill`), first rule that applies:
-
-  prefix_cached       the part of the prompt the decode engine does not hold
-  short_prompt        is below `short_prompt_tokens` -> local (prefix_cached
-                      when the decode engine's cache made it short);
-  no_prefill_engine   no usable prefill engine (compatible, breaker closed)
-                      -> local, or rejected when the fallback is `reject`;
-  prefill_saturated   the chosen prefill engine has `prefill_saturation_tokens`
-                      queued or more while the decode engine owes fewer than
-                      `decode_headroom_tokens` -> local (0 turns the rule off);
-  uncached_prompt     otherwise -> remote prefill.
+With `router.placement: disaggregate` (`decide_prefill`): remote prefill on the
+best usable prefill engine whenever there is one (`uncached_prompt`); without one
+the decode engine prefills itself, or the request is refused when the fallback is
+`reject` (`no_prefill_engine`). The default placement (`slo`) decides with the
+SLO model instead (`serving.routing.placement`) and uses these scores only to
+pick a migrated stream's decode engine.
 
 Every decision is counted by the router with its reason
 (`raypd_disagg_decisions_total{decision,reason}`).
@@ -48,9 +43,6 @@ class Candidate:
 @dataclass(frozen=True)
 class ScoreSettings:
     cache_weight: float = 1.0
-    short_prompt_tokens: int = 0
-    prefill_saturation_tokens: int = 0
-    decode_headroom_tokens: int = 4096
 
 
 def cost(c: Candidate, prompt_tokens: int, cache_weight: float) -> float:
@@ -76,17 +68,10 @@ class DisaggDecision:
         return self.decision == "remote"
 
 
-def decide_prefill(prompt_tokens: int, decode: Candidate, prefill: Candidate | None, settings: ScoreSettings,
-                   fallback_local: bool = True) -> DisaggDecision:
-    """Remote or local prefill for one request on `decode` (see the module docstring)."""
-    uncached = max(0, prompt_tokens - decode.cached_tokens)
-    if uncached < settings.short_prompt_tokens:
-        return DisaggDecision("local", "prefix_cached" if decode.cached_tokens else "short_prompt")
+def decide_prefill(prefill: Candidate | None, fallback_local: bool = True) -> DisaggDecision:
+    """Remote prefill whenever a usable prefill engine exists (placement `disaggregate`)."""
     if prefill is None:
         return DisaggDecision("local" if fallback_local else "reject", "no_prefill_engine")
-    if (settings.prefill_saturation_tokens and prefill.load_tokens >= settings.prefill_saturation_tokens
-            and decode.load_tokens < settings.decode_headroom_tokens):
-        return DisaggDecision("local", "prefill_saturated")
     return DisaggDecision("remote", "uncached_prompt")
 
 
@@ -105,5 +90,5 @@ def select(prompt_tokens: int, decodes: Sequence[Candidate], prefills_for: Calla
     decode = rank(decodes, prompt_tokens, settings.cache_weight, turn)[0]
     # prefill ties keep the given order (the router lists the least busy first); decode ties rotate
     prefills = tuple(rank(prefills_for(decode.engine_id), prompt_tokens, settings.cache_weight))
-    decision = decide_prefill(prompt_tokens, decode, prefills[0] if prefills else None, settings, fallback_local)
+    decision = decide_prefill(prefills[0] if prefills else None, fallback_local)
     return Selection(decode, prefills, decision)

@@ -11,7 +11,10 @@ and prefill failures) and the engines' last stats. Everything else reads it:
   selection   `live_decodes` / `usable_prefills` intersect the directory's view
               with the engines the pool knows, least loaded first;
   charges     `charge_decode` opens a `DecodeCharge` (paid back as tokens stream);
-              `prefilling` counts a prefill's prompt tokens while it runs;
+              `prefilling` counts a prefill's prompt tokens on the engine running it
+              (a prefill engine's, or a decode engine's own local prefill);
+  rates       `rates` learns each engine's prefill rate and step time and each
+              pair's pull from what the router observes (`serving.routing.rates`);
   cleanup     `abort_decode`, `abort_prefill`, `close_gen` run in the background
               (safe from a cancelled task); `drain()` waits for them.
 """
@@ -21,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from actors.protocol import EngineRequest, EngineStats, PrefillResult, RouteTable, TokenChunk
+from serving.routing.rates import RateEstimator
 
 logger = logging.getLogger("raypd.router")
 
@@ -53,6 +58,26 @@ class EngineStatus:
     up: bool
     stats: EngineStats | None = None
     error: str | None = None
+
+
+class GivenRate:
+    """Tokens given to an engine per second, recently (a counter decayed with time constant `window_s`)."""
+
+    def __init__(self, window_s: float, now: float):
+        self.window_s, self.total, self.at = window_s, 0.0, now
+
+    def add(self, tokens: int, now: float) -> None:
+        self._decay(now)
+        self.total += tokens
+
+    def per_s(self, now: float) -> float:
+        self._decay(now)
+        return self.total / self.window_s
+
+    def _decay(self, now: float) -> None:
+        if now > self.at:
+            self.total *= math.exp(-(now - self.at) / self.window_s)
+            self.at = now
 
 
 class DecodeCharge:
@@ -92,7 +117,8 @@ class DecodeCharge:
 
 class EnginePool:
     def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
-                 resolve_engine: Callable[[str], EngineClient | None] | None = None):
+                 resolve_engine: Callable[[str], EngineClient | None] | None = None,
+                 rates: RateEstimator | None = None):
         self.prefills, self.decodes = dict(prefills), dict(decodes)
         # engines the directory lists that the pool has no client for yet (scaled up, restarted)
         self.resolve_engine = resolve_engine
@@ -104,6 +130,8 @@ class EnginePool:
         self.transfer_failures: Counter[tuple[str, str]] = Counter()  # (decode, prefill), as observed
         self.prefill_failures: Counter[str] = Counter()  # prefill id
         self.engine_stats: dict[str, EngineStatus] = {}
+        self.rates = rates or RateEstimator()
+        self._given: dict[str, GivenRate] = {}  # prompt tokens given to each engine to prefill, recently
         self._tasks: set[asyncio.Task] = set()
 
     # ---------------------------------------------------------- membership
@@ -126,6 +154,12 @@ class EnginePool:
                         and self.resolve_engine(e) is None]:
                 del pool[eid], loads[eid]
                 self.engine_stats.pop(eid, None)
+                self.rates.forget(eid)
+
+    def role_of(self, engine_id: str) -> str:
+        """prefill | decode | both, as far as this pool uses the engine."""
+        p, d = engine_id in self.prefills, engine_id in self.decodes
+        return "both" if p and d else "prefill" if p else "decode"
 
     # ----------------------------------------------------------- selection
     def live_decodes(self, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
@@ -144,7 +178,9 @@ class EnginePool:
     @contextlib.contextmanager
     def prefilling(self, prefill_id: str, tokens: int) -> Iterator[None]:
         """A prefill in flight on `prefill_id` (its prompt tokens count as queued work there)."""
-        load = self.prefill_load[prefill_id]
+        load = self.prefill_load.setdefault(prefill_id, Load())
+        now = self.rates.clock()
+        self._given.setdefault(prefill_id, GivenRate(self.rates.config.prefill_busy_window_s, now)).add(tokens, now)
         load.requests += 1
         load.tokens += tokens
         try:
@@ -152,6 +188,13 @@ class EnginePool:
         finally:
             load.requests -= 1
             load.tokens -= tokens
+
+    def prefill_busy(self, engine_id: str) -> float:
+        """The share of its recent time `engine_id` spent prefilling what this router gave it."""
+        given = self._given.get(engine_id)
+        if given is None:
+            return 0.0
+        return given.per_s(self.rates.clock()) / self.rates.rates(engine_id).prefill_tokens_per_s
 
     # -------------------------------------------------------------- status
     async def refresh_stats(self, timeout_s: float = 2.0) -> dict[str, EngineStatus]:

@@ -36,13 +36,15 @@ are `serving.routing.errors`; the front maps them to HTTP statuses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from actors.protocol import EngineRequest, PrefillResult, RouteTable, TokenChunk
+from actors.protocol import EngineRequest, PrefillResult, RouteTable, Stamps, TokenChunk
 from serving.config import RouterConfig
 from serving.routing.directory import Directory, DirectoryView
 from serving.routing.errors import (
@@ -55,10 +57,17 @@ from serving.routing.errors import (
 )
 from serving.routing.planner import RoutePlan, RoutePlanner, planner_for
 from serving.routing.pool import DecodeCharge, EngineClient, EnginePool
+from serving.routing.rates import RateEstimator
 from serving.routing.status import Readiness, RouterSnapshot
 from serving.routing.stream import Route, RoutedStream, no_more_chunks
 
 logger = logging.getLogger("raypd.router")
+
+
+@dataclass
+class PrefillTiming:
+    ok: bool = False  # the prefill produced its first token (only then does its time teach anything)
+    cached: int | None = None  # prompt tokens the engine found in its prefix cache (vLLM reports them)
 
 
 class Router:
@@ -69,10 +78,10 @@ class Router:
                  planner: RoutePlanner | None = None):
         if not decodes:
             raise ValueError("a router needs at least one decode engine")
-        self.pool = EnginePool(prefills, decodes, resolve_engine)
+        self.config = config or RouterConfig()
+        self.pool = EnginePool(prefills, decodes, resolve_engine, RateEstimator(self.config.slo, clock))
         self.directory = directory
         self.view = DirectoryView(directory, directory_ttl_s, clock, on_refresh=self.pool.sync)
-        self.config = config or RouterConfig()
         self.clock = clock
         self.planner = planner or planner_for(self.config)
         self._rr = itertools.count()
@@ -166,8 +175,13 @@ class Router:
             route.path = "fallback"
             self.pool.fallbacks[reason] += 1
         engine_req = req.replace(request_id=req.request_id if route.attempts == 0 else f"{req.request_id}-local")
+        routed = Stamps.now(Stamps.ROUTED)
         gen = self.pool.decodes[route.decode_id].generate(engine_req)
-        first = await self._first_chunk(route, engine_req, gen)
+        d = route.decode_id
+        with self._timed_prefill(d, req.num_prompt_tokens) as timing:  # its queue is visible to placement
+            first = await self._first_chunk(route, engine_req, gen)
+            timing.ok, timing.cached = not first.failed_before_output, first.num_cached_tokens
+        first = first.replace(stamps=(routed, *first.stamps, Stamps.now(Stamps.ROUTER_IN)))
         if first.failed_before_output:  # a local run has no transfer to fail: the engine failed
             self.pool.close_gen(gen)
             raise EngineFailed(f"decode engine {route.decode_id} failed: {first.error}")
@@ -180,9 +194,12 @@ class Router:
     async def _prefill(self, route: Route, req: EngineRequest, estimate: int) -> PrefillResult | None:
         """Run the prompt on route.prefill_id; its result, or None after an engine failure (reported)."""
         p, d = route.prefill_id, route.decode_id
-        with self.pool.prefilling(p, estimate):
+        with self._timed_prefill(p, estimate) as timing:
             try:
-                return await self.pool.prefills[p].prefill(req)
+                routed = Stamps.now(Stamps.ROUTED)
+                out = await self.pool.prefills[p].prefill(req)
+                timing.ok, timing.cached = True, out.num_cached_tokens
+                return out.replace(stamps=(routed, *out.stamps, Stamps.now(Stamps.ROUTER_IN)))
             except RequestRejected as exc:  # the client's mistake: no retry, no breaker
                 raise InvalidRequest(str(exc)) from None
             except asyncio.CancelledError:
@@ -196,6 +213,23 @@ class Router:
                 self._report_prefill_failure(d, p, str(exc))
                 self.pool.abort_prefill(p, req.request_id)
                 return None
+
+    @contextlib.contextmanager
+    def _timed_prefill(self, engine_id: str, tokens: int) -> Iterator[PrefillTiming]:
+        """A prefill on `engine_id` (counted there while it runs); once it produced its first token,
+        what it took teaches the engine's rates (the tokens queued ahead of it included)."""
+        timing = PrefillTiming()
+        ahead = self.pool.prefill_load.get(engine_id)
+        queued = ahead.tokens if ahead is not None else 0
+        streams = self.pool.decode_load[engine_id].requests if engine_id in self.pool.decode_load else 0
+        t0 = self.clock()
+        with self.pool.prefilling(engine_id, tokens):
+            yield timing
+        if not timing.ok:
+            return
+        computed = max(1, tokens - (timing.cached or 0))
+        self.pool.rates.observe_step(engine_id, self.clock() - t0, streams, queued + computed,
+                                     self.planner.steps_for(self.pool, engine_id, queued + computed))
 
     def _report_prefill_failure(self, decode_id: str, prefill_id: str, reason: str) -> None:
         try:
@@ -231,7 +265,8 @@ class Router:
         # decode engine streams that tail with the next tokens
         first = TokenChunk(engine_req.request_id, out.first_token_ids, out.streamed_text,
                            num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-                           logprobs=out.first_logprobs, cumulative_logprob=out.cumulative_logprob)
+                           logprobs=out.first_logprobs, cumulative_logprob=out.cumulative_logprob,
+                           stamps=out.stamps)
         if engine_req.max_tokens <= len(out.first_token_ids) or not out.needs_decode:
             first = first.replace(text=out.first_text, finished=True, finish_reason=out.finish_reason or "length")
             if out.kv_transfer_params:  # nobody will read the KV: release the prefill engine's lease now

@@ -28,7 +28,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from actors.protocol import EngineRequest, TokenChunk
 from serving.routing.errors import EngineUnavailable, RequestRejected
@@ -84,6 +84,7 @@ class RoutedStream:
         self.route = route
         self._gen = gen
         self._pending: TokenChunk | None = first
+        self.first_stamps = first.stamps  # the hops of the first token (actors.protocol.Stamps)
         self._charge = charge.hand_over()
         self.token_ids: list[int] = []  # every token streamed so far
         self.num_prompt_tokens = first.num_prompt_tokens
@@ -93,6 +94,7 @@ class RoutedStream:
         self.num_generated = 0
         self.migrations = 0
         self._awaiting_transfer = awaiting_transfer  # the next decode chunk carries the transfer verdict
+        self._last_at: float | None = None  # when the previous chunk arrived (placement learns the gaps)
         self._prefill_let_go = False
         self.finished = False
         self.closed = False
@@ -113,6 +115,7 @@ class RoutedStream:
             raise StopAsyncIteration
         if self._pending is not None:
             chunk, self._pending = self._pending, None
+            self._last_at = self.pool.rates.clock()
             self._observe(chunk)
             return chunk
         try:
@@ -129,10 +132,28 @@ class RoutedStream:
             if not isinstance(exc, EngineUnavailable):
                 logger.exception("decode stream of %s failed", self.request_id)
             chunk = await self._migrate(exc)
+        self._learn(chunk)
         if self._awaiting_transfer:
             self._transfer_verdict(chunk)
         self._observe(chunk)
         return chunk
+
+    def _learn(self, chunk: TokenChunk) -> None:
+        """What this chunk's wait says about the engines: the first decode chunk after a prefill
+        is the pair's pull plus one step; later ones a step of the decode engine (placement's rates)."""
+        now, last, self._last_at = self.pool.rates.clock(), self._last_at, self.pool.rates.clock()
+        n, d = len(chunk.token_ids), self.decode_id
+        if last is None or not n or chunk.failed:
+            return
+        rates = self.pool.rates
+        batch = self.pool.decode_load[d].requests if d in self.pool.decode_load else 1
+        if self._awaiting_transfer:
+            if self.prefill_id is not None and not chunk.recomputed:
+                step = rates.rates(d).decode_step_s(batch)
+                rates.observe_transfer(self.prefill_id, d, self.num_prompt_tokens, now - last - step)
+        elif not (d in self.pool.prefill_load and self.pool.prefill_load[d].tokens):
+            # a step without a local prefill chunk (those stall it: they teach the prefill rate instead)
+            rates.observe_gap(d, (now - last) / n, batch, weight=1.0 / max(1, batch))
 
     def _transfer_verdict(self, chunk: TokenChunk) -> None:
         """The first decode chunk after a prefill: counted as the router saw it (the ledger
@@ -150,6 +171,7 @@ class RoutedStream:
         there, or an error chunk when no engine takes the stream."""
         reason = "engine_died" if getattr(exc, "died", False) else "engine_error"
         dead = self.decode_id
+        self._last_at = None  # the next engine's first chunk recomputes the stream: no gap to learn
         failed = {dead: self.route.decode_generation}  # engines (incarnations) that let this stream down
         self.pool.abort_decode(dead, self.engine_request_id)  # if it is still alive, let it go
         self.pool.close_gen(self._gen)

@@ -79,7 +79,7 @@ def test_chaos_soak(coordinator):
         "decode": {**SYNTHETIC["decode"], "count": 2, "tp_size": 1, "num_blocks": 1024},
         "transfer": {"failure_policy": "recompute", "lease_ttl_s": 20, "read_timeout_s": 5, "fault_rate": 0.05},
         "breaker": {"failure_threshold": 5, "cooldown_s": 3.0, "probe_window_s": 2.0},
-        "router": {"migration_wait_s": 30},
+        "router": {"migration_wait_s": 30, "placement": "disaggregate"},
         "restarts": {"max_restarts": 50},
     })
     dep = launch(cfg)

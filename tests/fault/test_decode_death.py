@@ -55,7 +55,7 @@ def run(name: str, restarts: int, migration_wait_s: float) -> dict:
     cfg = DeploymentConfig.from_dict({
         **SYNTHETIC, "name": name,
         "synthetic": {**SYNTHETIC["synthetic"], "token_latency_s": 0.03},
-        "restarts": {"max_restarts": restarts}, "router": {"migration_wait_s": migration_wait_s},
+        "restarts": {"max_restarts": restarts}, "router": {"migration_wait_s": migration_wait_s, "placement": "disaggregate"},
     })
     dep = launch(cfg)
     baseline = engine_stats(dep)

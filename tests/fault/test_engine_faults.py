@@ -11,7 +11,8 @@ import time
 import pytest
 import ray
 
-from actors.engine.synthetic.engine import EngineShape, SyntheticEngine, TransferFailed
+from actors.engine.synthetic.engine import EngineShape, SyntheticEngine
+from actors.engine.synthetic.outcomes import TransferFailed
 from actors.transfer_params import TransferParams
 from actors.engine.synthetic.rank import SyntheticModel
 

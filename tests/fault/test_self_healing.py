@@ -51,7 +51,7 @@ def service(coordinator):
         "decode": {**SYNTHETIC["decode"], "count": 2, "tp_size": 1},
         "transfer": {"failure_policy": "recompute", "lease_ttl_s": 20, "read_timeout_s": 5},
         "breaker": {"failure_threshold": 3, "cooldown_s": 3.0, "probe_window_s": 2.0},
-        "router": {"migration_wait_s": 30},
+        "router": {"migration_wait_s": 30, "placement": "disaggregate"},
         "restarts": {"max_restarts": 3},
     })
     dep = launch(cfg)

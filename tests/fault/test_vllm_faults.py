@@ -44,7 +44,7 @@ def service(coordinator, tmp_path_factory):
         "prefill": {"count": 1, "num_cpus": 0, "block_size": 32, "cpu_bind": ["0"]},
         "decode": {"count": 2, "num_cpus": 0, "block_size": 32, "cpu_bind": ["1", "1"]},
         "transfer": {"failure_policy": "recompute", "lease_ttl_s": LEASE_TTL_S, "read_timeout_s": 10},
-        "router": {"migration_wait_s": 60},
+        "router": {"migration_wait_s": 60, "placement": "disaggregate"},
         "restarts": {"max_restarts": 2},
     })
     dep = launch(cfg)

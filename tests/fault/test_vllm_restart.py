@@ -25,7 +25,7 @@ NAME = "vllm-restart"
 
 
 def test_killed_vllm_engine_restarts_rejoins_and_serves_pd(coordinator):
-    base = load_config("configs/local.yaml").model_dump(mode="json")
+    base = load_config("configs/local-pd.yaml").model_dump(mode="json")
     base.update(name=NAME, max_model_len=1024, restarts={"max_restarts": 2})
     for group in ("prefill", "decode"):
         base[group]["num_cpus"] = 0

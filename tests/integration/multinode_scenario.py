@@ -28,7 +28,8 @@ from serving.cluster.clients import build_router  # noqa: E402
 
 
 def deployment(backend: str) -> DeploymentConfig:
-    common = {"name": f"mn-{backend}", "transfer": {"failure_policy": "fail", "lease_ttl_s": 20}}
+    common = {"name": f"mn-{backend}", "transfer": {"failure_policy": "fail", "lease_ttl_s": 20},
+              "router": {"placement": "disaggregate"}}  # the P/D path across nodes, not a colocated answer
     if backend == "synthetic":
         return DeploymentConfig.from_dict({
             **common, "backend": "synthetic",
@@ -51,7 +52,7 @@ def scale_up(cfg: DeploymentConfig, cluster: Cluster) -> dict:
     engine has no node until one with `prefill: 1` joins, and an unplaceable attempt leaves nothing."""
     import asyncio
 
-    from serving.cluster.launcher import Unschedulable, start_engine
+    from serving.cluster.engines import Unschedulable, start_engine
 
     out: dict = {}
     try:

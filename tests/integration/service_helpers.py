@@ -16,6 +16,7 @@ SYNTHETIC = {
     "prefill": {"count": 1, "tp_size": 1, "block_size": 16, "num_blocks": 512, "num_cpus": 0},
     "decode": {"count": 1, "tp_size": 2, "block_size": 32, "num_blocks": 512, "num_cpus": 0},
     "transfer": {"failure_policy": "fail", "lease_ttl_s": 10, "read_timeout_s": 5},
+    "router": {"placement": "disaggregate"},  # these tests check the prefill -> NIXL -> decode path
 }
 
 

@@ -11,9 +11,11 @@ import ray
 
 from actors.protocol import EngineRequest, SamplingSpec
 from actors.engine.synthetic.tokenizer import encode_text
-from serving.cluster.autoscaler import autoscaler_name, find_autoscaler
+from serving.cluster.launcher import find_autoscaler
+from serving.cluster.names import launcher_name
 from serving.config import DeploymentConfig
-from serving.cluster.launcher import find_engines, launch, shutdown_deployment
+from serving.cluster.engines import find_engines
+from serving.cluster.launcher import launch, shutdown_deployment
 from serving.cluster.clients import build_router
 
 from service_helpers import SYNTHETIC
@@ -29,7 +31,7 @@ CONFIG = {
     "prefill": {**SYNTHETIC["prefill"], "num_blocks": 2048},
     "decode": {**SYNTHETIC["decode"], "num_blocks": 1024},
     "autoscaler": {
-        "enabled": True, "interval_s": 0.5, "up_delay_s": 0.5, "up_cooldown_s": 1.0, "down_delay_s": 2.0,
+        "enabled": True, "policy": "thresholds", "interval_s": 0.5, "up_delay_s": 0.5, "up_cooldown_s": 1.0, "down_delay_s": 2.0,
         "cooldown_s": 3.0, "drain_quiet_s": 1.5,
         "prefill": {"min": 1, "max": 2, "queued_tokens_per_engine": 300, "ttft_target_s": 30},
         "decode": {"min": 1, "max": 2, "outstanding_tokens_per_engine": 200, "kv_usage_high": 1.0,
@@ -150,4 +152,4 @@ def test_remaining_engines_hold_no_blocks_or_leases_after_scaling(scaled):
     stats = ray.get([h.stats.remote() for h in find_engines(NAME).values()])
     assert sorted((s.engine_id, s.free_blocks, s.held_leases) for s in stats) == sorted(
         (eid, free, 0) for eid, free in scaled["baseline"].items())
-    assert autoscaler_name(NAME) in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert launcher_name(NAME) in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}

@@ -39,7 +39,7 @@ def scrape(urls: list[str]) -> list:
 def test_status_urls_show_both_engines_vllm_metrics_and_raypd_totals(tmp_path):
     port = free_port()
     temp_dir = f"/tmp/raypd-metrics-{uuid.uuid4().hex[:8]}"
-    base = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    base = yaml.safe_load((ROOT / "configs" / "local-pd.yaml").read_text())
     base.update(name="metrics-test", max_model_len=512)
     base["http"] = {"host": "127.0.0.1", "port": port, "num_replicas": 2}
     config = tmp_path / "metrics.yaml"

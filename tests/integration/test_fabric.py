@@ -1,9 +1,11 @@
 """Real KV bytes between real Ray actors over real NIXL, for every supported topology.
 
 Each case: prefill ranks write deterministic KV, decode ranks pull it with
-their read plans, every element is verified, the output equals a colocated
-engine's, every prefill rank hears exactly its readers and frees its blocks,
-and nothing stays registered with NIXL after shutdown.
+their read plans, confirm every source's lease and check its checksums
+(`verify: all`, which must never flag a clean pull), every element is
+verified, the output equals a colocated engine's, every prefill rank hears
+exactly its readers and frees its blocks, and nothing stays registered with
+NIXL after shutdown.
 """
 
 import asyncio
@@ -46,8 +48,8 @@ CASES = [
 
 async def run_case(coordinator, model, p_shape, d_shape):
     n = next(_ids)
-    p = SyntheticEngine(f"P{n}", "prefill", model, p_shape, coordinator)
-    d = SyntheticEngine(f"D{n}", "decode", model, d_shape, coordinator)
+    p = SyntheticEngine(f"P{n}", "prefill", model, p_shape, coordinator, verify="all")
+    d = SyntheticEngine(f"D{n}", "decode", model, d_shape, coordinator, verify="all")
     ref = SyntheticEngine(f"C{n}", "both", model, d_shape)  # colocated, not registered
     try:
         await asyncio.gather(p.start(), d.start(), ref.start())
@@ -77,3 +79,6 @@ def test_fabric(coordinator, name, model_kwargs, p_shape, d_shape):
         assert s["leases"]["held"] == 0 and s["leases"]["released_by_readers"] == 1, s
         assert s["leases"]["expired"] == 0 and s["leases"]["unknown_notifications"] == 0, s
     assert sum(s["bytes_posted"] for s in d_stats) > 0
+    assert all(s["integrity"]["mismatched_pulls"] == 0 for s in d_stats), d_stats
+    token_sharded = name in ("mla-Pdcp2-Ddcp1", "mla-Pdcp1-Ddcp2")  # per-block checksums do not apply
+    assert token_sharded or sum(s["integrity"]["checked_blocks"] for s in d_stats) > 0, d_stats

@@ -17,7 +17,8 @@ import ray
 
 from actors.protocol import EngineRequest, SamplingSpec
 from serving.config import DeploymentConfig, load_config
-from serving.cluster.launcher import launch, shutdown_deployment, stop_engine
+from serving.cluster.engines import stop_engine
+from serving.cluster.launcher import launch, shutdown_deployment
 from serving.routing.prefix_view import PrefixCacheView
 from serving.cluster.clients import build_router
 
@@ -30,10 +31,10 @@ NAME = "prefix-smollm2"
 
 @pytest.fixture(scope="module")
 def cfg():
-    base = load_config("configs/local.yaml").model_dump(mode="json")
+    base = load_config("configs/local-pd.yaml").model_dump(mode="json")
     base.update(name=NAME, max_model_len=1024)
     base["decode"].update(count=2, cpu_bind=["1", "0"])
-    base["router"].update(policy="cache_aware", short_prompt_tokens=128)
+    base["router"].update(policy="cache_aware", placement="slo")
     for group in ("prefill", "decode"):
         base[group]["num_cpus"] = 0
     return DeploymentConfig.from_dict(base)
@@ -102,12 +103,17 @@ async def turn(router, rid: str, tokens: list[int], max_tokens: int = 8):
 
 @pytest.fixture(scope="module")
 def conversation(deployment, cfg, block):
-    """Turn one (uncached: remote prefill) and turn two (its prefix cached on turn one's decode engine)."""
+    """Turn one (uncached, while streams decode on both decode engines: remote prefill) and turn two
+    (its prefix cached on turn one's decode engine: prefilled there)."""
     router = build_router(cfg, deployment)
     first_prompt = prompt_ids(3 * block + 40, seed=7)
 
     async def go():
+        for d in deployment.decodes:  # as if 8 streams decoded on each: a local prefill would stall them
+            router.pool.decode_load[d].requests += 8
         one, one_chunks = await turn(router, "conv-1", first_prompt)
+        for d in deployment.decodes:
+            router.pool.decode_load[d].requests -= 8
         answer = [t for c in one_chunks for t in c.token_ids]
         second_prompt = first_prompt + answer + prompt_ids(20, seed=8)
         await wait_cached(router.planner.view, second_prompt, one.decode_id, 3 * block)
@@ -130,12 +136,12 @@ def test_a_conversations_next_turn_goes_to_the_decode_engine_holding_its_prefix(
 def test_a_prompt_cached_on_the_decode_engine_is_prefilled_there_and_counted(conversation):
     router, one, two, _, _, _ = conversation
     assert (two.route.path, two.prefill_id) == ("local", None)
-    assert router.planner.decisions == {("remote", "uncached_prompt"): 1, ("local", "prefix_cached"): 1}
+    assert router.planner.decisions == {("remote", "itl_protect"): 1, ("local", "ttft"): 1}
 
 
 def test_a_removed_engine_takes_its_entries_and_the_conversation_moves(conversation, deployment, cfg, coordinator):
     router, one, _, _, _, second_prompt = conversation
-    asyncio.run(stop_engine(cfg, one.decode_id, deployment.decodes.pop(one.decode_id)))
+    asyncio.run(stop_engine(one.decode_id, deployment.decodes.pop(one.decode_id)))
     view = PrefixCacheView(coordinator.prefix_index_updates.remote, refresh_s=0.0)
     asyncio.run(view.refresh())
     assert one.decode_id not in view.index.engines()

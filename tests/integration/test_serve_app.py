@@ -9,7 +9,8 @@ import pytest
 import ray
 
 from serving.cluster.app import INGRESS_NAME, build_app
-from serving.cluster.launcher import find_engines, shutdown_deployment
+from serving.cluster.engines import find_engines
+from serving.cluster.launcher import shutdown_deployment
 
 from service_helpers import SYNTHETIC, free_port
 

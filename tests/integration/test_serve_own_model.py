@@ -60,8 +60,9 @@ def test_up_with_a_model_folder_serves_and_engine_args_reach_the_engines(tmp_pat
         seen = {eid: tuple(e["vllm_config"][k] for k in ("max_num_seqs", "block_size", "enable_prefix_caching",
                                                          "max_model_len", "enforce_eager", "kv_role", "model"))
                 for eid, e in engines.items()}
-        assert seen == {"raypd-prefill-0": (6, 64, False, 1024, True, "kv_producer", str(smollm2_folder)),
-                        "raypd-decode-0": (6, 64, False, 1024, True, "kv_consumer", str(smollm2_folder))}
+        # no role counts: two role-flexible engines
+        assert seen == {"raypd-both-0": (6, 64, False, 1024, True, "kv_both", str(smollm2_folder)),
+                        "raypd-both-1": (6, 64, False, 1024, True, "kv_both", str(smollm2_folder))}
 
         down = subprocess.run([*RAYPD, "down", "--temp-dir", temp_dir], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=180)

@@ -42,7 +42,7 @@ def all_free(dep, timeout_s: float = 10.0) -> dict[str, dict]:  # < the 30 s lea
 
 @pytest.fixture(scope="module")
 def service(coordinator):
-    base = load_config("configs/local.yaml").model_dump(mode="json")
+    base = load_config("configs/local-pd.yaml").model_dump(mode="json")
     base.update(name=NAME, max_model_len=1024)
     for group in ("prefill", "decode"):
         base[group]["num_cpus"] = 0

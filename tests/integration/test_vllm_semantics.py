@@ -61,7 +61,7 @@ def servers(coordinator, tmp_path_factory):
          "--enforce-eager", "--port", str(port), "--host", "127.0.0.1", "--seed", "0"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        base = load_config("configs/local.yaml").model_dump(mode="json")
+        base = load_config("configs/local-pd.yaml").model_dump(mode="json")
         base.update(name=NAME, model=str(folder), max_model_len=MAX_MODEL_LEN)
         base["http"]["served_model_name"] = "m"
         for group in ("prefill", "decode"):

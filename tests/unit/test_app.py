@@ -45,5 +45,5 @@ def test_shipped_serve_config_file_is_valid_and_builds():
 
 def test_engine_kwargs_vllm_refuses_fail_the_build_naming_the_key():
     pytest.importorskip("vllm")
-    with pytest.raises(ConfigError, match=r"decode\.engine_kwargs\.max_num_seqz"):
-        build_app({"config_path": "configs/local.yaml", "decode": {"engine_kwargs": {"max_num_seqz": 4}}})
+    with pytest.raises(ConfigError, match=r"both\.engine_kwargs\.max_num_seqz"):
+        build_app({"config_path": "configs/local.yaml", "both": {"engine_kwargs": {"max_num_seqz": 4}}})

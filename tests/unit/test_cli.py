@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from serving.cli import quickstart
-from serving.bench.load import LevelResult, Sample, percentile, plot, summarize
+from serving.bench.load import plot
+from serving.bench.samples import LevelResult, Sample, percentile, summarize
 from serving.cli.main import COMMANDS, DEFAULT_CONFIG, _load, build_parser, main
 from serving.config import load_config
 
@@ -144,7 +145,7 @@ def test_inline_api_keys_are_refused_with_the_alternatives(tmp_path, capsys):
 
 
 def test_a_refused_ray_token_is_recognised_through_ray_inits_wrapping():
-    from serving.cluster.launcher import _refused_token
+    from serving.cluster.ray_init import _refused_token
 
     def wrapped(inner: Exception) -> ConnectionError:  # how ray.init 2.60 reports it
         try:

@@ -9,24 +9,25 @@ from serving.config import ConfigError, DeploymentConfig, load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "synthetic.yaml", "gpu-example.yaml"])
+@pytest.mark.parametrize("name", ["local.yaml", "local-pd.yaml", "synthetic.yaml", "gpu-example.yaml"])
 def test_shipped_configs_load(name):
     cfg = load_config(CONFIGS / name)
-    assert cfg.decode.count >= 1
+    assert cfg.decode.count + cfg.both.count >= 1
     assert cfg.engine_config("decode").role == "decode"
 
 
-def test_local_default_is_smollm2_one_prefill_one_decode_on_loopback():
+def test_local_default_is_smollm2_two_role_flexible_engines_with_slo_placement_on_loopback():
     cfg = load_config(CONFIGS / "local.yaml")
-    assert (cfg.backend, cfg.model, cfg.prefill.count, cfg.decode.count) == ("vllm", "smollm2", 1, 1)
-    assert (cfg.http.host, cfg.http.port) == ("127.0.0.1", 8000)
-    assert cfg.engine_config("prefill").cpu_bind == "0"
+    assert (cfg.backend, cfg.model, cfg.prefill.count, cfg.decode.count, cfg.both.count) == ("vllm", "smollm2",
+                                                                                             0, 0, 2)
+    assert (cfg.router.placement, cfg.http.host, cfg.http.port) == ("slo", "127.0.0.1", 8000)
+    assert [cfg.engine_config("both", i).cpu_bind for i in range(2)] == ["0", "1"]
 
 
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"decode": {"count": 0}}, "at least one decode engine"),
+        ({"decode": {"count": 0}}, "at least one decode-capable engine"),
         ({"prefill": {"tp_size": 3}, "decode": {"tp_size": 2}}, "must divide one another"),
         ({"prefill": {"block_size": 48}, "decode": {"block_size": 32}}, "must divide decode block_size"),
         ({"backend": "synthetic", "decode": {"tp_size": 3}}, "num_kv_heads"),
@@ -65,7 +66,8 @@ def test_engine_kwargs_reach_each_role_and_the_role_wins():
     })
     assert cfg.engine_config("prefill").engine_kwargs == {"max_num_seqs": 64, "enable_prefix_caching": False}
     assert cfg.engine_config("decode").engine_kwargs == {"max_num_seqs": 8, "enable_prefix_caching": False,
-                                                         "gpu_memory_utilization": 0.8}
+                                                         "gpu_memory_utilization": 0.8,
+                                                         "max_num_batched_tokens": 128}  # raypd's chunk budget
 
 
 def test_owned_engine_kwargs_move_into_raypds_fields():
@@ -80,9 +82,19 @@ def test_owned_engine_kwargs_move_into_raypds_fields():
     assert DeploymentConfig.from_dict(cfg.model_dump(mode="json")) == cfg  # one value, one place
 
 
-def test_defaults_follow_vllm():
+def test_defaults_follow_vllm_but_decode_capable_engines_get_a_chunk_budget_within_the_itl_target():
     cfg = DeploymentConfig.from_dict({})
-    assert cfg.dtype == "auto" and cfg.engine_config("decode").engine_kwargs == {}
+    assert cfg.dtype == "auto" and cfg.engine_config("prefill").engine_kwargs == {"max_num_seqs": 1}  # FCFS prefills
+    # a step with a local prefill chunk stays near the ITL target (prior rates; vLLM's floor: one block)
+    assert cfg.engine_config("decode").engine_kwargs == {"max_num_batched_tokens": 128}
+    assert DeploymentConfig.from_dict({"router": {"placement": "disaggregate"}}).engine_config(
+        "decode").engine_kwargs == {}
+
+
+def test_both_alone_means_no_fixed_pools():
+    cfg = DeploymentConfig.from_dict({"both": {"count": 3}})
+    assert (cfg.prefill.count, cfg.decode.count, cfg.both.count) == (0, 0, 3)
+    assert cfg.engine_config("both").role == "both"
 
 
 @pytest.mark.parametrize(
@@ -119,3 +131,15 @@ def test_cache_aware_routing_is_the_default_and_turns_the_engines_kv_events_on()
     assert [c.engine_config(r).kv_events for c in (cache_aware, by_load) for r in ("prefill", "decode")] == [
         True, True, False, False]
     assert planner_for(by_load.router).settings.cache_weight == 0.0
+
+
+def test_a_prefill_engine_runs_one_prompt_at_a_time_unless_its_engine_kwargs_say_otherwise():
+    """vLLM would pack queued prompts into one step (each gets its first token when the whole pack is
+    done); raypd's prefill engines default to max_num_seqs 1 (FCFS). Decode engines keep vLLM's default."""
+    cfg = DeploymentConfig.from_dict({"backend": "vllm", "model": "m"})
+    assert cfg.engine_config("prefill").engine_kwargs["max_num_seqs"] == 1
+    assert "max_num_seqs" not in cfg.engine_config("decode").engine_kwargs
+    own = DeploymentConfig.from_dict({"backend": "vllm", "model": "m", "prefill": {"engine_kwargs": {"max_num_seqs": 8}}})
+    assert own.engine_config("prefill").engine_kwargs["max_num_seqs"] == 8
+    shared = DeploymentConfig.from_dict({"backend": "vllm", "model": "m", "engine_kwargs": {"max_num_seqs": 4}})
+    assert shared.engine_config("prefill").engine_kwargs["max_num_seqs"] == 4

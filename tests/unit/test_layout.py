@@ -124,7 +124,7 @@ def pull(local, topology, remotes, local_ids, remote_ids, num_tokens=0, pp_rank=
     ri_ids = checked_block_ids("remote", remote_ids, min(c.geometry.num_blocks for c in remotes.values()))
     moved = 0
     for src in stage.reads:
-        li, ri, nbytes = src.indices(li_ids, ri_ids, num_tokens)
+        li, ri, nbytes, _ = src.indices(li_ids, ri_ids, num_tokens)
         (l_addr, l_len), (r_addr, r_len) = src.local, src.remote
         assert np.array_equal(l_len[li], r_len[ri]) and int(l_len[li].sum()) == nbytes
         for a, b, n in zip(l_addr[li].tolist(), r_addr[ri].tolist(), l_len[li].tolist()):

@@ -1,4 +1,5 @@
-"""The router's planning hook: cache-aware engine choice and counted remote/local decisions (fakes, no Ray)."""
+"""The router's planning hook: SLO placement (colocated or disaggregated, and where) over cache-aware
+engine state, with counted decisions (fakes, no Ray; the placement model's priors, nothing learned yet)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_the_decode_engine_holding_the_prompt_wins_and_prefills_it_locally():
     async def go():
         owner = PrefixIndex()
         held(owner, "d1", PROMPT)
-        router, ps, ds, view = make(owner, short_prompt_tokens=8)
+        router, ps, ds, view = make(owner)
         await view.refresh()
         stream = await router.open(req("r1"))
         await collect(stream)
@@ -60,30 +61,43 @@ def test_the_decode_engine_holding_the_prompt_wins_and_prefills_it_locally():
     assert decisions(router) == {("local", "prefix_cached"): 1}
 
 
-def test_an_uncached_prompt_is_prefilled_remotely_and_counted():
+def test_a_short_prompt_on_idle_engines_is_colocated_it_saves_the_handoff():
     async def go():
-        router, ps, _, view = make(PrefixIndex(), short_prompt_tokens=8)
-        await view.refresh()
+        router, ps, _, view = make(PrefixIndex())
         stream = await router.open(req("r1"))
+        await collect(stream)
+        return router, ps, stream
+
+    router, ps, stream = asyncio.run(go())
+    assert (stream.route.path, ps["p0"].prefills) == ("local", [])
+    assert decisions(router) == {("local", "ttft"): 1}
+
+
+def test_a_long_prompt_goes_to_the_prefill_engine_when_it_would_stall_decoding_streams():
+    async def go():
+        router, ps, _, view = make(PrefixIndex())
+        for d in ("d0", "d1"):
+            router.pool.decode_load[d].requests = 4  # four streams decoding on each decode engine
+        stream = await router.open(req("r1", tokens=tuple(range(1000, 1400))))  # 400 tokens: ~1 s of prefill
         await collect(stream)
         return router, stream
 
     router, stream = asyncio.run(go())
-    assert stream.route.path == "pd"
-    assert decisions(router) == {("remote", "uncached_prompt"): 1}
+    assert (stream.route.path, stream.prefill_id) == ("pd", "p0")
+    assert decisions(router) == {("remote", "itl_protect"): 1}
 
 
 def test_a_saturated_prefill_engine_makes_the_decode_engine_prefill():
     async def go():
-        router, ps, _, view = make(PrefixIndex(), decodes=("d0",), prefill_saturation_tokens=30)
-        router.pool.prefill_load["p0"].tokens = 100  # another request's prompt queued there
-        stream = await router.open(req("r1"))
+        router, ps, _, view = make(PrefixIndex(), decodes=("d0",))
+        router.pool.prefill_load["p0"].tokens = 4000  # other prompts queued there: ~10 s of work
+        stream = await router.open(req("r1", tokens=tuple(range(1000, 1400))))
         await collect(stream)
         return router, stream
 
     router, stream = asyncio.run(go())
     assert stream.route.path == "local"
-    assert decisions(router) == {("local", "prefill_saturated"): 1}
+    assert decisions(router) == {("local", "prefill_queue"): 1}
 
 
 def test_least_outstanding_policy_ignores_the_index():
@@ -94,7 +108,7 @@ def test_least_outstanding_policy_ignores_the_index():
         async def fetch(cursor):
             raise AssertionError("no index lookups under least_outstanding")
 
-        s = RouterConfig(policy="least_outstanding", short_prompt_tokens=8)
+        s = RouterConfig(policy="least_outstanding", placement="disaggregate")
         clock = FakeClock()
         router = Router({"p0": FakeEngine("p0")}, {"d0": FakeEngine("d0"), "d1": FakeEngine("d1")},
                         FakeDirectory({"d0": ["p0"], "d1": ["p0"]}, clock), s, clock=clock,
@@ -111,7 +125,7 @@ def test_least_outstanding_policy_ignores_the_index():
 def test_the_view_refreshes_in_the_background_without_holding_the_request():
     async def go():
         owner = PrefixIndex()
-        router, _, _, view = make(owner, short_prompt_tokens=8)
+        router, _, _, view = make(owner)
         held(owner, "d1", PROMPT)
         first = await router.open(req("r1"))  # the copy is empty: nothing cached as far as routing knows
         await collect(first)
@@ -119,7 +133,8 @@ def test_the_view_refreshes_in_the_background_without_holding_the_request():
         await asyncio.sleep(0)
         second = await router.open(req("r2"))
         await collect(second)
-        return first, second
+        return router, second
 
-    first, second = asyncio.run(go())
-    assert (first.route.path, second.route.path, second.decode_id) == ("pd", "local", "d1")
+    router, second = asyncio.run(go())
+    assert second.decode_id == "d1"
+    assert decisions(router) == {("local", "ttft"): 1, ("local", "prefix_cached"): 1}

@@ -140,6 +140,7 @@ def make(prefills=("p0", "p1"), decodes=("d0",), routes=None, clock=None, **sett
     for d in ds.values():
         d.ledger = directory.ledger
     settings.setdefault("migration_wait_s", 0.0)
+    settings.setdefault("placement", "disaggregate")  # these tests are about the P/D path's mechanics
     router = Router(ps, ds, directory, RouterConfig(**settings), clock=clock)
     return router, ps, ds, directory
 
@@ -346,13 +347,14 @@ def test_no_compatible_prefill_with_reject_policy_is_503():
     run(go())
 
 
-def test_short_prompt_skips_remote_prefill():
+def test_slo_placement_colocates_a_short_prompt_and_disaggregates_a_long_one_beside_busy_streams():
     async def go():
-        router, ps, ds, _ = make(short_prompt_tokens=50)
+        router, ps, ds, _ = make(placement="slo")
         s = await router.open(req(prompt="short"))
         await collect(s)
         assert s.route.path == "local" and ps["p0"].prefills == []
-        long = await router.open(req("r2", prompt="x" * 80))
+        router.pool.decode_load["d0"].requests = 4  # streams decoding there: a local prefill would stall them
+        long = await router.open(req("r2", prompt="x" * 400))
         await collect(long)
         assert long.route.path == "pd"
 

@@ -1,11 +1,10 @@
-"""Engine scores (cached prefix vs load) and the remote/local prefill decision, with its reasons."""
+"""Engine scores (cached prefix vs load) and placement `disaggregate`'s decision, with its reasons."""
 
 from __future__ import annotations
 
 from serving.routing.policy import Candidate, ScoreSettings, decide_prefill, rank
 
-SETTINGS = ScoreSettings(cache_weight=1.0, short_prompt_tokens=64, prefill_saturation_tokens=4096,
-                         decode_headroom_tokens=2048)
+SETTINGS = ScoreSettings(cache_weight=1.0)
 
 
 def ids(cands):
@@ -33,35 +32,14 @@ def test_fewer_requests_break_a_cost_tie():
     assert ids(rank(cands, 10, 1.0)) == ["d1", "d0"]
 
 
-def test_a_prompt_mostly_held_by_the_decode_engine_is_prefilled_there():
-    d = decide_prefill(1000, Candidate("d0", cached_tokens=960), Candidate("p0"), SETTINGS)
-    assert (d.decision, d.reason) == ("local", "prefix_cached")
-
-
-def test_a_short_uncached_prompt_is_prefilled_locally_as_short():
-    d = decide_prefill(40, Candidate("d0"), Candidate("p0"), SETTINGS)
-    assert (d.decision, d.reason) == ("local", "short_prompt")
-
-
-def test_a_long_uncached_prompt_goes_to_the_prefill_engine():
-    d = decide_prefill(1000, Candidate("d0", cached_tokens=512), Candidate("p0", cached_tokens=1000), SETTINGS)
+def test_a_usable_prefill_engine_always_prefills_under_disaggregate():
+    d = decide_prefill(Candidate("p0", load_tokens=10**6))
     assert (d.decision, d.reason, d.remote) == ("remote", "uncached_prompt", True)
 
 
-def test_a_saturated_prefill_engine_sends_work_to_a_decode_engine_with_headroom():
-    busy = Candidate("p0", load_tokens=5000)
-    assert decide_prefill(1000, Candidate("d0", load_tokens=100), busy, SETTINGS).reason == "prefill_saturated"
-    assert decide_prefill(1000, Candidate("d0", load_tokens=3000), busy, SETTINGS).reason == "uncached_prompt"
-
-
-def test_the_saturation_rule_is_off_at_zero():
-    off = ScoreSettings(prefill_saturation_tokens=0)
-    assert decide_prefill(1000, Candidate("d0"), Candidate("p0", load_tokens=10**6), off).remote
-
-
 def test_no_prefill_engine_means_local_or_reject_per_the_fallback():
-    assert decide_prefill(1000, Candidate("d0"), None, SETTINGS).decision == "local"
-    d = decide_prefill(1000, Candidate("d0"), None, SETTINGS, fallback_local=False)
+    assert decide_prefill(None).decision == "local"
+    d = decide_prefill(None, fallback_local=False)
     assert (d.decision, d.reason) == ("reject", "no_prefill_engine")
 
 
@@ -72,5 +50,5 @@ def test_select_picks_the_caching_decode_engine_then_ranks_its_prefills_and_deci
     prefills = {"d1": [Candidate("p0", load_tokens=3000), Candidate("p1", cached_tokens=500)]}
     sel = select(1000, decodes, lambda d: prefills.get(d, []), SETTINGS)
     assert (sel.decode.engine_id, [p.engine_id for p in sel.prefills]) == ("d1", ["p1", "p0"])
-    assert (sel.decision.decision, sel.decision.reason) == ("local", "prefix_cached")
+    assert (sel.decision.decision, sel.decision.reason) == ("remote", "uncached_prompt")
     assert select(1000, [], lambda d: [], SETTINGS) is None

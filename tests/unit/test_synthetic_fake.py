@@ -152,7 +152,7 @@ def test_slow_transfer_finishes_after_n_polls_and_times_out_when_too_slow():
     d[0].transport.faults.slow_polls = 3
     params = prefill(p, "r1")
     (result,) = decode(d, "r1", params, polls=10)
-    assert result[0] == "ok" and d[0].transport.stats.requests_done == 1
+    assert result[0] == "ok" and d[0].transport.stats.requests_done == 2  # the data READ, then the lease record
     d[0].transport.faults.slow_polls = 10**6
     params = prefill(p, "r2")
     block_ids = [2, 3, 4, 5, 6]
@@ -207,7 +207,8 @@ def test_fault_policy_fails_its_requests_without_reading_and_tells_known_produce
     results = decode(d, doomed, prefill(p, doomed))
     assert [r[0] for r in results] == ["failed", "failed"]  # every rank agrees on the verdict
     assert all("fault injected" in r[1].reason and r[1].invalid_block_ids for r in results)
-    assert sum(r.transport.stats.reads_posted for r in d) == 2  # only the spared request was read
+    # only the spared request was read: per rank its data READ, then its lease record
+    assert sum(r.transport.stats.reads_posted for r in d) == 2 * 2
     assert doomed in p[0].poll().released and p[0].leases.held() == 0
 
 
@@ -251,9 +252,10 @@ def test_handshake_and_descriptor_lists_are_prepared_once_per_engine():
         assert decode(d, f"r{i}", prefill(p, f"r{i}"))[0][0] == "ok"
     again = d[0].stats()
     assert asked == [("P", 0, (0, 1))]  # one handshake with both producer ranks, ever
-    assert (first["handshakes"], first["lists_prepared"]) == (2, 4)  # per rank: our list + theirs
-    assert (again["handshakes"], again["lists_prepared"]) == (2, 4)
-    assert again["reads_posted"] == 4 * 2
+    # per producer rank: our KV list + theirs, our landing rows for its lease records + its board
+    assert (first["handshakes"], first["lists_prepared"]) == (2, 8)
+    assert (again["handshakes"], again["lists_prepared"]) == (2, 8)
+    assert again["reads_posted"] == 4 * 2 * 2  # 4 pulls x 2 producer ranks x (data, lease record)
 
 
 def test_forged_local_block_ids_never_reach_the_wire():

@@ -43,6 +43,7 @@ from actors.kv.faults import FaultPolicy
 from actors.engine.synthetic.block_pool import BlockPool
 from actors.engine.synthetic.pattern import tokens_from_checksums
 from actors.engine.synthetic.rank import FailedPull, PulledKV, RankConfig, RankPoll, SyntheticModel
+from actors.engine.synthetic.outcomes import TransferFailed, is_handshake_failure, ordered_checksums
 from actors.engine.synthetic.rank_actor import RANK_MAX_RESTARTS, RankActor
 from actors.transfer_params import TransferParams
 
@@ -59,18 +60,10 @@ class EngineShape:
     layout: str = "HND"
 
 
-class TransferFailed(RuntimeError):
-    """The KV pull of a request failed; `invalid_block_ids` were not (fully) received."""
-
-    def __init__(self, req_id: str, reasons: list[str], invalid_block_ids: set[int]):
-        super().__init__(f"KV transfer of {req_id} failed: {'; '.join(reasons)}")
-        self.req_id, self.reasons, self.invalid_block_ids = req_id, reasons, invalid_block_ids
-
-
 class SyntheticEngine:
     def __init__(self, engine_id: str, role: str, model: SyntheticModel, shape: EngineShape,
                  coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0,
-                 register: bool = True, fault_rate: float = 0.0,
+                 register: bool = True, fault_rate: float = 0.0, verify: str = "off",
                  on_new_incarnation: Callable[[], Awaitable[Any]] | None = None):
         self.engine_id, self.role, self.model, self.shape = engine_id, role, model, shape
         self.coordinator = coordinator
@@ -84,7 +77,7 @@ class SyntheticEngine:
                 RankConfig(engine_id=engine_id, role=role, model=model, tp_rank=t, tp_size=shape.tp_size,
                            pp_rank=p, pp_size=shape.pp_size, dcp_size=shape.dcp_size,
                            block_size=shape.block_size, num_blocks=shape.num_blocks,
-                           layout=shape.layout, read_timeout_s=read_timeout_s),
+                           layout=shape.layout, read_timeout_s=read_timeout_s, verify=verify),
                 coordinator, faults,
             )
             for p in range(shape.pp_size) for t in range(shape.tp_size)
@@ -335,7 +328,7 @@ class SyntheticEngine:
             verdict = aggregator.aggregate(rank_outputs)
             if self.coordinator is not None and any(not o.is_empty() for o in rank_outputs):
                 for i, res in failures.items():
-                    if i not in reported and _is_handshake_failure(res.reason):
+                    if i not in reported and is_handshake_failure(res.reason):
                         self.coordinator.handshake_failed.remote(self.engine_id, prefill_id, res.reason, req_id)
                         break
                 self.coordinator.report_outcomes.remote(self.engine_id, rank_outputs)
@@ -364,7 +357,7 @@ class SyntheticEngine:
     async def read_prompt(self, token_ids: list[int], block_ids: list[int], seed: int = 0) -> list[float]:
         """Per-position checksums of a prompt's KV as this engine holds it (every rank's share)."""
         outs = await asyncio.gather(*(r.read_back.remote(token_ids, block_ids, seed) for r in self.ranks))
-        return _ordered_checksums(sums for _, sums in outs)
+        return ordered_checksums(sums for _, sums in outs)
 
     async def generate_local(self, req_id: str, token_ids: list[int], seed: int = 0,
                              max_tokens: int = 8) -> dict:
@@ -376,7 +369,7 @@ class SyntheticEngine:
             outs = await asyncio.gather(*(r.read_back.remote(token_ids, block_ids, seed) for r in self.ranks))
         finally:
             self.pool.free(block_ids)
-        ordered = _ordered_checksums(sums for _, sums in outs)
+        ordered = ordered_checksums(sums for _, sums in outs)
         return {"token_ids": tokens_from_checksums(ordered, max_tokens, self.model.vocab_size),
                 "checksums": ordered}
 
@@ -409,20 +402,6 @@ class SyntheticEngine:
         for r in self.ranks:
             ray.kill(r)
         return [r for r in results if isinstance(r, dict)]
-
-
-def _is_handshake_failure(reason: str) -> bool:
-    """A pull that failed at the handshake (bad payload, incompatible or unknown peer)."""
-    return reason.startswith(("HandshakeError", "RegistrationError")) or "is not registered" in reason
-
-
-def _ordered_checksums(per_rank: Any) -> list[float]:
-    """Sum the ranks' per-position checksums (ranks hold different heads, layers or positions)."""
-    checksums: dict[int, float] = {}
-    for sums in per_rank:
-        for pos, value in sums.items():
-            checksums[int(pos)] = checksums.get(int(pos), 0.0) + value
-    return [checksums[p] for p in sorted(checksums)]
 
 
 def new_engine_id(role: str) -> str:

@@ -69,6 +69,7 @@ class RankConfig(RankIdentity):
     num_blocks: int = 64
     layout: str = "HND"  # HND | NHD | HCND (K/V packed, vLLM CPU) | ND (MLA)
     read_timeout_s: float = 30.0
+    verify: str = "off"  # transfer.verify: off | sample | all (KV checksums, actors.kv.integrity)
 
     @property
     def kv_packing(self) -> str:
@@ -137,7 +138,7 @@ class SyntheticRank:
         self.transport = factory(self.agent_name, self.geometry)
         self.directory = directory
         self.xfer = RankTransfer(cfg, self.geometry, self.tensors, self.compat, self.transport,
-                                 is_mla=m.is_mla, faults=faults, clock=clock)
+                                 is_mla=m.is_mla, faults=faults, clock=clock, verify=cfg.verify)
         self.topology = self.xfer.topology
         self.leases = self.xfer.leases
         self.reader_name = cfg.reader_name

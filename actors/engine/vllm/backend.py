@@ -49,8 +49,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-import ray
-
 from actors.engine.config import EngineConfig
 from actors.kv.errors import HandshakeError
 from actors.kv.handshake import decode_handshake
@@ -60,10 +58,8 @@ from actors.engine.vllm.orphans import child_pids, forget, reap_children, reap_p
 from actors.protocol import (
     BackendStats,
     EngineRequest,
-    EngineRequestError,
     ModelInfo,
     PrefillResult,
-    SamplingSpec,
     TokenChunk,
 )
 from actors.engine.vllm.peer_payloads import PeerPayloads
@@ -105,6 +101,7 @@ class VllmBackend:
             "read_timeout_s": cfg.read_timeout_s,
             "sync_load_max_tokens": cfg.sync_load_max_tokens,
             "fault_rate": cfg.fault_rate,
+            "verify": cfg.kv_verify,
             "incarnation": self.incarnation,
         }) if cfg.kv_connector else None  # None: plain vLLM (baseline)
         for note in pd_overrides(cfg):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from actors.control.prefix_index import (
@@ -86,25 +86,13 @@ def relay_for(backend: Any, engine_id: str, sink: Callable[[KVEventsBatch], Awai
     return relay
 
 
-@dataclass
-class RelayStats:
-    batches: int = 0
-    events: int = 0
-    gaps: int = 0
-    delivery_failures: int = 0
-    dropped: int = 0  # events dropped because the sink fell too far behind
-    skipped: int = 0  # stored blocks a router cannot key (LoRA, extra keys, other media)
-    hash_checks: int = 0
-    hash_mismatch: str | None = None
-
-
 class KVEventsRelay:
     def __init__(self, engine_id: str, endpoint: str, scheme: HashScheme,
                  sink: Callable[[KVEventsBatch], Awaitable[Any]], max_pending_events: int = 100_000):
         self.engine_id, self.endpoint, self.scheme = engine_id, endpoint, scheme
         self.sink = sink
         self.max_pending_events = max_pending_events
-        self.stats = RelayStats()
+        self.stats = KVEventsStats(endpoint, scheme.block_size, scheme.algo)
         self._pending: list[KVEvent] = []
         self._reset = False
         self._last_seq: int | None = None
@@ -154,7 +142,7 @@ class KVEventsRelay:
             raise ValueError(f"expected 3 frames, got {len(frames)}")
         seq = int.from_bytes(frames[1], "big")
         if self._last_seq is not None and seq != self._last_seq + 1:
-            self.stats.gaps += 1
+            self._count(gaps=1)
             self._lose()
         self._last_seq = seq
         if self.stats.hash_mismatch is not None:
@@ -164,7 +152,7 @@ class KVEventsRelay:
             if typed is not None:
                 self._pending.append(typed)
         if len(self._pending) > self.max_pending_events:
-            self.stats.dropped += len(self._pending)
+            self._count(dropped=len(self._pending))
             self._lose()
 
     def _decode(self, payload: bytes) -> Any:
@@ -184,7 +172,7 @@ class KVEventsRelay:
         name = type(ev).__name__
         if name == "BlockStored":
             if ev.lora_name is not None or ev.lora_id is not None or ev.medium not in MEDIA or any(ev.extra_keys or ()):
-                self.stats.skipped += len(ev.block_hashes)
+                self._count(skipped=len(ev.block_hashes))
                 return None
             if ev.parent_block_hash is None and not self._check_hash(ev):
                 return None
@@ -197,13 +185,13 @@ class KVEventsRelay:
 
     def _check_hash(self, ev: Any) -> bool:
         """A prompt's first block, re-hashed with the engine's scheme, must give the engine's hash."""
-        self.stats.hash_checks += 1
+        self._count(hash_checks=1)
         ours = self.scheme.block_hashes(ev.token_ids[:self.scheme.block_size], max_blocks=1)
         if ev.block_size == self.scheme.block_size and ours and ours[0] == external_key(ev.block_hashes[0]):
             return True
-        self.stats.hash_mismatch = (
+        self.stats = replace(self.stats, hash_mismatch=(
             f"block hash mismatch (engine block_size {ev.block_size}, ours {self.scheme}): the router cannot "
-            f"key this engine's prefix cache; cache-aware routing ignores {self.engine_id}")
+            f"key this engine's prefix cache; cache-aware routing ignores {self.engine_id}"))
         logger.warning("%s: %s", self.engine_id, self.stats.hash_mismatch)
         self._pending.clear()
         self._reset = True  # and nothing after it: the owner drops what it had
@@ -226,14 +214,16 @@ class KVEventsRelay:
                 continue
             try:
                 await self.sink(batch)
-                self.stats.batches += 1
-                self.stats.events += len(batch.events)
+                self._count(batches=1, events=len(batch.events))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the owner is away: resend from a clean slate
-                self.stats.delivery_failures += 1
+                self._count(delivery_failures=1)
                 logger.info("%s: KV events not delivered (%s); the next batch resets", self.engine_id, exc)
                 self._reset = True
 
+    def _count(self, **added: int) -> None:
+        self.stats = replace(self.stats, **{k: getattr(self.stats, k) + n for k, n in added.items()})
+
     def snapshot(self) -> KVEventsStats:
-        return KVEventsStats(self.endpoint, self.scheme.block_size, self.scheme.algo, **vars(self.stats))
+        return self.stats

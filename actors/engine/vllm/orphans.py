@@ -63,17 +63,7 @@ def reap_previous(engine_id: str, grace_s: float = 3.0) -> list[int]:
                 procs.append(proc)
         except (psutil.Error, KeyError, TypeError, ValueError):
             continue
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+    _stop(procs, grace_s)
     path.unlink(missing_ok=True)
     if procs:
         logger.warning("%s: reaped %d process(es) of the previous incarnation: %s", engine_id, len(procs),
@@ -104,15 +94,21 @@ def reap_children(grace_s: float = 3.0) -> None:
         except psutil.Error:
             return False
 
-    children = [c for c in psutil.Process().children(recursive=True) if is_vllm(c)]
-    for child in children:
+    _stop([c for c in psutil.Process().children(recursive=True) if is_vllm(c)], grace_s)
+
+
+def _stop(procs: list, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL what is still alive after `grace_s`."""
+    import psutil
+
+    for proc in procs:
         try:
-            child.terminate()
+            proc.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(children, timeout=grace_s)
-    for child in alive:
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
         try:
-            child.kill()
+            proc.kill()
         except psutil.Error:
             pass

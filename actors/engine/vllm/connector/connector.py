@@ -6,7 +6,7 @@ role WORKER per rank (worker process); each delegates to its half
 parallel/model configuration raypd cannot map (`check_supported`: the message
 names it). Extra config keys (`kv_connector_extra_config`): engine_id,
 handshake_dir, model_id, lease_ttl_s, read_timeout_s, fault_rate, fault_seed,
-sync_load_max_tokens.
+sync_load_max_tokens, verify (off | sample | all: KV checksums, `actors.kv.integrity`).
 """
 
 from __future__ import annotations

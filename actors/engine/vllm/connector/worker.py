@@ -240,7 +240,7 @@ class ConnectorWorker:
         transport = NixlTransport(name, geometry, read_timeout_s=float(self.extra.get("read_timeout_s", 10.0)),
                                   mem=mem)
         self.xfer = RankTransfer(identity, geometry, planes, self._compat(geometry), transport,
-                                 is_mla=self.use_mla, faults=self.faults)
+                                 is_mla=self.use_mla, faults=self.faults, verify=str(self.extra.get("verify", "off")))
         folder = self.extra.get("handshake_dir")
         if folder:
             _write_atomic(handshake_file(folder, identity.pp_rank, identity.tp_rank), self.xfer.handshake())

