@@ -50,7 +50,6 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from actors.engine.config import EngineConfig
-from actors.kv.errors import HandshakeError
 from actors.kv.handshake import decode_handshake
 from actors.engine.vllm.kv_events import KVEventsSource, endpoint_in, vllm_kv_events_config
 from actors.control.prefix_index import DEFAULT_SEED, HashScheme

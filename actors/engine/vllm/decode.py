@@ -44,16 +44,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from actors.engine.vllm.requests import base_params, engine_outputs, logprobs_of, prompt_ids, stream_params
 from actors.engine.vllm.resumed import PENALTIES_KEY, RESUMED_KEY, SKIP_DRAWS_KEY
 from actors.kv.errors import HandshakeError
 from actors.protocol import EngineRequest, TokenChunk
 from actors.transfer_params import TransferParams
-
-if TYPE_CHECKING:
-    from actors.engine.vllm.backend import VllmBackend
 
 logger = logging.getLogger("raypd.vllm")
 
@@ -195,7 +192,7 @@ class PullVerdict:
 class DecodePath:
     """`VllmBackend.generate`, with the backend's engine, peers, counters and ledger."""
 
-    def __init__(self, backend: "VllmBackend"):
+    def __init__(self, backend: Any):  # the VllmBackend (not imported: it imports this module)
         self.b = backend
         self.caps = DecodeCaps.of(backend.llm.vllm_config)
         logger.info("%s: resumed requests: %s", backend.engine_id, self.caps)
