@@ -17,7 +17,7 @@ Life cycle of one P/D request through these types:
 (`SamplingParams.extra_args`), validated by `actors.transfer_params`.
 
 Control plane (`actors.control`): the coordinator serves routers a versioned
-`RouteTable` (`routes_if_changed`: nothing comes back while the router's copy is
+`RouteTable` (`actors.routes`; `routes_if_changed`: nothing comes back while the router's copy is
 current); a decode engine's ledger traffic travels as `LedgerBatch`es of the
 records in `actors.control.ledger_records`.
 """
@@ -64,6 +64,9 @@ class EngineRequest:
     # A continuation: the prompt ends with this many tokens the model already generated
     # (the prefill engine's first token, or a migrated stream's tokens).
     num_resumed_tokens: int = 0
+    # The summed logprob of those tokens (the prefill engine's), when logprobs were asked for:
+    # the decode engine's cumulative logprob continues from it.
+    resumed_logprob: float | None = None
     lease_ttl_s: float | None = None
     kv_seed: int = 0  # synthetic backend: the seed of its KV pattern
 
@@ -83,6 +86,20 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One entry of a position's logprobs as vLLM returns them (the sampled token, then the top ones)."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    decoded: str | None = None
+
+
+# Per generated token, in order: that position's entries.
+Logprobs = tuple[tuple[TokenLogprob, ...], ...]
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """A prefill's output: the first token and, when a decode engine must continue, the KV handoff."""
 
@@ -92,6 +109,12 @@ class PrefillResult:
     finish_reason: str | None  # "length": the decode engine continues; "stop": the answer is complete
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int | None = None  # vLLM: prompt tokens the prefill engine's prefix cache held
+    first_logprobs: Logprobs | None = None  # the first token's logprobs (requests that ask for them)
+    cumulative_logprob: float | None = None
+    # Characters at the end of `first_text` that one engine's stream would still hold back when
+    # the answer goes on (vLLM's stop-string buffer: the longest stop string less one); the
+    # decode engine streams them (or the stop string they begin) with the next tokens.
+    held_chars: int = 0
     # (hop, CLOCK_MONOTONIC seconds) set by the engine on the way to the first token (`Stamps`)
     stamps: tuple[tuple[str, float], ...] = ()
 
@@ -103,6 +126,13 @@ class PrefillResult:
         return dataclasses.replace(self, **changes)
 
     @property
+    def streamed_text(self) -> str:
+        """What the client gets with the first token: `first_text` less the held-back tail
+        when the decode engine continues (all of it when the answer is complete)."""
+        held = min(self.held_chars, len(self.first_text)) if self.needs_decode else 0
+        return self.first_text[:len(self.first_text) - held]
+
+    @property
     def needs_decode(self) -> bool:
         return self.kv_transfer_params is not None and self.finish_reason == "length"
 
@@ -111,6 +141,7 @@ class PrefillResult:
         return req.replace(
             prompt_token_ids=self.prompt_token_ids + self.first_token_ids,
             kv_transfer_params=self.kv_transfer_params, num_resumed_tokens=len(self.first_token_ids),
+            resumed_logprob=self.cumulative_logprob,
         ).with_max_tokens(req.max_tokens - len(self.first_token_ids))
 
 
@@ -127,6 +158,8 @@ class TokenChunk:
     num_cached_tokens: int | None = None  # first chunk of a vLLM decode: prompt tokens it did not compute
     recomputed: bool = False  # first chunk: the KV pull failed and the prompt was recomputed locally
     error: str | None = None
+    logprobs: Logprobs | None = None  # one entry per token id (requests that ask for logprobs)
+    cumulative_logprob: float | None = None  # of the whole answer so far
     stamps: tuple[tuple[str, float], ...] = ()  # first chunk of a stream: (hop, CLOCK_MONOTONIC s), see Stamps
 
     @property
@@ -145,14 +178,20 @@ class TokenChunk:
         """This delta followed by `later` as one delta (a consumer that fell behind takes what
         arrived at once): token ids and text concatenated; what the first delta of a stream says
         (prompt size, cached tokens, the transfer verdict, stamps) from this one; how the stream
-        ended (finished, finish_reason, error) from `later`."""
+        ended (finished, finish_reason, error) from `later`; logprobs concatenated, the cumulative
+        logprob the later one's."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or ()) + (later.logprobs or ())
         return TokenChunk(
             self.request_id, self.token_ids + later.token_ids, self.text + later.text,
             finished=later.finished, finish_reason=later.finish_reason,
             num_prompt_tokens=self.num_prompt_tokens or later.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens if self.num_cached_tokens is not None else later.num_cached_tokens,
             recomputed=self.recomputed or later.recomputed, error=later.error,
-            stamps=self.stamps or later.stamps)
+            stamps=self.stamps or later.stamps, logprobs=logprobs,
+            cumulative_logprob=later.cumulative_logprob if later.cumulative_logprob is not None
+            else self.cumulative_logprob)
 
     @classmethod
     def error_chunk(cls, request_id: str, message: str, num_prompt_tokens: int = 0) -> "TokenChunk":
@@ -200,72 +239,6 @@ class ModelInfo:
     # defaults (vLLM's own boundary, kept as the dict vLLM's request models take).
     default_sampling_params: dict[str, Any] = dataclasses.field(default_factory=dict)
     override_max_tokens: int | None = None
-
-
-# ---------------------------------------------------------------- the directory (coordinator -> routers)
-@dataclass(frozen=True)
-class PairState:
-    """One pair's breaker as routers, `/metrics` and `raypd status` see it."""
-
-    prefill_id: str
-    decode_id: str
-    state: str  # closed | half_open | open
-    failures: int  # consecutive
-    opened_count: int
-    last_reason: str = ""
-    probe_in_flight: bool = False
-
-    @property
-    def pair(self) -> str:
-        return f"{self.prefill_id}->{self.decode_id}"
-
-
-@dataclass(frozen=True)
-class PrefillRoute:
-    """A prefill engine a decode engine may use now: breaker closed, or half-open with
-    its probe not yet taken (then the router must win `admit_probe` first)."""
-
-    prefill_id: str
-    state: str = "closed"
-
-
-@dataclass(frozen=True)
-class RouteTable:
-    """What routers fetch from the coordinator: live decode engines -> usable prefill
-    engines (compatible, breaker not open), and every pair's breaker."""
-
-    decodes: dict[str, tuple[PrefillRoute, ...]]
-    breakers: tuple[PairState, ...] = ()
-    generations: dict[str, int] = field(default_factory=dict)  # engine -> its registered incarnation
-    # The coordinator was just restarted and engines are still registering again: an engine
-    # missing from this table may well be alive (routers keep their last view of it).
-    settling: bool = False
-    # Which table this is: the coordinator incarnation's epoch and the table's version in it
-    # (a router holding (epoch, version) gets nothing back until the table changes).
-    epoch: str = ""
-    version: int = 0
-    hangs: dict[str, int] = field(default_factory=dict)  # engine -> incarnations judged hung (and killed)
-
-
-@dataclass(frozen=True)
-class RouteDelta:
-    """What changed in the coordinator's `RouteTable` since version `base` of the same epoch: breaker
-    moves only (a registration, removal or draining always sends the whole table). O(changes)."""
-
-    epoch: str
-    base: int
-    version: int
-    decodes: dict[str, tuple[PrefillRoute, ...]]  # decode engines whose usable prefill engines changed
-    breakers: tuple[PairState, ...]  # pairs whose breaker moved (as they are now)
-    settling: bool = False
-
-    def apply(self, table: RouteTable) -> RouteTable:
-        """`table` (version `base`) brought to `version`; `table` itself is left as it was."""
-        moved = {(b.prefill_id, b.decode_id): b for b in self.breakers}
-        breakers = tuple(moved.pop((b.prefill_id, b.decode_id), b) for b in table.breakers) + tuple(moved.values())
-        decodes = {**table.decodes, **{d: ps for d, ps in self.decodes.items() if d in table.decodes}}
-        return RouteTable(decodes, breakers, table.generations, self.settling, self.epoch, self.version,
-                          table.hangs)
 
 
 # ---------------------------------------------------------------- engine stats (engine -> status, metrics)

@@ -113,6 +113,9 @@ class TransferConfig(_Strict):
     lease_ttl_s: float = Field(30.0, gt=0)
     read_timeout_s: float = Field(10.0, gt=0)
     handoff_deadline_s: float = Field(60.0, gt=0)
+    # a pull of at most this many tokens loads before the decode step's forward (no scheduler step
+    # spent waiting for it); larger ones load asynchronously. 0: always async (EngineConfig)
+    sync_load_max_tokens: int = Field(4096, ge=0)
     fault_rate: float = Field(0.0, ge=0.0, le=1.0)  # test knob: fail this fraction of KV pulls on purpose
     # KV integrity (actors.kv.integrity): producers checksum each (block, head) when they lease a
     # prefill, readers check all blocks or a 1-in-8 sample of them after the pull; a mismatch fails it.
@@ -288,6 +291,7 @@ class DeploymentConfig(_Strict):
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
             kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
             read_timeout_s=self.transfer.read_timeout_s, fault_rate=self.transfer.fault_rate,
+            sync_load_max_tokens=self.transfer.sync_load_max_tokens,
             kv_verify=self.transfer.verify,
             num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
             resources=group.resources, max_restarts=self.restarts.max_restarts,

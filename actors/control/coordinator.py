@@ -65,7 +65,8 @@ from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger,
 from actors.control.liveness import Liveness
 from actors.control.route_book import RouteBook
 from actors.control.ledger_records import ControlStats, LedgerBatch
-from actors.protocol import EngineInfo, EngineSummary, RouteDelta, RouteTable
+from actors.protocol import EngineInfo, EngineSummary
+from actors.routes import RouteDelta, RouteTable
 from actors.control.prefix_index import IndexCursor, IndexUpdate, KVEventsBatch, PrefixIndex
 from actors.control.registry import ROLES, EngineEntry, Registration, RegistrationError, decode_registration
 

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
 from actors.kv.breaker import CircuitBreaker
-from actors.protocol import PairState
+from actors.routes import PairState
 
 Pair = tuple[str, str]  # (decode, prefill)
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from actors.control.ledger import TransferLedger
 from actors.control.registry import EngineEntry
 from actors.kv.compat import pair_problem
-from actors.protocol import PrefillRoute, RouteDelta, RouteTable
+from actors.routes import PrefillRoute, RouteDelta, RouteTable
 
 logger = logging.getLogger("raypd.coordinator")
 

@@ -108,6 +108,10 @@ class EngineConfig(_Strict):
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
     lease_ttl_s: float = Field(30.0, gt=0)
     read_timeout_s: float = Field(10.0, gt=0)
+    # vLLM decode: a KV pull of at most this many tokens loads synchronously, before the step's
+    # forward (the request computes in the step that admits it); larger ones load asynchronously
+    # (vLLM schedules the request once the pull is done: two scheduler steps later). 0: always async.
+    sync_load_max_tokens: int = Field(4096, ge=0)
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")

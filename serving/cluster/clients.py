@@ -21,7 +21,7 @@ import ray
 
 from serving.cluster.launcher import find_launcher
 from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, actor_name_of
-from actors.protocol import RouteDelta, RouteTable
+from actors.routes import RouteDelta, RouteTable
 from actors.control.prefix_index import IndexCursor, IndexUpdate
 from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
 from serving.cluster.merge import merge_ready

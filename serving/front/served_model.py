@@ -36,6 +36,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import SamplingParams
 
+from actors.engine.vllm.decode import NO_CAPS, replay_reason
 from actors.protocol import ModelInfo
 from actors.engine.synthetic.tokenizer import chat_to_text, decode_tokens, encode_text
 
@@ -61,9 +62,10 @@ class ServedModel:
                                     self.info.default_sampling_params, self.info.override_max_tokens,
                                     truncate_prompt_tokens=request.truncate_prompt_tokens)
         sp = request.to_sampling_params(max_tokens, self.info.default_sampling_params)
-        if sp.seed is None and sp.temperature > 0:
-            # A seed per request: the decode engine replays the prefill engine's draw exactly
-            # (vllm_backend); an unseeded vLLM request is sampled from a random state all the same.
+        if sp.seed is None and sp.temperature > 0 and replay_reason(sp, NO_CAPS) is not None:
+            # A parameter the decode engine may have to replay the first token for: a seed, so
+            # that the replay draws the prefill engine's token again (actors.engine.vllm.decode).
+            # Other requests keep vLLM's unseeded sampling.
             sp.seed = random.getrandbits(SEED_BITS)
         self.verify(sp)
         return sp

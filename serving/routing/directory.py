@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
-from actors.protocol import RouteTable
+from actors.routes import RouteTable
 
 logger = logging.getLogger("raypd.router")
 

@@ -30,7 +30,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from actors.protocol import EngineRequest, RouteTable
+from actors.protocol import EngineRequest
+from actors.routes import RouteTable
 from serving.config import RouterConfig
 from serving.routing.placement import EngineEstimate, Placement, place
 from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, best, select

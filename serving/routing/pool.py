@@ -31,7 +31,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from actors.protocol import EngineRequest, EngineStats, PrefillResult, RouteTable, TokenChunk
+from actors.protocol import EngineRequest, EngineStats, PrefillResult, TokenChunk
+from actors.routes import RouteTable
 from serving.routing.deadlines import EngineDeadlines
 from serving.routing.rates import RateEstimator
 

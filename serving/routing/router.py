@@ -56,7 +56,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from actors.protocol import EngineRequest, PrefillResult, RouteTable, Stamps, TokenChunk
+from actors.protocol import EngineRequest, PrefillResult, Stamps, TokenChunk
+from actors.routes import RouteTable
 from serving.config import RouterConfig
 from serving.routing.deadlines import EngineDeadlines
 from serving.routing.directory import Directory, DirectoryView
@@ -304,11 +305,14 @@ class Router:
                       charge: DecodeCharge) -> RoutedStream:
         """A stream whose first chunk is the prefill engine's token; the decode engine goes on
         (and answers a failed pull per its `kv_load_failure_policy`)."""
-        first = TokenChunk(engine_req.request_id, out.first_token_ids, out.first_text,
+        # the first token's text less what one engine would still hold back (stop strings): the
+        # decode engine streams that tail with the next tokens
+        first = TokenChunk(engine_req.request_id, out.first_token_ids, out.streamed_text,
                            num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+                           logprobs=out.first_logprobs, cumulative_logprob=out.cumulative_logprob,
                            stamps=out.stamps)
         if engine_req.max_tokens <= len(out.first_token_ids) or not out.needs_decode:
-            first = first.replace(finished=True, finish_reason=out.finish_reason or "length")
+            first = first.replace(text=out.first_text, finished=True, finish_reason=out.finish_reason or "length")
             if out.kv_transfer_params:  # nobody will read the KV: release the prefill engine's lease now
                 self.pool.abort_prefill(route.prefill_id, engine_req.request_id)
             return RoutedStream(self.pool, self, req, engine_req.request_id, route, no_more_chunks(), first, charge)

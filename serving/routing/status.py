@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.protocol import PairState, RouteTable
+from actors.routes import PairState, RouteTable
 from serving.routing.pool import EnginePool, EngineStatus, Load
 
 

@@ -63,7 +63,7 @@ def test_colocated_and_both_directions_of_disaggregation_give_the_colocated_answ
     assert len(reference) == 12
     assert colocated_y == x_to_y == y_to_x == reference
     assert not any(c.recomputed or c.failed for s in streams for c in s)
-    assert cached == (len(PROMPT) - 1, len(PROMPT) - 1)  # pulled all but the replayed last prompt token
+    assert cached == (len(PROMPT), len(PROMPT))  # every prompt token pulled: the decode engine computes only t1
 
 
 def test_slo_placement_colocates_on_idle_engines_and_splits_prefill_from_busy_decoding(both):

@@ -5,14 +5,13 @@ latent the CPU MLA kernel supports, block size 16) whose checkpoint says 4 KV
 heads: vLLM builds the connector's topology with that count, while the cache
 holds one latent row per token.
 
-On the product's path the decode engine replays the first token: it pulls all
-but the last prompt token and computes that one itself, in vLLM CPU's MLA
-decode kernel (weight-absorbed), where a colocated engine computes it in its
-SDPA prefill. On this random model the two differ enough to change the greedy
-tokens from the second on (the replay draws another token), so the bytes are
-checked with a decode request that carries the first token as prompt: the
-engine pulls the whole prompt's latent KV and runs only decode steps, exactly
-like the colocated engine after its prefill.
+On the product's path the decode engine receives the prompt plus the
+prefill's first token, pulls the whole prompt's latent KV and runs only decode
+steps (its first computes the first token's KV), exactly like the colocated
+engine after its prefill. (When it replayed the first token, it computed the
+last prompt token in vLLM CPU's weight-absorbed MLA decode kernel, where a
+colocated engine uses its SDPA prefill; on this random model that changed the
+greedy tokens from the second on.)
 """
 
 import asyncio
@@ -85,12 +84,13 @@ def test_mla_latent_kv_pulled_over_nixl_gives_the_colocated_answer(engines, leng
     asyncio.run(go())
 
 
-def test_mla_pd_replay_pulls_all_but_the_last_prompt_token(engines):
-    """The product's continuation: the prompt's latent KV but its last token comes over NIXL."""
+def test_mla_pd_continuation_pulls_every_prompt_token(engines):
+    """The product's continuation (prompt + first token, `PrefillResult.continuation`)."""
     async def go():
         length = max(PROMPTS)
-        _, chunks = await pd(engines["P"], engines["D"], request("mla-replay", token_ids=PROMPTS[length],
-                                                                 max_tokens=12))
-        assert (chunks[0].num_cached_tokens, any(c.recomputed for c in chunks)) == (length - 1, False)
+        pre, chunks = await pd(engines["P"], engines["D"], request("mla-cont", token_ids=PROMPTS[length],
+                                                                   max_tokens=12))
+        assert (chunks[0].num_cached_tokens, any(c.recomputed for c in chunks)) == (length, False)
+        assert token_ids(pre, chunks) == await local(engines["D"], PROMPTS[length])
 
     asyncio.run(go())

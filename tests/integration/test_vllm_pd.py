@@ -105,9 +105,8 @@ def test_pd_equals_colocated_token_for_token(engines, length):
     async def go():
         base = await baselines(engines)
         tokens, last = await pd(engines, "D", PROMPTS[length])
-        # the prompt's KV came over the wire; the engine computes the last prompt token itself
-        # (it replays the prefill's first token: vllm_backend)
-        assert last.num_cached_tokens == length - 1, last
+        # every prompt token's KV came over the wire; the engine computes only the first token's
+        assert last.num_cached_tokens == length, last
         assert not last.recomputed
         want = await local(engines["D"], PROMPTS[length])
         assert tokens == want
@@ -123,7 +122,7 @@ def test_decode_really_uses_the_transferred_kv(engines):
         with_a_kv, last = await pd(engines, "D2", prompt)
         own = await local(engines["D2"], prompt)
         same_weights = await local(engines["D"], prompt)
-        assert last.num_cached_tokens == len(prompt) - 1 and not last.recomputed
+        assert last.num_cached_tokens == len(prompt) and not last.recomputed
         assert with_a_kv != own  # weights "b" on KV computed with weights "a"
         assert with_a_kv[0] == same_weights[0]  # the first token was sampled by P (weights "a")
 

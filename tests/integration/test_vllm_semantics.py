@@ -5,7 +5,8 @@ defaults) served twice: by `python -m vllm.entrypoints.openai.api_server` and
 by raypd (1 prefill + 1 decode engine, every request through the P/D path).
 Each request goes to both, one at a time; the generated token ids must be
 equal. Sampled requests carry a seed (top_k / min_p only matter when
-sampling); raypd's decode engine replays the prefill engine's seeded draw.
+sampling); raypd's decode engine advances the request's generator past the prefill
+engine's seeded draw and continues (no replay).
 """
 
 from __future__ import annotations

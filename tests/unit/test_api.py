@@ -133,12 +133,18 @@ def test_sampling_follows_the_generation_config_unless_the_request_sets_it():
     assert router.requests[-1].max_tokens == 9  # chat without max_tokens: the generation config's max
 
 
-def test_sampled_requests_get_a_seed_and_greedy_ones_keep_none(client):
+def test_only_sampled_requests_that_may_replay_get_a_seed(client):
+    """A seed only where the decode engine may replay the first token (structured outputs,
+    penalties without raypd's processor...): plain sampling stays unseeded, as in vLLM."""
     post(client, "/v1/completions", {"model": MODEL, "prompt": "hi"})
     post(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 0})
-    sampled, greedy = client.router.requests
-    assert sampled.sampling.temperature == 1.0 and sampled.sampling.seed is not None
+    post(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 0.5})
+    post(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 5})
+    sampled, greedy, penalised, seeded = client.router.requests
+    assert sampled.sampling.temperature == 1.0 and sampled.sampling.seed is None
     assert greedy.sampling.seed is None
+    assert penalised.sampling.seed is not None
+    assert seeded.sampling.seed == 5
 
 
 def test_completion_stream(client):

@@ -60,3 +60,35 @@ def test_malformed_params_are_computed_locally():
     req = request(params([1], 60), prompt_len=61)  # one block cannot hold 60 tokens
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert req.kv_transfer_params["do_remote_prefill"] is False and sched.stats["bad_params"] == 1
+
+
+def test_small_pulls_load_synchronously_up_to_the_knob():
+    sched = ConnectorScheduler("D", 1, 1, 1, block_size=16, lease_ttl_s=30, sync_load_max_tokens=60)
+    small = request(params([10, 11, 12, 13], 60), prompt_len=61)
+    assert sched.get_num_new_matched_tokens(small, 0) == (60, False)  # sync: vLLM schedules it now
+    sched.update_state_after_alloc(small, blocks([0, 1, 2, 3]), 60)
+    large = request(params([10, 11, 12, 13, 14], 61), prompt_len=62, req_id="d-2")
+    assert sched.get_num_new_matched_tokens(large, 0) == (61, True)
+    sched.update_state_after_alloc(large, blocks([4, 5, 6, 7]), 61)
+    recv = sched.build_connector_meta().recv
+    assert recv["d-1"].sync and not recv["d-2"].sync
+    assert (sched.stats["sync_loads"], sched.stats["async_loads"]) == (1, 1)
+
+
+def test_a_failed_sync_load_says_in_its_prefill_stats_that_nothing_was_pulled():
+    from vllm.v1.metrics.stats import PrefillStats
+
+    sched = ConnectorScheduler("D", 1, 1, 1, block_size=16, lease_ttl_s=30, sync_load_max_tokens=1000)
+    ok, bad = request(params([10, 11], 30), prompt_len=31), request(params([12, 13], 30), prompt_len=31, req_id="d-2")
+    for req, local in ((ok, [0, 1]), (bad, [2, 3])):
+        req.prefill_stats = PrefillStats()
+        req.prefill_stats.set(31, 0, 30)  # as vLLM set it when it admitted the request
+        count, _ = sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, blocks(local), count)
+    bad.num_computed_tokens = 0  # vLLM rewound it (_handle_invalid_blocks) before telling the connector
+    sched.update_connector_output(SimpleNamespace(invalid_block_ids={3}))
+    assert (bad.prefill_stats.num_cached_tokens, bad.prefill_stats.num_computed_tokens) == (0, 31)
+    assert ok.prefill_stats.num_cached_tokens == 30 and sched.stats["sync_failures"] == 1
+    sched.request_finished(ok, [0, 1])  # finished: no longer watched (its blocks may be reused)
+    sched.update_connector_output(SimpleNamespace(invalid_block_ids={0}))
+    assert ok.prefill_stats.num_cached_tokens == 30

@@ -181,7 +181,7 @@ def test_coalesced_kv_events_leave_the_index_exactly_as_the_engine_events_do():
 
 
 def test_breaker_moves_travel_as_deltas_that_rebuild_the_whole_table_exactly():
-    from actors.protocol import RouteDelta
+    from actors.routes import RouteDelta
 
     async def go():
         c = await cluster(prefills=("P0", "P1", "P2"), decodes=("D0", "D1"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import vllm.v1.metrics.loggers as vllm_loggers
 from prometheus_client.core import CounterMetricFamily
 
-from actors.protocol import PairState
+from actors.routes import PairState
 from serving.cluster.autoscaler import AutoscalerStatus, RoleStatus
 from serving.ops.metrics import FRONT_METRICS, RouterCollector
 from serving.routing.pool import EngineStatus, Load

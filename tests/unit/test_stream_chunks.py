@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from actors.protocol import Stamps, TokenChunk
+from actors.protocol import Stamps, TokenChunk, TokenLogprob
 from serving.cluster.merge import merge_ready
 from serving.front.trace import HEADER, parse
 from test_api import make_client, post, sse_events
@@ -20,6 +20,17 @@ def test_merge_concatenates_and_keeps_the_first_verdict_and_the_last_finish():
     assert (m.num_prompt_tokens, m.num_cached_tokens, m.recomputed, m.stamps) == (5, 4, True, (("engine_in", 1.0),))
     err = a.merge(TokenChunk.error_chunk("r", "boom"))
     assert err.failed and not err.failed_before_output and err.error == "boom" and err.token_ids == (1, 2)
+
+
+def test_merge_concatenates_logprobs_and_keeps_the_later_cumulative():
+    lp = lambda t: ((TokenLogprob(t, -0.5 * t, 1),),)  # noqa: E731
+    a = TokenChunk("r", (1,), "a", logprobs=lp(1), cumulative_logprob=-0.5)
+    b = TokenChunk("r", (2,), "b", logprobs=lp(2), cumulative_logprob=-1.5)
+    m = a.merge(b)
+    assert m.logprobs == lp(1) + lp(2) and m.cumulative_logprob == -1.5
+    plain = TokenChunk("r", (1,), "a").merge(TokenChunk("r", (2,), "b"))
+    assert plain.logprobs is None and plain.cumulative_logprob is None
+    assert a.merge(TokenChunk("r", finished=True, finish_reason="stop")).cumulative_logprob == -0.5
 
 
 class FakeGen:

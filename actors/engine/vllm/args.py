@@ -11,6 +11,10 @@ plus the little P/D needs.
   the KV connector and its role in `kv_transfer_config`, and engine stats on
   (the engine's free-block view comes from them). Where that replaces a value
   the user gave, `pd_overrides` says so in one line each.
+- On the CPU (V1) model runner, raypd's `ResumedPenalties` logits processor is
+  appended to `logits_processors` (`resumed_logits_processors`): a decode engine
+  continues a resumed request without replaying its first token
+  (`actors.engine.vllm.resumed`).
 - Everything else follows vLLM's defaults (CUDA graphs on GPU, prefix caching on).
 
 vLLM is imported lazily: the config layer stays importable without it.
@@ -152,6 +156,9 @@ def build_engine_args(cfg: EngineConfig, model_path: str, kv_transfer: dict[str,
         # the engine runs inside a Ray placement group, where vLLM would pick its Ray executor
         # (refused on CPU); its workers are local processes anyway
         kwargs.setdefault("distributed_executor_backend", "mp")
+    processors = resumed_logits_processors(kwargs)
+    if processors is not None:
+        kwargs["logits_processors"] = processors
     user_kv = kwargs.pop("kv_transfer_config", None)
     if kv_transfer is not None:
         merged = {**(user_kv if isinstance(user_kv, dict) else {}), **kv_transfer}
@@ -161,6 +168,20 @@ def build_engine_args(cfg: EngineConfig, model_path: str, kv_transfer: dict[str,
         kwargs["kv_transfer_config"] = user_kv if not isinstance(user_kv, dict) else KVTransferConfig(**user_kv)
     return AsyncEngineArgs(model=model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                            tensor_parallel_size=cfg.tp_size, pipeline_parallel_size=cfg.pp_size, **kwargs)
+
+
+def resumed_logits_processors(kwargs: dict[str, Any]) -> list[Any] | None:
+    """The user's logits processors plus raypd's `ResumedPenalties` (last: it must run right
+    before vLLM's own penalties), on the V1 CPU model runner; None: leave them as they are
+    (speculative decoding refuses custom processors; other runners have their own interface)."""
+    from vllm.platforms import current_platform
+
+    from actors.engine.vllm.resumed import QUALNAME
+
+    if not current_platform.is_cpu() or kwargs.get("speculative_config"):
+        return None
+    user = [p for p in (kwargs.get("logits_processors") or []) if p != QUALNAME]
+    return [*user, QUALNAME]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,14 +9,12 @@ Life cycle of a P/D request here:
   decode engine   generate(req) the request is the prompt plus that first
                   token (`num_resumed_tokens` 1); the params (completed here
                   with the producer ranks' handshake payloads, fetched from the
-                  coordinator) make the connector pull the prompt's KV. The
-                  engine replays the first token (the front seeds every
-                  sampled request, so the replay draws the same token), so
-                  penalties, stop strings, min_tokens and the seeded sampler
-                  see the whole answer exactly as a single vLLM engine would;
-                  the replayed token is not streamed again. Should the replay
-                  draw another token (numerics), the engine continues from the
-                  streamed token instead (prefix cache: nothing is recomputed).
+                  coordinator) make the connector pull the KV of every prompt
+                  token, and the engine's first step computes only the first
+                  token's KV and samples the second. Penalties, min_tokens,
+                  stop strings, logprobs and seeded sampling see the answer as
+                  one vLLM engine would (`actors.engine.vllm.decode`); the few
+                  parameters that need it replay the first token instead.
 
 Prompts arrive as token ids (the front renders and tokenizes); the sampling
 parameters arrive as the `vllm.SamplingParams` the front derived the way vLLM's
@@ -49,11 +47,9 @@ import shutil
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from actors.engine.config import EngineConfig
-from actors.kv.errors import HandshakeError
 from actors.kv.handshake import decode_handshake
 from actors.engine.vllm.kv_events import KVEventsSource, endpoint_in, vllm_kv_events_config
 from actors.control.prefix_index import DEFAULT_SEED, HashScheme
@@ -66,21 +62,10 @@ from actors.protocol import (
     TokenChunk,
 )
 from actors.engine.vllm.peer_payloads import PeerPayloads
-from actors.engine.vllm.requests import engine_outputs, prompt_ids, sampling_params, usage_sink
+from actors.engine.vllm.requests import engine_outputs, logprobs_of, prompt_ids, sampling_params, usage_sink
 from actors.transfer_params import TransferParams
 
 logger = logging.getLogger("raypd.vllm")
-
-
-@dataclass(frozen=True)
-class PullVerdict:
-    """How a decode request's prompt KV arrived, as vLLM's first delta tells it."""
-
-    num_cached_tokens: int  # prompt tokens vLLM did not compute (pulled, or in its prefix cache)
-    recomputed: bool  # the pull failed and the prompt was computed here (policy recompute)
-
-    def on(self, chunk: TokenChunk) -> TokenChunk:
-        return chunk.replace(num_cached_tokens=self.num_cached_tokens, recomputed=self.recomputed)
 
 
 class VllmBackend:
@@ -94,7 +79,9 @@ class VllmBackend:
         self.peers = PeerPayloads(engine_id, cfg.tp_size)  # producers' payloads our requests carry
         self.incarnation = uuid.uuid4().hex[:12]  # suffix of our ranks' agent names, stamped on our params
         self.handshake_dir = tempfile.mkdtemp(prefix=f"raypd-{engine_id}-")
-        self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0, "replay_mismatches": 0, "released": 0}
+        self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0, "replays": 0, "replay_mismatches": 0,
+                         "inexact_resumes": 0, "released": 0}
+        self.decode: Any = None  # actors.engine.vllm.decode.DecodePath, once the engine runs
         self._aliases: dict[str, str] = {}  # request id -> the id of its continuation after a replay mismatch
         # prefills whose blocks are held for a reader: request id -> (vLLM's id, lease expiry)
         self._unread: dict[str, tuple[str, float]] = {}
@@ -112,6 +99,7 @@ class VllmBackend:
             "model_id": cfg.served_model_id,
             "lease_ttl_s": cfg.lease_ttl_s,
             "read_timeout_s": cfg.read_timeout_s,
+            "sync_load_max_tokens": cfg.sync_load_max_tokens,
             "fault_rate": cfg.fault_rate,
             "verify": cfg.kv_verify,
             "incarnation": self.incarnation,
@@ -142,6 +130,9 @@ class VllmBackend:
         self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=self._stat_loggers())
         record_children(self.engine_id)
         self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
+        from actors.engine.vllm.decode import DecodePath
+
+        self.decode = DecodePath(self)
         if self.cfg.kv_connector:
             self._handshakes = await self._collect_handshakes()
             self.peers.own = decode_handshake(self._handshakes[0])
@@ -218,20 +209,27 @@ class VllmBackend:
         remote = req.max_tokens > 1
         sp = sampling_params(req.sampling, 1, {"do_remote_decode": True, "lease_ttl_s": ttl} if remote else None)
         first_ids: list[int] = []
-        text, finish, params, cached = "", None, None, None
+        text, finish, params, cached, logprobs, cumulative = "", None, None, None, [], None
         async for out in engine_outputs(self.llm, ids, sp, req.request_id):
             cached = out.num_cached_tokens if cached is None else cached
             o = out.outputs[0]
             first_ids.extend(o.token_ids)
             text += o.text
+            logprobs.extend(logprobs_of(o.logprobs) or ())
+            cumulative = o.cumulative_logprob
             if out.finished:
                 finish, params = o.finish_reason, out.kv_transfer_params
         if params and params.get("remote_request_id"):
             self._remember_unread(req.request_id, params["remote_request_id"], ttl)
             params = {**params, "remote_incarnation": self.incarnation}
+        from actors.engine.vllm.decode import held_chars
+
         return PrefillResult(prompt_token_ids=tuple(ids), first_token_ids=tuple(first_ids), first_text=text,
                              finish_reason=str(finish) if finish is not None else None,
-                             kv_transfer_params=params, num_cached_tokens=cached)
+                             kv_transfer_params=params, num_cached_tokens=cached,
+                             first_logprobs=tuple(logprobs) if sp.logprobs is not None else None,
+                             cumulative_logprob=cumulative if sp.logprobs is not None else None,
+                             held_chars=held_chars(sp))
 
     def _remember_unread(self, req_id: str, vllm_id: str, ttl: float) -> None:
         self._forget_expired_unread()
@@ -242,93 +240,9 @@ class VllmBackend:
         for old in [r for r, (_, expiry) in self._unread.items() if expiry <= now]:
             del self._unread[old]  # its lease expired: nothing left to release
 
-    async def generate(self, req: EngineRequest, params: TransferParams | None) -> AsyncIterator[TokenChunk]:
-        ids = prompt_ids(req, self.cfg.max_model_len)
-        # Replay the prefill engine's first token (see the module docstring): the engine runs the
-        # original prompt and the first delta must be that token, which is not streamed again.
-        replay = tuple(ids[-1:]) if req.num_resumed_tokens == 1 and len(ids) > 1 else ()
-        engine_ids = ids[:len(ids) - len(replay)]
-        req_id = req.request_id
-        num_prompt = len(ids) - req.num_resumed_tokens
-        expected_external = 0
-        handshake_failed = False
-        kv_params: dict | None = None  # what vLLM's connector reads (its own boundary)
-        if params is not None:
-            try:
-                kv_params = await self.peers.attach(params, self.coordinator)
-            except HandshakeError as exc:
-                # the pull cannot even start: the ledger hears it as this pair's handshake failure,
-                # and the policy decides as for any failed pull
-                producer = params.remote_engine_id
-                logger.warning("%s: handshake with %s failed: %s", req_id, producer, exc)
-                if self.ledger is not None:
-                    self.ledger.handshake_failed(producer, str(exc), req_id)
-                self.counters["kv_failures"] += 1
-                if self.cfg.kv_load_failure_policy == "fail":
-                    yield TokenChunk.error_chunk(req_id, f"KV transfer failed: {exc}", num_prompt)
-                    return
-                handshake_failed = True
-            else:
-                expected_external = min(params.num_tokens, len(engine_ids) - 1)
-                self.counters["kv_pulls"] += 1
-        sp = sampling_params(req.sampling, req.max_tokens + len(replay), kv_params,
-                             already=req.num_resumed_tokens - len(replay))
-        verdict: PullVerdict | None = None
-        pending: PullVerdict | None = None  # put on the first chunk the client sees
-        async for out in engine_outputs(self.llm, engine_ids, sp, req_id):
-            o = out.outputs[0]
-            chunk = TokenChunk(req_id, tuple(o.token_ids), o.text, finished=out.finished,
-                               num_prompt_tokens=num_prompt)
-            if verdict is None:
-                # vLLM reports cached tokens on the first delta: fewer than we pulled means
-                # the pull failed and the prompt was recomputed (kv_load_failure_policy=recompute).
-                cached = out.num_cached_tokens or 0
-                recomputed = handshake_failed or bool(kv_params and cached < expected_external and o.token_ids)
-                verdict = pending = PullVerdict(cached, recomputed)
-                if recomputed:
-                    self.counters["recomputed"] += 1
-                if kv_params:
-                    self._report(req_id, recomputed or (out.finished and str(o.finish_reason) == "error"))
-                if replay and not (out.finished and str(o.finish_reason) == "error"):
-                    if chunk.token_ids == replay and not out.finished:
-                        continue  # the token the client already has: the next delta carries the verdict
-                    # the replay drew another token: go on from the streamed one (its KV is cached now)
-                    self.counters["replay_mismatches"] += 1
-                    logger.info("%s: replay drew %s instead of %s; continuing from the streamed token",
-                                req_id, chunk.token_ids, replay)
-                    await self.llm.abort(req_id)
-                    async for cont in self._continue_after(req, ids, num_prompt, verdict):
-                        yield cont
-                    return
-            if pending is not None:
-                chunk, pending = pending.on(chunk), None
-            if out.finished:
-                reason = str(o.finish_reason) if o.finish_reason is not None else "stop"
-                chunk = chunk.replace(finish_reason=reason)
-                if reason == "error":
-                    self.counters["kv_failures"] += 1
-                    chunk = chunk.replace(error="KV transfer failed (kv_load_failure_policy=fail)")
-            yield chunk
-
-    async def _continue_after(self, req: EngineRequest, ids: list[int], num_prompt: int,
-                              verdict: PullVerdict) -> AsyncIterator[TokenChunk]:
-        """Generate after prompt + the streamed token(s), as a plain continuation (no pull)."""
-        cont_id = f"{req.request_id}-cont"
-        self._aliases[req.request_id] = cont_id
-        sp = sampling_params(req.sampling, req.max_tokens, None, already=req.num_resumed_tokens)
-        pending: PullVerdict | None = verdict
-        try:
-            async for out in engine_outputs(self.llm, ids, sp, cont_id):
-                o = out.outputs[0]
-                chunk = TokenChunk(req.request_id, tuple(o.token_ids), o.text, finished=out.finished,
-                                   num_prompt_tokens=num_prompt)
-                if pending is not None:
-                    chunk, pending = pending.on(chunk), None
-                if out.finished:
-                    chunk = chunk.replace(finish_reason=str(o.finish_reason or "stop"))
-                yield chunk
-        finally:
-            self._aliases.pop(req.request_id, None)
+    def generate(self, req: EngineRequest, params: TransferParams | None) -> AsyncIterator[TokenChunk]:
+        """Stream a request (colocated, or resuming an answer: `actors.engine.vllm.decode`)."""
+        return self.decode.generate(req, params)
 
     def _report(self, req_id: str, failed: bool) -> None:
         """One outcome per pulled request to the coordinator's ledger (vLLM merged its ranks)."""
@@ -369,7 +283,8 @@ class VllmBackend:
         return BackendStats("vllm", num_blocks=total, free_blocks=round((1.0 - float(u["kv_cache_usage"])) * total),
                             held_leases=len(self._unread), child_pids=tuple(child_pids()),
                             counters={**self.counters, "engine_running": u["running"],
-                                      "engine_waiting": u["waiting"]})
+                                      "engine_waiting": u["waiting"],
+                                      **{k: v for k, v in u.items() if k.startswith(("prompt_", "compute_"))}})
 
     async def shutdown(self) -> None:
         if self.llm is not None:

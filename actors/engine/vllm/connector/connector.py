@@ -6,7 +6,7 @@ role WORKER per rank (worker process); each delegates to its half
 parallel/model configuration raypd cannot map (`check_supported`: the message
 names it). Extra config keys (`kv_connector_extra_config`): engine_id,
 handshake_dir, model_id, lease_ttl_s, read_timeout_s, fault_rate, fault_seed,
-verify (off | sample | all: KV checksums, `actors.kv.integrity`).
+sync_load_max_tokens, verify (off | sample | all: KV checksums, `actors.kv.integrity`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class RayNixlConnector(KVConnectorBase_V1):
                 dcp_size=check_supported(vllm_config),  # refuses what raypd cannot map, by name
                 block_size=vllm_config.cache_config.block_size,
                 lease_ttl_s=float(extra.get("lease_ttl_s", 30.0)),
+                sync_load_max_tokens=int(extra.get("sync_load_max_tokens", 0)),
             )
         else:
             self._worker = ConnectorWorker(vllm_config, engine_id, extra)
@@ -55,7 +56,7 @@ class RayNixlConnector(KVConnectorBase_V1):
             self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: a request runs only once its KV is complete
+        return None  # async loads: the request runs once its KV is complete; sync: start_load_kv waited
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # pull model: the decode side reads; nothing to push
@@ -92,6 +93,10 @@ class RayNixlConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)

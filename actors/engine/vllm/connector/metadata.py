@@ -27,6 +27,7 @@ class RecvSpec:
     local_block_ids: tuple[int, ...]  # blocks to fill (prefix-cached blocks already skipped)
     remote_block_ids: tuple[int, ...]  # matching remote blocks
     num_tokens: int  # prompt tokens covered by these blocks
+    sync: bool = False  # pulled before this step's forward (vLLM computes on these blocks in the step)
 
 
 @dataclass(frozen=True)

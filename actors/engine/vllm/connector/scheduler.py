@@ -15,13 +15,20 @@ Life cycle of a request as this half sees it:
     worker finished_sending   the readers notified, the lease expired or was
                          released -> vLLM frees the blocks.
   decode engine (params has do_remote_prefill)
-    get_num_new_matched_tokens   the remote prompt tokens count as external,
-                         loaded asynchronously (never the last token: vLLM
-                         needs one token to compute);
+    get_num_new_matched_tokens   the remote prompt tokens count as external
+                         (never the last token: vLLM needs one token to
+                         compute); a pull of at most `sync_load_max_tokens`
+                         loads synchronously, a larger one asynchronously;
     update_state_after_alloc     the local blocks to fill are known -> recv;
-    worker finished_recving      the request is scheduled; a failure comes with
-                         failed_recving + invalid blocks and vLLM applies
+    async: worker finished_recving   the request is scheduled; a failure comes
+                         with failed_recving + invalid blocks and vLLM applies
                          kv_load_failure_policy (recompute or fail);
+    sync: scheduled at once; the workers pull before the step's forward (no
+                         scheduler step spent waiting); a failure comes as
+                         invalid blocks only (vLLM recomputes or fails the
+                         request), and `update_connector_output` marks its
+                         prefill stats as not pulled, so the first delta's
+                         `num_cached_tokens` tells the engine what happened;
     request_finished     aborted before loading -> abandon (producer freed).
 
 Malformed params never reach the worker: they are logged and the request is
@@ -53,16 +60,20 @@ def _flat_block_ids(block_ids: Any) -> list[int]:
 
 class ConnectorScheduler:
     def __init__(self, engine_id: str, tp_size: int, pp_size: int, dcp_size: int, block_size: int,
-                 lease_ttl_s: float, clock=time.time):
+                 lease_ttl_s: float, clock=time.time, sync_load_max_tokens: int = 0):
         self.engine_id = engine_id
         self.tp_size, self.pp_size, self.dcp_size = tp_size, pp_size, dcp_size
         self.block_size = block_size
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
-        # decode requests not yet allocated: their params and the local prefix hit (tokens)
-        self._pending_params: dict[str, tuple[TransferParams, int]] = {}
+        self.sync_load_max_tokens = sync_load_max_tokens
+        # decode requests not yet allocated: their params, the local prefix hit (tokens), sync or not
+        self._pending_params: dict[str, tuple[TransferParams, int, bool]] = {}
+        # sync loads until their request finishes: the request and the blocks the workers fill
+        self._sync: dict[str, tuple[Any, frozenset[int]]] = {}
         self._meta = RayNixlMetadata()
-        self.stats = {"held": 0, "loads": 0, "bad_params": 0, "abandoned": 0, "released": 0}
+        self.stats = {"held": 0, "loads": 0, "sync_loads": 0, "async_loads": 0, "sync_failures": 0,
+                      "bad_params": 0, "abandoned": 0, "released": 0}
 
     # ---------------------------------------------------------------- decode
     def _params(self, request: Any) -> TransferParams | None:
@@ -90,14 +101,15 @@ class ConnectorScheduler:
             return 0, False
         # vLLM calls update_state_after_alloc before it sets request.num_computed_tokens: keep
         # the local prefix hit now, or cached blocks would be overwritten and later ones left unread
-        self._pending_params[request.request_id] = (params, num_computed_tokens)
-        return count, True
+        sync = count <= self.sync_load_max_tokens
+        self._pending_params[request.request_id] = (params, num_computed_tokens, sync)
+        return count, not sync
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         pending = self._pending_params.pop(request.request_id, None)
         if pending is None or num_external_tokens <= 0:
             return
-        params, computed = pending  # tokens the local prefix cache already holds
+        params, computed, sync = pending  # tokens the local prefix cache already holds
         local_ids = list(blocks.get_block_ids()[0])
         end = computed + num_external_tokens
         # With DCP a block id covers block_size tokens on each of dcp ranks.
@@ -116,9 +128,28 @@ class ConnectorScheduler:
             local_block_ids=tuple(local_ids[first:last]),
             remote_block_ids=tuple(params.remote_block_ids[first * max(ratio, 1):remote_end]),
             num_tokens=end,
+            sync=sync,
         )
+        if sync:
+            self._sync[request.request_id] = (request, frozenset(local_ids[first:last]))
         request.kv_transfer_params["do_remote_prefill"] = False  # a retry must not pull again
         self.stats["loads"] += 1
+        self.stats["sync_loads" if sync else "async_loads"] += 1
+
+    def update_connector_output(self, output: Any) -> None:
+        """A sync load that failed (its blocks invalid): vLLM recomputes it as a running request,
+        whose prefill stats were set at admission; say it pulled nothing past its local hit."""
+        invalid = getattr(output, "invalid_block_ids", None)
+        if not invalid or not self._sync:
+            return
+        for req_id, (request, blocks) in list(self._sync.items()):
+            if blocks & invalid:
+                del self._sync[req_id]
+                self.stats["sync_failures"] += 1
+                stats = getattr(request, "prefill_stats", None)
+                if stats is not None:
+                    local = min(int(request.num_computed_tokens), stats.num_prompt_tokens)
+                    stats.set(stats.num_prompt_tokens, local, 0)
 
     # --------------------------------------------------------------- prefill
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
@@ -126,6 +157,7 @@ class ConnectorScheduler:
         if not raw:
             return False, None
         req_id = request.request_id
+        self._sync.pop(req_id, None)
         release = raw.get(RELEASE_KEY)
         if release:
             self._meta.release.add(str(release))

@@ -15,8 +15,14 @@ the synthetic engine drives:
   start_load_kv        metadata of this step: hold sent blocks under leases,
                        start the pulls of new loads (`TransferParams.pull_request`),
                        notify producers of abandoned loads, free the leases of
-                       the release list (prefills nobody will read);
-  get_transfer_results one `RankTransfer.step()`: finished and failed pulls,
+                       the release list (prefills nobody will read); sync loads
+                       (vLLM calls this before the step's forward then) are
+                       waited for here, stepping `RankTransfer` until each one
+                       is done or failed (its own read timeout bounds it): a
+                       failed one's blocks go to `invalid_block_ids`, and a sync
+                       load is never reported finished or failed (vLLM asserts);
+  get_transfer_results one `RankTransfer.step()` (plus what the sync wait
+                       stepped): finished and failed pulls,
                        released and expired leases. Peers' READs of this
                        rank's KV do not wait for it: NIXL's progress thread
                        (asleep on UCX's fd, `actors.kv.nixl_binding`) serves
@@ -26,10 +32,12 @@ the synthetic engine drives:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 import re
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -41,6 +49,7 @@ from actors.kv.errors import HandshakeError, LayoutError, TopologyError
 from actors.kv.faults import FaultPolicy
 from actors.kv.handshake import CompatInfo, decode_envelope
 from actors.kv.layout import CPU_HKND, MLA_ND, NHD, CacheGeometry
+from actors.kv.pull_types import StepResult
 from actors.kv.rank_transfer import RankIdentity, RankTransfer
 from actors.kv.transport import NixlTransport, PeerKey
 from actors.transfer_params import TransferParams
@@ -135,6 +144,22 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def merge_steps(steps: list[StepResult]) -> StepResult:
+    """Several `RankTransfer.step()` results as one (dicts united, sequences concatenated)."""
+    if len(steps) == 1:
+        return steps[0]
+    merged: dict[str, Any] = {}
+    for f in dataclasses.fields(StepResult):
+        values = [getattr(s, f.name) for s in steps]
+        if isinstance(values[0], dict):
+            merged[f.name] = {k: v for d in values for k, v in d.items()}
+        elif isinstance(values[0], (set, frozenset)):
+            merged[f.name] = type(values[0])().union(*values)
+        else:
+            merged[f.name] = type(values[0])(x for v in values for x in v)
+    return StepResult(**merged)
+
+
 class ParamsDirectory:
     """Handshake payloads of one request, as the decode EngineActor attached them."""
 
@@ -166,6 +191,8 @@ class ConnectorWorker:
         self.dcp_size = check_supported(vllm_config)
         self.xfer: RankTransfer | None = None
         self._load_errors: set[int] = set()
+        self._stepped: list[StepResult] = []  # what a sync wait stepped, reported by the next results
+        self._sync_ids: set[str] = set()  # sync loads: never reported finished or failed
         # test knob (EngineConfig.fault_rate): this fraction of pulls fails on purpose
         self.faults = FaultPolicy(rate=float(extra.get("fault_rate", 0.0)), seed=int(extra.get("fault_seed", 0)))
 
@@ -233,6 +260,9 @@ class ConnectorWorker:
             self.xfer.release(req_id)
         for req_id, recv in meta.recv.items():
             self._start(req_id, recv)
+        sync = {req_id: recv.local_block_ids for req_id, recv in meta.recv.items() if recv.sync}
+        if sync:
+            self._wait_sync(sync)
         for req_id, params in meta.abandon.items():
             try:
                 directory = ParamsDirectory(params)
@@ -254,17 +284,39 @@ class ConnectorWorker:
             self.xfer.refresh_peers(directory.agents)  # a restarted producer answers under new agents
         self.xfer.start_pull(req_id, req, directory)
 
+    def _wait_sync(self, req_ids: dict[str, tuple[int, ...]]) -> None:
+        """Step until every sync load of this step is done or failed (vLLM computes on its blocks
+        right after); the pulls' own read timeout ends a hung one, this deadline is a backstop."""
+        self._sync_ids |= set(req_ids)
+        pending = set(req_ids)
+        deadline = time.monotonic() + float(self.extra.get("read_timeout_s", 10.0)) + 5.0
+        while pending:
+            step = self.xfer.step()
+            self._stepped.append(step)
+            pending -= set(step.done) | set(step.failed)
+            if pending and time.monotonic() > deadline:
+                logger.error("raypd: sync KV loads %s did not end; their blocks are invalid", sorted(pending))
+                for req_id in pending:
+                    self._load_errors.update(req_ids[req_id])
+                    self.xfer.cancel(req_id)
+                return
+            if pending:
+                time.sleep(0.0002)
+
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last step."""
         if self.xfer is None:
             return set(), set(), set()
-        step = self.xfer.step()
+        step = merge_steps([*self._stepped, self.xfer.step()])
+        self._stepped = []
         for req_id, reason in step.failed.items():
             logger.warning("raypd: KV pull of %s failed: %s", req_id, reason)
             self._load_errors.update(step.invalid_block_ids.get(req_id, ()))
         if step.expired:
             logger.warning("raypd: leases expired without readers: %s", list(step.expired))
-        return step.finished_sending, step.finished_recving, set(step.failed)
+        sync = self._sync_ids & step.finished_recving
+        self._sync_ids -= sync  # each pull ends once
+        return step.finished_sending, step.finished_recving - sync, set(step.failed) - sync
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

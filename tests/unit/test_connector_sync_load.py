@@ -1,0 +1,63 @@
+"""The connector's worker half with sync loads: waited for in start_load_kv, never reported
+finished or failed (vLLM asserts on that), a failure's blocks reported invalid; other requests'
+results stepped during the wait are reported by the step's results."""
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from actors.engine.vllm.connector.metadata import RayNixlMetadata, RecvSpec  # noqa: E402
+from actors.engine.vllm.connector.worker import ConnectorWorker, merge_steps  # noqa: E402
+from actors.kv.pull_types import StepResult  # noqa: E402
+
+
+class FakeTransfer:
+    """Steps scripted StepResults; pulls start and end as the script says."""
+
+    def __init__(self, script):
+        self.script, self.started = list(script), []
+
+    def start_pull(self, req_id, req, directory):
+        self.started.append(req_id)
+
+    def refresh_peers(self, agents):
+        pass
+
+    def step(self):
+        return self.script.pop(0) if self.script else StepResult()
+
+
+def worker(script):
+    w = ConnectorWorker.__new__(ConnectorWorker)
+    w.extra, w._load_errors, w._stepped, w._sync_ids = {"read_timeout_s": 5}, set(), [], set()
+    w.xfer = FakeTransfer(script)
+    w._start = lambda req_id, recv: w.xfer.start_pull(req_id, None, None)
+    return w
+
+
+def recv(sync, blocks=(1, 2)):
+    return RecvSpec(params=SimpleNamespace(), local_block_ids=blocks, remote_block_ids=blocks, num_tokens=32,
+                    sync=sync)
+
+
+def test_sync_loads_are_waited_for_and_never_reported():
+    w = worker([StepResult(released=("p-1",)),
+                StepResult(done={"s-ok": 0.001, "a-1": 0.002}),
+                StepResult(failed={"s-bad": "boom"}, invalid_block_ids={"s-bad": (7, 8)})])
+    meta = RayNixlMetadata(recv={"s-ok": recv(True), "s-bad": recv(True, (7, 8)), "a-2": recv(False)})
+    w.start_load_kv(meta)
+    assert not w.xfer.script  # stepped until both sync loads ended
+    sending, recving, failed = w.get_transfer_results()
+    assert sending == {"p-1"} and recving == {"a-1"} and failed == set()
+    assert w.get_block_ids_with_load_errors() == {7, 8}  # the failed sync load: recomputed or failed by vLLM
+    assert w._sync_ids == set()
+
+
+def test_merge_steps_keeps_everything():
+    a = StepResult(done={"x": 1.0}, released=("l1",))
+    b = StepResult(failed={"y": "r"}, invalid_block_ids={"y": (3,)}, expired=("l2",))
+    m = merge_steps([a, b])
+    assert m.done == {"x": 1.0} and m.failed == {"y": "r"} and m.invalid_block_ids == {"y": (3,)}
+    assert m.released == ("l1",) and m.expired == ("l2",) and m.finished_recving == {"x", "y"}
