@@ -60,6 +60,7 @@ import ray  # noqa: E402
 
 from actors.control.coordinator import NAMESPACE, start_coordinator  # noqa: E402
 from actors.engine.ledger_reporter import DEFAULT_MAX_DELAY_S  # noqa: E402
+from benchmarks.provenance import git_state  # noqa: E402
 from cpbench import report  # noqa: E402
 from cpbench.fleet import BLOCK_SIZE, NEW_BLOCKS, RESIDENT, SimFleet  # noqa: E402
 from cpbench.memory import index_memory  # noqa: E402
@@ -214,7 +215,7 @@ def main(argv: list[str]) -> int:
     res: dict = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git": report.git_state(ROOT),
+        "git": git_state(ROOT),
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
         "assumptions": {
             "workload": (f"SmolLM2-135M cache shape (30 layers, 3 KV heads, head 64, fp32), block size {BLOCK_SIZE}; "

@@ -47,6 +47,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
+from benchmarks.provenance import git_state  # noqa: E402
 from pdbench import budget, client, plot, procs, report, setups, summary  # noqa: E402
 
 LOW_SETUP = {"A": "a", "AP": "ap", "B": "b", "E": "e", "C": "c", "D": "d", "DC": "dc"}
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {
         "benchmark": "pd_vs_vllm", "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, ROOT), *sys.argv]),
-        "git": report.git_state(ROOT),
+        "git": git_state(ROOT),
         "host": {"cpus": procs.NCPU, "platform": platform.platform(), "python": platform.python_version(),
                  "before": procs.host_state()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},

@@ -79,6 +79,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.kv_patterns import PATTERNS  # noqa: E402
+from benchmarks.provenance import git_state  # noqa: E402
 from benchmarks.transfer_report import plot, table  # noqa: E402
 
 from benchmarks.transfer_ranks import BLOCK_SIZE, HEAD_SIZE, NUM_HEADS, NUM_LAYERS, Consumer, Producer  # noqa: E402
@@ -191,6 +192,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "transfer",
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in [sys.executable.replace(str(ROOT) + "/", ""), *sys.argv]),
+        "git": git_state(ROOT),
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                  "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "shape": {"layers": NUM_LAYERS, "kv_heads": NUM_HEADS, "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+from benchmarks.provenance import header_line
+
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
@@ -39,6 +41,7 @@ def table(res: dict) -> str:
     lines = [
         f"# {res['date']}",
         f"# command: {res['command']}",
+        header_line(res.get("git", {})),
         f"# host: {h['cpus']} CPUs, load average {h['loadavg_before'][0]:.2f} before / "
         f"{h['loadavg_after'][0]:.2f} after (1 min; shared machine)",
         f"KV pull as raypd runs it (RankTransfer over NIXL/UCX, two Ray actors, loopback) vs in-process gather"

@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import math
-import subprocess
-from pathlib import Path
 from typing import Any
+from benchmarks.provenance import header_line
 
 GOAL_HANDOFFS = 10_000  # per second, one coordinator core, 256 engines
 GOAL_KV_EVENTS = 100_000
 GOAL_P99_MS = 2.0
-
-
-def git_state(root: Path) -> dict[str, Any]:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    dirty = [line for line in git("status", "--porcelain").splitlines() if "benchmarks/results/" not in line]
-    return {"commit": git("rev-parse", "HEAD"), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
-            "dirty_files": len(dirty)}
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -123,7 +110,6 @@ def table(res: dict[str, Any]) -> str:
 
 def header(res: dict[str, Any]) -> str:
     h = res["host"]
-    return (f"# {res['date']}\n# command: {res['command']}\n# git: {res['git'].get('commit', '?')[:12]} "
-            f"({res['git'].get('branch')}, {res['git'].get('dirty_files')} uncommitted files outside results/)\n"
+    return (f"# {res['date']}\n# command: {res['command']}\n" + header_line(res['git']) + "\n"
             f"# host: {h['cpus']} CPUs, {h['platform']}; load average before {h['loadavg']}, after {h['loadavg_after']}; "
             f"wall {res['wall_s']:.1f} s\n")

@@ -9,23 +9,10 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-from pathlib import Path
 
 from pdbench import goals, report_detail
 from pdbench.summary import NAMES, ORDER, RAYPD
-
-
-def git_state(root: Path) -> dict:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    dirty = [l for l in git("status", "--porcelain").splitlines() if "benchmarks/results/" not in l]
-    return {"commit": git("rev-parse", "HEAD"), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
-            "dirty_files": len(dirty)}
+from benchmarks.provenance import header_line
 
 
 _SCHED = re.compile(r"'(max_num_seqs|max_num_batched_tokens)': (\d+)")
@@ -65,8 +52,7 @@ def f_x(x: float | None) -> str:
 def header(res: dict) -> str:
     h = res["host"]
     planned = f"; planned {res['planned_s']:.0f} s" if res.get("planned_s") else ""
-    return (f"# {res['date']}\n# command: {res['command']}\n# git: {res['git'].get('commit', '?')[:12]} "
-            f"({res['git'].get('branch')}, {res['git'].get('dirty_files')} uncommitted files outside results/)\n"
+    return (f"# {res['date']}\n# command: {res['command']}\n" + header_line(res['git']) + "\n"
             f"# host: {h['cpus']} CPUs, {h['platform']}; load average before {h['before']['loadavg']}, after "
             f"{h.get('after', {}).get('loadavg')}; wall {res.get('wall_s')} s{planned}"
             + (f"; ABORTED: {res['aborted']}" if res.get("aborted") else "") + "\n")
