@@ -18,7 +18,8 @@ import pytest
 import ray
 from vllm import SamplingParams
 
-from actors.engine.actor import EngineActor, engine_actor_options
+from actors.engine.actor import EngineActor
+from actors.engine.options import engine_actor_options
 from actors.control.coordinator import COORDINATOR_NAME
 from actors.engine.config import EngineConfig
 from actors.models.local import build_tiny_llama
