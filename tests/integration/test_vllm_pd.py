@@ -167,6 +167,30 @@ def test_unclaimed_prefill_frees_its_blocks_when_the_lease_expires(engines):
     run(go())
 
 
+def test_a_pull_after_the_producers_lease_ended_fails_closed(engines):
+    """The decode engine comes late: the producer's lease expired and its blocks went back to vLLM
+    (other prompts prefilled meanwhile may hold them). The READ itself succeeds, so only the lease
+    board's record (RELEASED, or gone) tells the reader: the pull fails (policy fail: an error),
+    never an answer from whatever the blocks hold now."""
+    async def go():
+        base = await baselines(engines)
+        late = request("late", token_ids=PROMPTS[150], max_tokens=8, lease_ttl_s=1.0)
+        pre = await engines["P"].prefill.remote(late)
+        assert (await wait_free(engines["P"], base["P"], timeout=15)).free_blocks == base["P"]  # expired
+        for i in range(3):  # other prompts prefilled meanwhile, held (their leases last 60 s)
+            await engines["P"].prefill.remote(request(f"o{i}", token_ids=PROMPTS[150][i + 1:] + PROMPTS[32],
+                                                      max_tokens=8))
+        chunks = await collect(engines["D"], pre.continuation(late).replace(request_id="late-d"))
+        assert chunks[-1].finish_reason == "error" and "lease" in chunks[-1].error, chunks[-1]
+        assert not any(c.token_ids for c in chunks)  # nothing decoded from those blocks
+        for i in range(3):
+            await engines["P"].abort.remote(f"o{i}")
+        for k in ("P", "D"):
+            assert (await wait_free(engines[k], base[k])).free_blocks == base[k], k
+
+    run(go())
+
+
 def test_aborted_decode_frees_blocks_on_both_sides(engines):
     async def go():
         base = await baselines(engines)
