@@ -60,7 +60,7 @@ import ray  # noqa: E402
 
 from actors.control.coordinator import NAMESPACE, start_coordinator  # noqa: E402
 from actors.engine.ledger_reporter import DEFAULT_MAX_DELAY_S  # noqa: E402
-from benchmarks.provenance import git_state  # noqa: E402
+from serving.bench.provenance import git_state  # noqa: E402
 from cpbench import report  # noqa: E402
 from cpbench.fleet import BLOCK_SIZE, NEW_BLOCKS, RESIDENT, SimFleet  # noqa: E402
 from cpbench.memory import index_memory  # noqa: E402

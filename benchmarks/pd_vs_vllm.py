@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
-from benchmarks.provenance import git_state  # noqa: E402
+from serving.bench.provenance import git_state  # noqa: E402
 from pdbench import budget, client, plot, procs, report, setups, summary  # noqa: E402
 
 LOW_SETUP = {"A": "a", "AP": "ap", "B": "b", "E": "e", "C": "c", "D": "d", "DC": "dc"}

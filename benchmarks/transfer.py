@@ -79,7 +79,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.kv_patterns import PATTERNS  # noqa: E402
-from benchmarks.provenance import git_state  # noqa: E402
+from serving.bench.provenance import git_state  # noqa: E402
 from benchmarks.transfer_report import plot, table  # noqa: E402
 
 from benchmarks.transfer_ranks import BLOCK_SIZE, HEAD_SIZE, NUM_HEADS, NUM_LAYERS, Consumer, Producer  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.provenance import header_line
+from serving.bench.provenance import header_line
 
 
 def median(xs):

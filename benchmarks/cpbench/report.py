@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from typing import Any
-from benchmarks.provenance import header_line
+from serving.bench.provenance import header_line
 
 GOAL_HANDOFFS = 10_000  # per second, one coordinator core, 256 engines
 GOAL_KV_EVENTS = 100_000

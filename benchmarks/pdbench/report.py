@@ -12,7 +12,7 @@ import re
 
 from pdbench import goals, report_detail
 from pdbench.summary import NAMES, ORDER, RAYPD
-from benchmarks.provenance import header_line
+from serving.bench.provenance import header_line
 
 
 _SCHED = re.compile(r"'(max_num_seqs|max_num_batched_tokens)': (\d+)")

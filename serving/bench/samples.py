@@ -17,7 +17,10 @@ import random
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from serving.bench.provenance import git_state, header_line
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
          "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -118,12 +121,14 @@ def print_level(r: LevelResult) -> None:
 
 
 def write_results(path: str, out: dict[str, Any], table: str) -> None:
-    """`out` as JSON at `path` and `table` beside it (.txt) under a header of the command and host."""
+    """`out` as JSON at `path` and `table` beside it (.txt) under a header of the command, the commit
+    measured and the host."""
+    out.setdefault("git", git_state(Path(__file__).resolve().parents[2]))
     with open(path, "w") as fh:
         json.dump(out, fh, indent=2)
     h = out["host"]
     with open(os.path.splitext(path)[0] + ".txt", "w") as fh:
-        fh.write(f"# {out['command']}\n# {out['date']}; host: {h['cpus']} CPUs, load average before "
+        fh.write(f"# {out['command']}\n{header_line(out['git'])}\n# {out['date']}; host: {h['cpus']} CPUs, load average before "
                  f"{h['loadavg'][0]:.2f} / after {h['loadavg_after'][0]:.2f}, "
                  f"{h['memory_available_gib']} GiB available\n{table}\n")
     print(f"results written to {path} (+ .txt)")

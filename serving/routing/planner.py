@@ -95,7 +95,8 @@ class RoutePlanner:
         n = len(live)
         live = live[turn % n:] + live[:turn % n]  # equal predictions: round robin
         live = shortlist(live, cached, lambda d: ((x := pool.decode_load[d]).requests, x.tokens))
-        prefills_of = {d: shortlist(pool.usable_prefills(d, routes), cached) for d in live}
+        prefills_of = {d: shortlist(pool.usable_prefills(d, routes, ordered=False), cached, pool.prefill_order)
+                       for d in live}
         ids = list(dict.fromkeys(live + [p for d in live for p in prefills_of[d]]))
         engines = [self.estimate(pool, e, cached.get(e, 0)) for e in ids]
         usable = {d: set(ps) for d, ps in prefills_of.items()}

@@ -172,14 +172,25 @@ class EnginePool:
         return self.deadlines.suspected(engine_id, routes.generations.get(engine_id))
 
     def live_decodes(self, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
-        return [d for d in self.decodes if d in routes.decodes and d not in exclude and not self.hung(d, routes)]
+        table = routes.decodes
+        live = [d for d in self.decodes if d in table and d not in exclude]
+        return [d for d in live if not self.hung(d, routes)] if self.deadlines.suspects else live
 
-    def usable_prefills(self, decode_id: str, routes: RouteTable, exclude: set[str] = frozenset()) -> list[str]:
-        """Usable per the ledger, known here, not excluded, not suspected hung; least loaded first."""
-        known, loads = self.prefills, self.prefill_load
+    def usable_prefills(self, decode_id: str, routes: RouteTable, exclude: set[str] = frozenset(),
+                        ordered: bool = True) -> list[str]:
+        """Usable per the ledger, known here, not excluded, not suspected hung; least loaded first
+        (`ordered=False`: in the directory's order, for a caller that picks its own)."""
+        known = self.prefills
         ids = [r.prefill_id for r in routes.decodes.get(decode_id, ()) if r.prefill_id in known
-               and r.prefill_id not in exclude and not self.hung(r.prefill_id, routes)]
-        return sorted(ids, key=lambda p: ((x := loads[p]).requests, x.tokens))
+               and r.prefill_id not in exclude]
+        if self.deadlines.suspects:
+            ids = [p for p in ids if not self.hung(p, routes)]
+        return sorted(ids, key=self.prefill_order) if ordered else ids
+
+    def prefill_order(self, prefill_id: str) -> tuple[int, int]:
+        """Least loaded first: requests, then queued prompt tokens."""
+        x = self.prefill_load[prefill_id]
+        return x.requests, x.tokens
 
     # ------------------------------------------------------------- charges
     def charge_decode(self, decode_id: str, tokens: int) -> DecodeCharge:
