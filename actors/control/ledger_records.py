@@ -88,7 +88,7 @@ class LedgerBatch:
 
 @dataclass(frozen=True)
 class ControlStats:
-    """What the coordinator absorbed since it started (the control-plane benchmark reads it)."""
+    """What the coordinator absorbed since it started (`raypd status`; the control-plane benchmark)."""
 
     engines: int
     pairs: int

@@ -87,6 +87,8 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
         out["handoffs_in_flight"], out["verdicts"] = ledger.in_flight, ledger.verdicts
         out["handoffs_awaiting_units"] = ledger.awaiting_units
         out["breakers"] = {b.pair: jsonable(b) for b in ledger.breakers}
+        # what the control plane absorbed (ledger batches, KV events, route tables built and polled)
+        out["control_plane"] = jsonable(ray.get(coordinator.control_stats.remote(), timeout=timeout_s))
     except (ValueError, ray.exceptions.RayError) as exc:
         registered = {}
         out["coordinator"] = f"unavailable: {exc}"

@@ -21,7 +21,7 @@ some engine holds it. Pure Python: no Ray, no vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from actors.control.prefix_index import HashScheme, IndexCursor, IndexOp, IndexUpdate
 
@@ -47,9 +47,21 @@ class PrefixReplica:
 
     # ------------------------------------------------------------ updates
     def apply_update(self, update: IndexUpdate) -> None:
+        for _ in self.apply_in_slices(update, 0):
+            pass
+
+    def apply_in_slices(self, update: IndexUpdate, slice_hashes: int) -> Iterator[None]:
+        """Apply `update`, yielding after every `slice_hashes` hashes (0: never) so that a caller on an
+        event loop can let requests run in between; the cursor moves once the last op is applied."""
         if update.full:
             self.clear()
-        self.apply_ops(update.ops)
+        done = 0
+        for op in update.ops:
+            self.apply_ops((op,))
+            done += 1 + len(op.hashes)
+            if slice_hashes and done >= slice_hashes:
+                done = 0
+                yield
         self.epoch, self.seq = update.cursor.epoch, update.cursor.seq
 
     def apply_ops(self, ops: Iterable[IndexOp]) -> None:

@@ -63,18 +63,12 @@ class PrefixCacheView:
             self._inflight = None
 
     async def _apply(self, update: IndexUpdate) -> None:
-        if update.full:
-            self.index.clear()
-        done, t0 = 0, time.perf_counter()
-        for op in update.ops:
-            self.index.apply_ops((op,))
-            done += 1 + len(op.hashes)
-            if done >= self.slice_hashes:
-                done, self.upkeep_s = 0, self.upkeep_s + time.perf_counter() - t0
-                await asyncio.sleep(0)  # let requests run between slices
-                t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        for _ in self.index.apply_in_slices(update, self.slice_hashes):
+            self.upkeep_s += time.perf_counter() - t0
+            await asyncio.sleep(0)  # let requests run between slices
+            t0 = time.perf_counter()
         self.upkeep_s += time.perf_counter() - t0
-        self.index.epoch, self.index.seq = update.cursor.epoch, update.cursor.seq
 
     def held_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str] | None = None) -> dict[str, int]:
         """Per engine (of `engine_ids`, default all) holding at least the prompt's first block: prompt

@@ -187,3 +187,4 @@ def test_status_collection_without_serve(service):
     assert set(status["engines"]) == {f"{NAME}-prefill-0", f"{NAME}-decode-0"}
     assert all(e["healthy"] and e["registered"] for e in status["engines"].values())
     assert status["engines"][f"{NAME}-decode-0"]["summary"]["tp_size"] == 2
+    assert status["control_plane"]["route_calls"] > 0  # the coordinator's own counters, as routers polled it
