@@ -128,11 +128,14 @@ class RestartConfig(_Strict):
     autoscaler, each at most `max_restarts` times. A hung engine is restarted too: the coordinator
     pings every engine each `probe_interval_s` (and at once when a router reports a missed
     deadline); one that does not answer within `probe_timeout_s` (its actor, or vLLM's engine core
-    behind it) is evicted and killed, and Ray restarts it as a new incarnation."""
+    behind it), when a router reported it or at `probe_failure_threshold` sweeps in a row (one slow
+    answer on busy cores is not a hang), is evicted and killed, and Ray restarts it as a new
+    incarnation."""
 
     max_restarts: int = Field(5, ge=0, le=1000)
     probe_interval_s: float = Field(10.0, gt=0)
     probe_timeout_s: float = Field(10.0, gt=0)
+    probe_failure_threshold: int = Field(2, ge=1, le=100)
 
 
 class HttpConfig(_Strict):

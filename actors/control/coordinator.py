@@ -78,9 +78,11 @@ NAMESPACE = "raypd"
 
 class Coordinator:
     def __init__(self, hang_check_s: float = 10.0, ping_timeout_s: float = 10.0,
-                 handoff_deadline_s: float = 60.0, breaker: dict | BreakerConfig | None = None):
+                 handoff_deadline_s: float = 60.0, breaker: dict | BreakerConfig | None = None,
+                 probe_failure_threshold: int = 2):
         self.ledger = TransferLedger(BreakerConfig.model_validate(breaker or {}), deadline_s=handoff_deadline_s)
-        self.liveness = Liveness(self._evict, timeout_s=ping_timeout_s, interval_s=hang_check_s)
+        self.liveness = Liveness(self._evict, timeout_s=ping_timeout_s, interval_s=hang_check_s,
+                                 failure_threshold=probe_failure_threshold)
         self._engines: dict[str, EngineEntry] = {}
         self._model_hash: dict[str, str] = {}
         self.book = RouteBook(self.ledger)  # the pairs and the routers' table
@@ -96,7 +98,8 @@ class Coordinator:
         self.settle_s = 10.0
 
     async def configure(self, breaker: dict | None = None, handoff_deadline_s: float | None = None,
-                        probe_interval_s: float | None = None, probe_timeout_s: float | None = None) -> None:
+                        probe_interval_s: float | None = None, probe_timeout_s: float | None = None,
+                        probe_failure_threshold: int | None = None) -> None:
         """Cluster-wide settings of the ledger and the liveness probes (the last deployment
         launched sets them; pairs whose breaker already exists keep theirs)."""
         if breaker is not None:
@@ -107,6 +110,8 @@ class Coordinator:
             self.liveness.interval_s = probe_interval_s
         if probe_timeout_s is not None:
             self.liveness.timeout_s = probe_timeout_s
+        if probe_failure_threshold is not None:
+            self.liveness.failure_threshold = probe_failure_threshold
 
     # ---------------------------------------------------------- registration
     async def register_engine(self, engine_id: str, role: str, handshakes: list[bytes],
@@ -364,8 +369,9 @@ class Coordinator:
 
     async def check_engines(self) -> list[str]:
         """Probe every engine once (deaths are seen at once by the watchers; this catches
-        hangs): one that does not answer in `ping_timeout_s` is evicted and killed so that
-        Ray restarts it (`actors.control.liveness`). Returns the ids found hung or dead."""
+        hangs): one that has not answered in `ping_timeout_s` at `probe_failure_threshold`
+        sweeps in a row is evicted and killed so that Ray restarts it
+        (`actors.control.liveness`). Returns the ids found hung or dead."""
         entries = [e for e in self._engines.values() if e.handles]
         return await self.liveness.sweep(entries, lambda e: self._engines.get(e.engine_id) is e)
 

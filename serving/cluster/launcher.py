@@ -80,9 +80,11 @@ class Launcher:
                                         breaker=cfg.breaker.model_dump(),
                                         handoff_deadline_s=cfg.transfer.handoff_deadline_s,
                                         hang_check_s=restarts.probe_interval_s,
-                                        ping_timeout_s=restarts.probe_timeout_s)
+                                        ping_timeout_s=restarts.probe_timeout_s,
+                                        probe_failure_threshold=restarts.probe_failure_threshold)
         await asyncio.wait_for(coordinator.configure.remote(cfg.breaker.model_dump(), cfg.transfer.handoff_deadline_s,
-                                                            restarts.probe_interval_s, restarts.probe_timeout_s), 60)
+                                                            restarts.probe_interval_s, restarts.probe_timeout_s,
+                                                            restarts.probe_failure_threshold), 60)
         dep = await self._serving_pools(coordinator) if cfg.autoscaler.enabled else None
         if dep is None:
             dep = await self._start_all(coordinator)

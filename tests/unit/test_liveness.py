@@ -1,6 +1,7 @@
 """The coordinator's liveness probes without Ray (actors/control/liveness.py): a router's hang report is
 probed, a probe that times out evicts the incarnation (breakers open) and kills it for a restart; an
-engine that answers is left alone; the sweep finds hangs nobody reported; one probe per incarnation."""
+engine that answers is left alone; the sweep finds hangs nobody reported (after two failed probes in a
+row: one slow answer does not kill a healthy engine); one probe per incarnation."""
 
 from __future__ import annotations
 
@@ -101,12 +102,49 @@ def test_the_sweep_finds_an_unreported_hang_and_a_stuck_engine_core():
         c, h = await pair()
         h["P"].frozen = True  # the actor frozen
         h["D"].answer = "the engine core did not answer in 8 s"  # the actor answers, its core does not
+        first = await c.check_engines()
+        killed_after_first = h["P"].killed + h["D"].killed
         found = await c.check_engines()
+        routes = await c.routes()
+        stop(c)
+        return first, killed_after_first, found, routes, h
+
+    first, killed_after_first, found, routes, h = asyncio.run(go())
+    assert (first, killed_after_first) == ([], 0)  # one failed probe decides nothing
+    assert sorted(found) == ["D", "P"]
+    assert h["P"].killed == 1 and h["D"].killed == 1
+    assert routes.decodes == {} and routes.hangs == {"P": 1, "D": 1}
+
+
+def test_a_slow_answer_between_sweeps_resets_the_count():
+    """Probes fail, answer, fail: never two in a row, so the engine (busy, not hung) keeps serving."""
+    async def go():
+        c, h = await pair()
+        found = []
+        for frozen in (True, False, True, False, True):
+            h["D"].frozen = frozen
+            found += await c.check_engines()
         routes = await c.routes()
         stop(c)
         return found, routes, h
 
     found, routes, h = asyncio.run(go())
-    assert sorted(found) == ["D", "P"]
-    assert h["P"].killed == 1 and h["D"].killed == 1
-    assert routes.decodes == {} and routes.hangs == {"P": 1, "D": 1}
+    assert found == [] and h["D"].killed == 0
+    assert "D" in routes.decodes and routes.hangs == {}
+
+
+def test_a_report_during_a_sweeps_probe_is_decided_by_that_probe():
+    async def go():
+        c, h = await pair(timeout_s=0.3)
+        h["D"].frozen = True
+        gen = {e.engine_id: e.generation for e in await c.engines()}["D"]
+        sweep = asyncio.ensure_future(c.check_engines())
+        await asyncio.sleep(0.05)  # the sweep's probe is in flight
+        verdict = await c.engine_hung("D", gen, "missed its token deadline")
+        found = await sweep
+        stop(c)
+        return verdict, found, h
+
+    verdict, found, h = asyncio.run(go())
+    assert verdict == "hung" and found == ["D"]
+    assert h["D"].calls.count("ping") == 1 and h["D"].killed == 1
