@@ -70,7 +70,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -152,8 +152,7 @@ class TransferEstimate:
         return self.overhead_s + max(0, tokens) / self.tokens_per_s
 
 
-@dataclass(frozen=True)
-class Option:
+class Option(NamedTuple):  # a tuple: one per allowed pair per request, built fast, hashable
     decode_id: str
     prefill_id: str | None = None  # None: colocated
 
@@ -166,7 +165,7 @@ class Option:
         return self.prefill_id or self.decode_id
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per option per request, and frozen construction costs 4x
 class Prediction:
     option: Option
     uncached_tokens: int  # computed by the prefilling engine
@@ -212,14 +211,15 @@ TransferOf = Callable[[str, str], TransferEstimate]  # (prefill id, decode id) -
 def options(engines: Sequence[EngineEstimate], allowed: Allowed | None = None) -> list[Option]:
     """Every option the roles and `allowed` permit, colocated ones first per decode engine."""
     ok = allowed or (lambda _p, _d: True)
+    prefilling = [y.engine_id for y in engines if y.role in PREFILL_CAPABLE]
     out: list[Option] = []
     for x in engines:
         if x.role not in DECODE_CAPABLE:
             continue
-        if ok(None, x.engine_id):
-            out.append(Option(x.engine_id))
-        out += [Option(x.engine_id, y.engine_id) for y in engines
-                if y.role in PREFILL_CAPABLE and y.engine_id != x.engine_id and ok(y.engine_id, x.engine_id)]
+        d = x.engine_id
+        if ok(None, d):
+            out.append(Option(d))
+        out += [Option(d, p) for p in prefilling if p != d and ok(p, d)]
     return out
 
 
@@ -231,33 +231,72 @@ def ttft_target(prompt_tokens: int, engines: Sequence[EngineEstimate], config: P
     return max(config.ttft_target_s, config.ttft_slowdown * best)
 
 
-def predict(option: Option, engines: dict[str, EngineEstimate], prompt_tokens: int, config: PlacementConfig,
-            target_s: float, transfer: TransferOf | None = None, answer_tokens: int = 1) -> Prediction:
-    """TTFT, gaps and violations of one option (the formulas of the module docstring)."""
-    x, e = engines[option.decode_id], engines[option.prefilling_id]
+@dataclass(slots=True)
+class _PrefillSide:
+    """What an option's prefilling engine E contributes, the same for every decode engine it may serve."""
+    uncached: int
+    wait_s: float
+    done_s: float
+    streams: int
+    steps: int
+    stall_gap_s: float
+    stall_violation_s: float  # stream-seconds E's streams lose past the ITL target
+
+
+@dataclass(slots=True)
+class _DecodeSide:
+    """What the decode engine X contributes, whoever prefills."""
+    own_itl_s: float
+    colocated_gap_s: float
+    local_chunk_s: float  # its own prefill chunk in its steps (after a pull)
+    uncached: int  # prompt tokens X's cache lacks (what a pull moves)
+    slow_decode_s: float  # answer tokens x past the mean ITL target
+
+
+def _prefill_side(e: EngineEstimate, prompt_tokens: int, config: PlacementConfig) -> _PrefillSide:
     u = max(1, prompt_tokens - min(e.cached_tokens, prompt_tokens))
     q, r, b, s = e.queued_prefill_tokens, e.prefill_tokens_per_s, e.chunk_budget_tokens, e.decode_step_s
     done = (q + u) / r + math.ceil((q + u) / b) * s
     wait = min(done, q / r + (q // b) * s)
-    handoff = 0.0
+    streams, steps = e.decode_streams, math.ceil(u / b)
+    stall_gap = s + min(q + u, b) / r if streams else 0.0
+    return _PrefillSide(u, wait, done, streams, steps, stall_gap,
+                        streams * steps * max(0.0, stall_gap - config.itl_target_s))
+
+
+def _decode_side(x: EngineEstimate, prompt_tokens: int, config: PlacementConfig, answer_tokens: int) -> _DecodeSide:
     busy = min(config.max_prefill_busy, max(0.0, x.prefill_busy))
     own_itl = (x.decode_step_s + x.step_per_stream_s) / (1.0 - busy)
     mean_target = max(config.itl_target_mean_s, config.mean_itl_slowdown * (x.bare_step_s + x.step_per_stream_s))
-    first_gap = x.decode_step_s + x.step_per_stream_s
+    local_chunk = min(x.queued_prefill_tokens, x.chunk_budget_tokens) / x.prefill_tokens_per_s
+    return _DecodeSide(own_itl, x.decode_step_s + x.step_per_stream_s, local_chunk,
+                       prompt_tokens - min(x.cached_tokens, prompt_tokens),
+                       max(1, answer_tokens) * max(0.0, own_itl - mean_target))
+
+
+def predict(option: Option, engines: dict[str, EngineEstimate], prompt_tokens: int, config: PlacementConfig,
+            target_s: float, transfer: TransferOf | None = None, answer_tokens: int = 1,
+            sides: tuple[dict, dict] | None = None) -> Prediction:
+    """TTFT, gaps and violations of one option (the formulas of the module docstring). `sides`: two
+    dicts kept across the options of one placement (each engine's parts are computed once)."""
+    prefilling, decoding = sides if sides is not None else ({}, {})
+    e_id = option.prefill_id or option.decode_id
+    e = prefilling.get(e_id)
+    if e is None:
+        e = prefilling[e_id] = _prefill_side(engines[e_id], prompt_tokens, config)
+    x = decoding.get(option.decode_id)
+    if x is None:
+        x = decoding[option.decode_id] = _decode_side(engines[option.decode_id], prompt_tokens, config, answer_tokens)
+    handoff, first_gap = 0.0, x.colocated_gap_s
     if option.prefill_id is not None:
         handoff = config.remote_first_token_overhead_s
         pull = (transfer or _prior_transfer(config))(option.prefill_id, option.decode_id)
-        local_chunk = min(x.queued_prefill_tokens, x.chunk_budget_tokens) / x.prefill_tokens_per_s
-        first_gap = pull.seconds(prompt_tokens - min(x.cached_tokens, prompt_tokens)) + own_itl + local_chunk
-    streams, steps = e.decode_streams, math.ceil(u / b)
-    stall_gap = s + min(q + u, b) / r if streams else 0.0
-    ttft = done + handoff
+        first_gap = pull.seconds(x.uncached) + x.own_itl_s + x.local_chunk_s
+    ttft = e.done_s + handoff
     ttft_v = max(0.0, ttft - target_s)
-    itl_v = (streams * steps * max(0.0, stall_gap - config.itl_target_s)
-             + max(0.0, first_gap - config.first_gap_target_s)
-             + max(1, answer_tokens) * max(0.0, own_itl - mean_target))
-    return Prediction(option, u, wait, done - wait, handoff, first_gap, own_itl, streams,
-                      steps if streams else 0, stall_gap, ttft_v, itl_v,
+    itl_v = e.stall_violation_s + max(0.0, first_gap - config.first_gap_target_s) + x.slow_decode_s
+    return Prediction(option, e.uncached, e.wait_s, e.done_s - e.wait_s, handoff, first_gap, x.own_itl_s, e.streams,
+                      e.steps if e.streams else 0, e.stall_gap_s, ttft_v, itl_v,
                       config.ttft_weight * ttft_v + config.itl_weight * itl_v)
 
 
@@ -280,7 +319,8 @@ def place(prompt_tokens: int, engines: Sequence[EngineEstimate], config: Placeme
     if not opts:
         return None
     target = ttft_target(prompt_tokens, engines, config)
-    preds = [predict(o, by_id, prompt_tokens, config, target, transfer, answer_tokens) for o in opts]
+    sides: tuple[dict, dict] = ({}, {})
+    preds = [predict(o, by_id, prompt_tokens, config, target, transfer, answer_tokens, sides) for o in opts]
     order = sorted(range(len(preds)), key=lambda i: (round(preds[i].violation, 6), round(preds[i].ttft_s, 6), i))
     ranked = tuple(preds[i] for i in order)
     best = ranked[0]

@@ -26,8 +26,8 @@ SLO model sees a shortlist (`shortlist`): the least loaded engines and those hol
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -95,8 +95,8 @@ class RoutePlanner:
         n = len(live)
         live = live[turn % n:] + live[:turn % n]  # equal predictions: round robin
         live = shortlist(live, cached, lambda d: ((x := pool.decode_load[d]).requests, x.tokens))
-        prefills_of = {d: shortlist(pool.usable_prefills(d, routes, ordered=False), cached, pool.prefill_order)
-                       for d in live}
+        short = PrefillShortlist(pool, cached)
+        prefills_of = {d: short.of(pool.usable_prefills(d, routes, ordered=False)) for d in live}
         ids = list(dict.fromkeys(live + [p for d in live for p in prefills_of[d]]))
         engines = [self.estimate(pool, e, cached.get(e, 0)) for e in ids]
         usable = {d: set(ps) for d, ps in prefills_of.items()}
@@ -128,10 +128,10 @@ class RoutePlanner:
         prefill = pool.prefill_load.get(engine_id)
         decode = pool.decode_load.get(engine_id)
         budget = self.chunk_budgets.get(role) or self.config.slo.default_chunk_budget_tokens
-        estimate = pool.rates.estimate(engine_id, role, decode_streams=decode.requests if decode else 0,
-                                       queued_prefill_tokens=prefill.tokens if prefill else 0,
-                                       cached_tokens=cached_tokens, chunk_budget_tokens=budget)
-        return dataclasses.replace(estimate, prefill_busy=pool.prefill_busy(engine_id))
+        return pool.rates.estimate(engine_id, role, decode_streams=decode.requests if decode else 0,
+                                   queued_prefill_tokens=prefill.tokens if prefill else 0,
+                                   cached_tokens=cached_tokens, chunk_budget_tokens=budget,
+                                   prefill_busy=pool.prefill_busy(engine_id))
 
     def steps_for(self, pool: EnginePool, engine_id: str, tokens: int) -> int:
         """Engine steps a prefill of `tokens` takes there (its chunked-prefill budget)."""
@@ -181,6 +181,27 @@ def shortlist(ids: list[str], cached: dict[str, int], load: Callable[[str], Any]
     keep = set(heapq.nsmallest(k, ids, key=load) if load is not None else ids[:k])
     keep.update(heapq.nlargest(k, (e for e in ids if cached.get(e)), key=cached.__getitem__))
     return [e for e in ids if e in keep]
+
+
+class PrefillShortlist:
+    """`shortlist` of each decode engine's usable prefill engines for one request, from one ranking of
+    every prefill engine by load: the least loaded overall that a decode engine may use are its least
+    loaded, so each list is a walk down the ranking (O(SHORTLIST) when the pairs are usable), not a
+    selection over all its prefill engines (that was O(decodes x prefills) per request)."""
+
+    def __init__(self, pool: EnginePool, cached: dict[str, int], k: int = SHORTLIST):
+        self.k, self.cached = k, cached
+        self.ranked = sorted(pool.prefills, key=pool.prefill_order)
+        # engines holding some of the prompt, most first (ties: as `shortlist`, the caller's order)
+        self.holders = sorted((e for e in cached if cached[e]), key=cached.__getitem__, reverse=True)
+
+    def of(self, usable: list[str]) -> list[str]:
+        if len(usable) <= self.k:
+            return usable
+        allowed = set(usable)
+        keep = set(itertools.islice((p for p in self.ranked if p in allowed), self.k))
+        keep.update(itertools.islice((e for e in self.holders if e in allowed), self.k))
+        return [e for e in usable if e in keep]
 
 
 def planner_for(config: RouterConfig, view: PrefixCacheView | None = None,

@@ -138,11 +138,14 @@ class EnginePool:
         self.rates = rates or RateEstimator()
         self._given: dict[str, GivenRate] = {}  # prompt tokens given to each engine to prefill, recently
         self._tasks: set[asyncio.Task] = set()
+        # per directory table: decode engine -> its listed prefill engines that this pool knows
+        self._routed: tuple[RouteTable | None, dict[str, tuple[str, ...]]] = (None, {})
 
     # ---------------------------------------------------------- membership
     def sync(self, routes: RouteTable) -> None:
         """Adopt the engines the directory lists; forget departed ones once nothing of ours runs there
         and their actor is gone (a dead engine that is still there stays, shown as down)."""
+        self._routed = (None, {})  # membership may change below
         if self.resolve_engine is None:
             return
         listed = {d: (self.decodes, self.decode_load) for d in routes.decodes}
@@ -180,9 +183,14 @@ class EnginePool:
                         ordered: bool = True) -> list[str]:
         """Usable per the ledger, known here, not excluded, not suspected hung; least loaded first
         (`ordered=False`: in the directory's order, for a caller that picks its own)."""
-        known = self.prefills
-        ids = [r.prefill_id for r in routes.decodes.get(decode_id, ()) if r.prefill_id in known
-               and r.prefill_id not in exclude]
+        if self._routed[0] is not routes:
+            self._routed = (routes, {})
+        routed = self._routed[1].get(decode_id)
+        if routed is None:  # once per table and decode engine, not per request: O(prefills)
+            known = self.prefills
+            routed = self._routed[1][decode_id] = tuple(
+                r.prefill_id for r in routes.decodes.get(decode_id, ()) if r.prefill_id in known)
+        ids = [p for p in routed if p not in exclude] if exclude else list(routed)
         if self.deadlines.suspects:
             ids = [p for p in ids if not self.hung(p, routes)]
         return sorted(ids, key=self.prefill_order) if ordered else ids

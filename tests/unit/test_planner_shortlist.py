@@ -23,3 +23,34 @@ def test_without_a_load_key_the_list_is_taken_as_least_loaded_first():
 def test_ties_keep_the_callers_rotation():
     ids = ["c", "a", "b", "d", "e"]
     assert shortlist(ids, {}, lambda e: 0, k=2) == ["c", "a"]
+
+
+class _Load:
+    def __init__(self, requests, tokens=0):
+        self.requests, self.tokens = requests, tokens
+
+
+class _Pool:
+    def __init__(self, loads):
+        self.prefills = dict.fromkeys(loads)
+        self.prefill_load = {p: _Load(r) for p, r in loads.items()}
+
+    def prefill_order(self, p):
+        x = self.prefill_load[p]
+        return x.requests, x.tokens
+
+
+def test_one_ranking_gives_each_decode_engine_the_shortlist_of_its_own_prefill_engines():
+    """The walk down one load ranking equals `shortlist` over each decode engine's usable prefill engines,
+    also for one whose pairs with the least loaded engines are not usable (open breakers)."""
+    from serving.routing.planner import PrefillShortlist
+
+    loads = {f"p{i}": (i * 7) % 12 for i in range(12)}  # p0 idle, then p7, p2, p9, ...
+    pool = _Pool(loads)
+    cached = {"p4": 64, "p9": 32, "d0": 64}
+    short = PrefillShortlist(pool, cached, k=2)
+    every = list(loads)
+    without_idle = [p for p in every if p not in ("p0", "p7", "p9")]
+    for usable in (every, without_idle, every[:2]):
+        assert short.of(usable) == shortlist(usable, cached, pool.prefill_order, k=2)
+    assert short.of(every) == ["p0", "p4", "p7", "p9"]
