@@ -116,3 +116,28 @@ def test_learned_rates_drive_placement():
     feed(est, clock, engine_id="d")
     engines = [est.estimate("p", "prefill"), est.estimate("d", "decode", decode_streams=12)]
     assert place(1024, engines, transfer=est.transfer).option == Option("d", "p")
+
+
+def test_a_reused_solution_equals_a_fresh_one_and_a_sample_or_time_replaces_it():
+    """Placement asks for one engine's rates once per option: the fit's solution is reused while
+    nothing it depends on moved (no sample, the same prior, under 0.1 % of decay), and is the
+    solution a fresh estimator would compute at that moment."""
+    def fresh(t: float, n: int) -> float:
+        clock = Clock()
+        est = RateEstimator(clock=clock)
+        feed(est, clock, n=n)
+        clock.t = t
+        return est.rates("e").prefill_tokens_per_s
+
+    clock = Clock()
+    est = RateEstimator(clock=clock)
+    feed(est, clock, n=20)
+    t0 = clock.t
+    first = est.rates("e").prefill_tokens_per_s
+    clock.t = t0 + 0.05  # within reuse_s (87 ms at the 60 s half-life): the same answer
+    assert est.rates("e").prefill_tokens_per_s == first == fresh(t0, 20)
+    clock.t = t0 + 600.0  # ten half-lives later the priors weigh more: a new solution, as a fresh fit's
+    later = est.rates("e").prefill_tokens_per_s
+    assert later != first and later == pytest.approx(fresh(t0 + 600.0, 20), rel=1e-9)
+    est.observe_gap("e", A, 4)  # a sample: solved again at once
+    assert est.rates("e").prefill_tokens_per_s != later
