@@ -192,7 +192,7 @@ class PrefillShortlist:
     def __init__(self, pool: EnginePool, cached: dict[str, int], k: int = SHORTLIST):
         self.k, self.cached = k, cached
         self.ranked = sorted(pool.prefills, key=pool.prefill_order)
-        # engines holding some of the prompt, most first (ties: as `shortlist`, the caller's order)
+        # engines holding some of the prompt, most first (ties: in the index lookup's order)
         self.holders = sorted((e for e in cached if cached[e]), key=cached.__getitem__, reverse=True)
 
     def of(self, usable: list[str]) -> list[str]:
