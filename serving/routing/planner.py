@@ -75,6 +75,11 @@ class RoutePlanner:
         else:  # the prefill list is built for the chosen decode engine only (O(decodes + prefills))
             plan = self._disaggregate(pool, req, live, routes, cached, turn)
         self.decisions[(plan.decision.decision, plan.decision.reason)] += 1
+        # the engines that will hold the prompt's KV: the decode engine (it prefills or pulls it) and,
+        # disaggregated, the first prefill engine tried
+        self.note_held(plan.decode_id, req.prompt_token_ids)
+        if plan.decision.remote and plan.prefill_ids:
+            self.note_held(plan.prefill_ids[0], req.prompt_token_ids)
         return plan
 
     def _disaggregate(self, pool: EnginePool, req: EngineRequest, live: list[str], routes: RouteTable,
@@ -152,6 +157,11 @@ class RoutePlanner:
     def _decode_candidates(pool: EnginePool, live: list[str], cached: dict[str, int]) -> list[Candidate]:
         loads, held = pool.decode_load, cached.get
         return [Candidate(d, held(d, 0), (x := loads[d]).tokens, x.requests) for d in live]
+
+    def note_held(self, engine_id: str | None, token_ids: tuple[int, ...]) -> None:
+        """`engine_id` caches `token_ids` now (a placement of this router, or an answer it streamed)."""
+        if self.view is not None and engine_id is not None and token_ids:
+            self.view.note_held(engine_id, token_ids)
 
     def _cached(self, req: EngineRequest) -> dict[str, int]:
         """Engine -> prompt tokens its prefix cache holds (engines left out hold none)."""

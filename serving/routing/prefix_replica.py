@@ -14,6 +14,11 @@ Life cycle of an engine in the replica:
   cleared   a "clear" op (the engine died, restarted, or its relay lost events) clears its
             bit everywhere, O(distinct blocks): rare; its bit index is reused.
 
+A router's own placements (llm-d's approximate prefix scoring): `note_held(engine, tokens, now)`
+claims the prompt's blocks for the engine it just routed them to, at once, before its KV events
+arrive; the claim lives beside the owner's entries for `claim_ttl_s` (the events confirm it long
+before), a "remove" or "clear" of the engine drops it (an eviction wins), a full snapshot too.
+
 Cost: applying an op is O(its hashes); a lookup is O(leading blocks held by anyone + the
 engines holding them), never O(engines x blocks), and the prompt is hashed only as far as
 some engine holds it. Pure Python: no Ray, no vLLM.
@@ -21,13 +26,15 @@ some engine holds it. Pure Python: no Ray, no vLLM.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
 from actors.control.prefix_index import HashScheme, IndexCursor, IndexOp, IndexUpdate
 
 
 class PrefixReplica:
-    def __init__(self) -> None:
+    def __init__(self, claim_ttl_s: float = 10.0) -> None:
+        self.claim_ttl_s = claim_ttl_s  # how long a router's own claim stands without the engine's events
         self.clear()
 
     def clear(self) -> None:
@@ -40,6 +47,9 @@ class PrefixReplica:
         self._scheme: dict[str, HashScheme] = {}
         self._scheme_mask: dict[HashScheme, int] = {}  # scheme -> the engines hashing with it
         self._count: dict[str, int] = {}  # engine -> blocks held
+        self._claimed: dict[int, int] = {}  # block hash -> bitmask of engines this router placed it on
+        self._claims: deque[tuple[float, str, tuple[int, ...]]] = deque()  # (expiry, engine, hashes), oldest first
+        self._claim_until: dict[tuple[int, int], float] = {}  # (hash, engine's bit) -> its latest claim's expiry
 
     @property
     def cursor(self) -> IndexCursor:
@@ -96,6 +106,7 @@ class PrefixReplica:
         bit = self._bit.get(engine_id)
         if bit is None:
             return
+        self._unclaim(1 << bit, hashes)
         mask, holders, gone = 1 << bit, self._holders, 0
         for h in hashes:
             cur = holders.get(h, 0)
@@ -112,6 +123,7 @@ class PrefixReplica:
         if bit is None:
             return
         mask = 1 << bit
+        self._unclaim(mask, [h for h, cur in self._claimed.items() if cur & mask])
         for h, cur in list(self._holders.items()):
             if cur & mask:
                 if cur == mask:
@@ -125,6 +137,51 @@ class PrefixReplica:
         if not self._scheme_mask[scheme]:
             del self._scheme_mask[scheme]
         del self._count[engine_id]
+
+    # ------------------------------------------------------- own claims
+    def note_held(self, engine_id: str, token_ids: Sequence[int], now: float) -> int:
+        """This router placed `token_ids` (tokens whose KV the engine computes) on `engine_id`: their full
+        blocks count as held there until the
+        engine's events confirm them (or `claim_ttl_s` passes). Hashed with the engine's scheme, or the
+        deployment's one scheme for an engine that has reported none yet; returns the blocks claimed."""
+        self.expire_claims(now)
+        scheme = self._scheme.get(engine_id)
+        if scheme is None:
+            if len(self._scheme_mask) != 1:
+                return 0  # no scheme to hash with: the events will tell
+            scheme = next(iter(self._scheme_mask))
+            self._store(engine_id, (), scheme)  # the engine gets its bit (holding nothing confirmed)
+        hashes = tuple(scheme.iter_block_hashes(token_ids))
+        bit, until = self._bit[engine_id], now + self.claim_ttl_s
+        mask, claimed = 1 << bit, self._claimed
+        for h in hashes:
+            claimed[h] = claimed.get(h, 0) | mask
+            self._claim_until[(h, bit)] = until
+        self._claims.append((until, engine_id, hashes))
+        return len(hashes)
+
+    def expire_claims(self, now: float) -> None:
+        """Drop claims older than `claim_ttl_s` (a later claim of the same block stands)."""
+        while self._claims and self._claims[0][0] <= now:
+            _, engine_id, hashes = self._claims.popleft()
+            bit = self._bit.get(engine_id)
+            if bit is not None:
+                until = self._claim_until
+                self._unclaim(1 << bit, [h for h in hashes if until.get((h, bit), 0.0) <= now])
+
+    def _unclaim(self, mask: int, hashes: Iterable[int]) -> None:
+        claimed = self._claimed
+        if not claimed:
+            return
+        bit = mask.bit_length() - 1
+        for h in hashes:
+            cur = claimed.get(h, 0)
+            if cur & mask:
+                self._claim_until.pop((h, bit), None)
+                if cur == mask:
+                    del claimed[h]
+                else:
+                    claimed[h] = cur ^ mask
 
     # -------------------------------------------------------------- query
     def engines(self) -> dict[str, int]:
@@ -148,8 +205,9 @@ class PrefixReplica:
             alive, n = wanted & engines, 0
             if not alive:
                 continue
+            holders, claimed = self._holders, self._claimed
             for key in scheme.iter_block_hashes(token_ids):
-                held = alive & self._holders.get(key, 0)
+                held = alive & (holders.get(key, 0) | claimed.get(key, 0))
                 self._settle(alive & ~held, n, scheme.block_size, cap, out)
                 alive = held
                 if not alive:

@@ -5,7 +5,12 @@ Life cycle: the first `refresh()` fetches a snapshot; later ones, at most every
 never waits), fetch only the ops after the copy's cursor (a snapshot again when the
 owner's log no longer reaches back or the owner restarted). Concurrent requests
 share one fetch; a failed fetch keeps the last copy (routing goes on by load and
-what is known) and is retried at the next refresh. The copy is a `PrefixReplica`
+what is known) and is retried at the next refresh.
+
+The router's own placements count at once (`note_held`): the prompt it just routed to an
+engine, and the whole conversation once its answer ended there, are claimed in the copy
+before the engine's KV events arrive (an agent's next turn comes within milliseconds of
+the answer; the events take a relay and a refresh), until those events confirm or evict them. The copy is a `PrefixReplica`
 (inverted: block -> engines); an update is applied `slice_hashes` hashes at a time with
 the event loop free in between, so requests arriving meanwhile are not held up by
 it (they may see the copy half updated: a cache miss at worst).
@@ -63,12 +68,17 @@ class PrefixCacheView:
             self._inflight = None
 
     async def _apply(self, update: IndexUpdate) -> None:
+        self.index.expire_claims(self.clock())
         t0 = time.perf_counter()
         for _ in self.index.apply_in_slices(update, self.slice_hashes):
             self.upkeep_s += time.perf_counter() - t0
             await asyncio.sleep(0)  # let requests run between slices
             t0 = time.perf_counter()
         self.upkeep_s += time.perf_counter() - t0
+
+    def note_held(self, engine_id: str, token_ids: Sequence[int]) -> int:
+        """`engine_id` now caches `token_ids` (this router placed them there); blocks claimed."""
+        return self.index.note_held(engine_id, token_ids, self.clock())
 
     def held_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str] | None = None) -> dict[str, int]:
         """Per engine (of `engine_ids`, default all) holding at least the prompt's first block: prompt

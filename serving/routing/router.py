@@ -327,6 +327,9 @@ class Router:
     def outcome_reported(self) -> None:
         self.view.invalidate()
 
+    def answered(self, engine_id: str, token_ids: tuple[int, ...]) -> None:
+        self.planner.note_held(engine_id, token_ids)
+
     async def migration_target(self, failed: dict[str, int | None], request: EngineRequest) -> str | None:
         """A live decode engine for a stream whose engine failed (`failed`: engine -> the
         incarnation that failed), chosen as the planner chooses decode engines: another one at

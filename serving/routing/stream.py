@@ -67,6 +67,10 @@ class Migrator(Protocol):
         """A failure that may move a pair's breaker was seen: the next request asks the directory."""
         ...
 
+    def answered(self, engine_id: str, token_ids: tuple[int, ...]) -> None:
+        """`engine_id` finished a stream; its prefix cache holds `token_ids` (prompt + answer but its last token)."""
+        ...
+
 
 async def no_more_chunks() -> AsyncIterator[TokenChunk]:
     return
@@ -241,6 +245,8 @@ class RoutedStream:
             if chunk.failed:
                 # the engine ended the request on error; make sure the prefill side lets go too
                 self._let_prefill_go()
+            else:  # the next turn of this conversation finds it there at once (the last token has no KV yet)
+                self.migrator.answered(self.decode_id, self.request.prompt_token_ids + tuple(self.token_ids[:-1]))
 
     def _let_prefill_go(self) -> None:
         """Release the prefill engine's blocks of this request (once; a no-op once read)."""

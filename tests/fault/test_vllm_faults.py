@@ -7,12 +7,16 @@ two decode engines):
 - 30 requests vLLM refuses (out-of-vocabulary ids, longer than the context): all 400, never
   retried, every breaker still closed, P/D still used afterwards;
 - migration: 20 concurrent greedy streams through the router, one decode engine killed (-9, actor
-  and engine core) mid-stream: every stream completes without an error and equals its
-  uninterrupted reference (the other decode engine recomputed prompt + streamed tokens), and the
-  killed engine rejoins by itself;
+  and engine core) mid-stream: every stream completes without an error and is its uninterrupted
+  reference's greedy continuation (the other decode engine recomputed prompt + streamed tokens),
+  and the killed engine rejoins by itself;
 - a hung decode engine: the same 20 streams, one decode engine frozen (SIGSTOP of its actor and
-  vLLM processes) mid-stream: every stream completes by migration, equal to its uninterrupted
-  reference; the coordinator kills the frozen engine and it rejoins as a new incarnation.
+  vLLM processes) mid-stream: every stream completes by migration, a greedy continuation of its
+  uninterrupted reference; the coordinator kills the frozen engine and it rejoins as a new incarnation.
+
+The streams batch differently from their references (migrated ones join the survivor's batch)
+and vLLM's CPU kernels are not batch-invariant, so "equal" is `greedy.assert_greedy_continuation`:
+equal, or split from the reference at a near tie of its two best tokens (tests/greedy.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from serving.routing.errors import InvalidRequest
 
 from chaos_helpers import freeze_tree, generation, kill_tree, pair_states, wait_generation
 from engine_calls import request
+from greedy import divergence, greedy_request, logprobs_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -121,13 +126,13 @@ def test_engine_side_rejections_are_400_and_open_no_breaker(service, coordinator
 
 def test_twenty_greedy_streams_survive_a_decode_engine_kill(service, coordinator):
     victim_id, reference, answers, back_s = twenty_streams_and_a_fault(service, coordinator, "kill")
-    check_every_stream_migrated_token_for_token(victim_id, reference, answers, back_s)
+    check_every_stream_migrated_as_a_greedy_continuation(victim_id, reference, answers, back_s)
 
 
 def test_twenty_greedy_streams_survive_a_hung_decode_engine(service, coordinator):
     router = service["router"]
     victim_id, reference, answers, back_s = twenty_streams_and_a_fault(service, coordinator, "freeze")
-    check_every_stream_migrated_token_for_token(victim_id, reference, answers, back_s)
+    check_every_stream_migrated_as_a_greedy_continuation(victim_id, reference, answers, back_s)
     assert router.pool.migrations["engine_hung"] >= 1  # found hung by its deadline, not dead
     events = [e for e in ray.get(coordinator.recent_events.remote(1000)) if e["engine_id"] == victim_id]
     assert any(e["event"] == "removed" and e["reason"].startswith("hung:") for e in events[-5:]), events[-5:]
@@ -143,13 +148,13 @@ def twenty_streams_and_a_fault(service, coordinator, fault: str):
     frozen: list[int] = []
 
     async def one(i: int, prompt: list[int]):
-        stream = await router.open(request(f"mig{i}-{time.monotonic_ns()}", token_ids=prompt, max_tokens=max_tokens))
+        stream = await router.open(greedy_request(f"mig{i}-{time.monotonic_ns()}", prompt, max_tokens))
         chunks = [c async for c in stream]
-        return [t for c in chunks for t in c.token_ids], chunks[-1], stream.migrations
+        return [t for c in chunks for t in c.token_ids], chunks[-1], stream.migrations, logprobs_of(chunks)
 
     async def go():
         reference = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        assert all(last.finish_reason == "length" for _, last, _ in reference)
+        assert all(last.finish_reason == "length" for _, last, _, _ in reference)
         streams = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
         victim_id = None
         deadline = time.monotonic() + 60
@@ -179,11 +184,11 @@ def twenty_streams_and_a_fault(service, coordinator, fault: str):
     return victim_id, reference, answers, back_s
 
 
-def check_every_stream_migrated_token_for_token(victim_id, reference, answers, back_s):
-    migrated = [i for i, (_, _, m) in enumerate(answers) if m]
+def check_every_stream_migrated_as_a_greedy_continuation(victim_id, reference, answers, back_s):
+    migrated = [i for i, (_, _, m, _) in enumerate(answers) if m]
     print(f"{victim_id}: {len(migrated)} of 20 streams migrated; the engine was back in {back_s:.0f} s")
-    assert [last.error for _, last, _ in answers] == [None] * 20  # no error on any stream
-    differ = {i: (i in migrated, next((k for k, (a, b) in enumerate(zip(ans, ref)) if a != b), None))
-              for i, ((ans, _, _), (ref, _, _)) in enumerate(zip(answers, reference)) if ans != ref}
-    assert differ == {}, f"(migrated?, first differing token) per stream: {differ}"  # token for token
+    assert [last.error for _, last, _, _ in answers] == [None] * 20  # no error on any stream
+    differ = {i: (i in migrated, problem) for i, ((ans, _, _, _), (ref, _, _, ref_lps)) in
+              enumerate(zip(answers, reference)) if (problem := divergence(ans, ref, ref_lps)) is not None}
+    assert differ == {}, f"(migrated?, how it differs) per stream: {differ}"  # greedy continuations
     assert migrated

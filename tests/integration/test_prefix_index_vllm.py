@@ -5,6 +5,12 @@ computes and agree with vLLM's own num_cached_tokens; the router built for the d
 (`serving.cluster.clients.build_router`, as the Serve app builds it) sends a conversation's next
 turn to the decode engine that holds its prefix and prefills it there (counted with its
 reason); an engine that is removed takes its index entries with it.
+
+The next turn is sent the instant the previous answer ends (as an agent sends it): the router
+counts its own placements at once (`PrefixReplica.note_held`), before the engine's KV events
+arrive. The router's rates are recorded, not learned (`RecordedRates`: every engine at the
+config's priors), so which option the SLO model prefers depends on what the engines cache,
+never on how fast this machine happens to be.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from serving.config import DeploymentConfig, load_config
 from serving.cluster.engines import stop_engine
 from serving.cluster.launcher import launch, shutdown_deployment
 from serving.routing.prefix_view import PrefixCacheView
+from serving.routing.rates import RateEstimator
 from serving.cluster.clients import build_router
 
 from engine_calls import collect, pd, request
@@ -92,6 +99,16 @@ def test_events_index_matches_what_vllm_reuses(deployment, coordinator, block):
     assert {decode_id, prefill_id} <= {op.engine_id for op in engines}  # the prefill engine's prompt too
 
 
+class RecordedRates(RateEstimator):
+    """Every engine and pair at the config's priors: nothing this machine's timing says is learned."""
+
+    def observe_step(self, *args, **kwargs) -> None:
+        pass
+
+    def observe_transfer(self, *args, **kwargs) -> None:
+        pass
+
+
 async def turn(router, rid: str, tokens: list[int], max_tokens: int = 8):
     """One request through the router; (stream, its chunks)."""
     stream = await router.open(EngineRequest(rid, SamplingSpec(max_tokens=max_tokens),
@@ -102,13 +119,17 @@ async def turn(router, rid: str, tokens: list[int], max_tokens: int = 8):
 
 
 @pytest.fixture(scope="module")
-def conversation(deployment, cfg, block):
-    """Turn one (uncached, while streams decode on both decode engines: remote prefill) and turn two
-    (its prefix cached on turn one's decode engine: prefilled there)."""
+def conversation(deployment, cfg, block, coordinator):
+    """Turn one (uncached, while streams decode on both decode engines: remote prefill) and, the
+    instant its answer ended, turn two (its prefix held by turn one's decode engine: prefilled
+    there); then what the engines' own KV events say once they arrive."""
     router = build_router(cfg, deployment)
+    router.pool.rates = RecordedRates(cfg.router.slo)
     first_prompt = prompt_ids(3 * block + 40, seed=7)
+    events_only = PrefixCacheView(coordinator.prefix_index_updates.remote, refresh_s=0.0)  # no router's claims
 
     async def go():
+        await router.planner.view.refresh()  # a router in service: its copy of the index is in step
         for d in deployment.decodes:  # as if 8 streams decoded on each: a local prefill would stall them
             router.pool.decode_load[d].requests += 8
         one, one_chunks = await turn(router, "conv-1", first_prompt)
@@ -116,21 +137,22 @@ def conversation(deployment, cfg, block):
             router.pool.decode_load[d].requests -= 8
         answer = [t for c in one_chunks for t in c.token_ids]
         second_prompt = first_prompt + answer + prompt_ids(20, seed=8)
-        await wait_cached(router.planner.view, second_prompt, one.decode_id, 3 * block)
-        index_claim = router.planner.view.cached_tokens(second_prompt, sorted(deployment.decodes))
-        two, two_chunks = await turn(router, "conv-2", second_prompt)
+        two, two_chunks = await turn(router, "conv-2", second_prompt)  # at once: no wait for KV events
+        await wait_cached(events_only, second_prompt, one.decode_id, 3 * block)
+        index_claim = events_only.cached_tokens(second_prompt, sorted(deployment.decodes))
         return router, one, two, two_chunks, index_claim, second_prompt
 
     return asyncio.run(go())
 
 
-def test_a_conversations_next_turn_goes_to_the_decode_engine_holding_its_prefix(conversation, deployment, block):
+def test_a_conversations_next_turn_sent_at_once_goes_to_the_decode_engine_holding_its_prefix(
+        conversation, deployment, block):
     router, one, two, two_chunks, index_claim, _ = conversation
     other = next(d for d in deployment.decodes if d != one.decode_id)
     assert one.route.path == "pd"  # turn one: nothing cached, the prefill engine ran it
-    assert index_claim == {one.decode_id: 3 * block, other: 0}  # the pulled KV is in that engine's cache
     assert two.decode_id == one.decode_id  # (decode ties rotate: by load alone it would be the other)
-    assert two_chunks[0].num_cached_tokens == 3 * block  # vLLM reused what the index claimed
+    assert two_chunks[0].num_cached_tokens == 3 * block  # vLLM reused what the router claimed
+    assert index_claim == {one.decode_id: 3 * block, other: 0}  # and the engine's events confirm it
 
 
 def test_a_prompt_cached_on_the_decode_engine_is_prefilled_there_and_counted(conversation):

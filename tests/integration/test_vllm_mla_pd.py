@@ -12,14 +12,23 @@ engine after its prefill. (When it replayed the first token, it computed the
 last prompt token in vLLM CPU's weight-absorbed MLA decode kernel, where a
 colocated engine uses its SDPA prefill; on this random model that changed the
 greedy tokens from the second on.)
+
+The model is float32, raypd's CPU default. On a CPU with AMX tiles vLLM would pick its
+AMX_MLA backend, which refuses float32 weights; raypd runs the portable CPU_MLA backend
+there (`actors.engine.vllm.cpu_kernels`), so the engines start, and the transfer is
+asserted, on whichever backend that choice gives on this host.
 """
 
 import asyncio
 import json
 import random
 
+import platform
+
 import pytest
 import ray
+
+from actors.engine.vllm.cpu_kernels import host_cpu_flags, mla_backend_choice
 
 from engine_calls import collect, pd, request, token_ids
 from test_vllm_pd import local, make_engine, wait_free
@@ -66,6 +75,13 @@ def engines(coordinator, tmp_path_factory):
     ray.get([h.shutdown.remote() for h in e.values()])
     for h in e.values():
         ray.kill(h)
+
+
+def test_both_engines_run_the_mla_backend_raypd_chose_for_this_host(engines):
+    expected = mla_backend_choice(host_cpu_flags(), platform.machine(), True, "float32", None).runs
+    effective = {k: ray.get(e.effective_config.remote()) for k, e in engines.items()}
+    assert {k: (c.dtype, c.mla_backend) for k, c in effective.items()} == {
+        "P": ("float32", expected), "D": ("float32", expected)}
 
 
 @pytest.mark.parametrize("length", sorted(PROMPTS))

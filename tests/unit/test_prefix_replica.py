@@ -67,3 +67,63 @@ def test_a_big_update_is_applied_in_slices_with_the_loop_free_in_between():
 
     ticks, engines = asyncio.run(go())
     assert ticks >= 15 and len(engines) == 40 and all(n == 500 for n in engines.values())
+
+
+# ------------------------------------------------ a router's own placements (claims)
+def _replica_with(scheme: HashScheme, engine: str, tokens: list[int]) -> tuple[PrefixIndex, PrefixReplica]:
+    owner, replica = PrefixIndex(), PrefixReplica(claim_ttl_s=10.0)
+    owner.apply(engine, KVEventsBatch(scheme, (BlocksStored(tuple(scheme.block_hashes(tokens))),)))
+    replica.apply_update(owner.updates_since(None))
+    return owner, replica
+
+
+def test_a_placement_counts_at_once_before_the_engines_events():
+    convo = list(range(100))
+    _, replica = _replica_with(S16, "a", list(range(500, 532)))  # the deployment's scheme is known
+    replica.note_held("b", convo, now=0.0)  # routed to b a moment ago: no event yet
+    assert replica.cached_prefix_tokens(convo + [7, 7]) == {"b": 96}
+
+
+def test_an_eviction_event_wins_over_the_claim():
+    convo = list(range(64))
+    owner, replica = _replica_with(S16, "a", convo)
+    replica.note_held("a", convo + list(range(64, 96)), now=0.0)
+    owner.apply("a", KVEventsBatch(S16, (BlocksRemoved(tuple(S16.block_hashes(convo)[2:])),)))
+    replica.apply_update(owner.updates_since(replica.cursor))
+    assert replica.cached_prefix_tokens(convo + list(range(64, 100))) == {"a": 32}
+
+
+def test_an_engine_cleared_loses_its_claims():
+    convo = list(range(64))
+    owner, replica = _replica_with(S16, "a", list(range(500, 532)))
+    replica.note_held("a", convo, now=0.0)
+    owner.apply("a", KVEventsBatch(S16, (AllBlocksCleared(),)))
+    replica.apply_update(owner.updates_since(replica.cursor))
+    assert replica.cached_prefix_tokens(convo + [1]) == {}
+
+
+def test_an_unconfirmed_claim_expires_and_a_later_claim_of_the_same_blocks_stands():
+    one, two = list(range(48)), list(range(32)) + [9] * 16
+    _, replica = _replica_with(S16, "a", list(range(500, 532)))
+    replica.note_held("b", one, now=0.0)
+    replica.note_held("b", two, now=5.0)  # shares its first two blocks with `one`
+    replica.expire_claims(now=10.0)  # `one`'s claim is over, `two`'s stands
+    assert (replica.cached_prefix_tokens(one + [1]), replica.cached_prefix_tokens(two + [1])) == (
+        {"b": 32}, {"b": 48})
+    replica.expire_claims(now=15.0)
+    assert replica.cached_prefix_tokens(two + [1]) == {}
+
+
+def test_a_confirmed_claim_outlives_its_expiry():
+    convo = list(range(64))
+    owner, replica = _replica_with(S16, "a", list(range(500, 532)))
+    replica.note_held("a", convo, now=0.0)
+    owner.apply("a", KVEventsBatch(S16, (BlocksStored(tuple(S16.block_hashes(convo))),)))
+    replica.apply_update(owner.updates_since(replica.cursor))
+    replica.expire_claims(now=60.0)
+    assert replica.cached_prefix_tokens(convo + [1]) == {"a": 64}
+
+
+def test_no_claim_without_a_scheme_to_hash_with():
+    replica = PrefixReplica()
+    assert (replica.note_held("a", list(range(64)), now=0.0), replica.cached_prefix_tokens(list(range(65)))) == (0, {})

@@ -26,7 +26,9 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import json
 import os
+import platform
 from typing import Any
 
 from actors.engine.config import EngineConfig
@@ -166,8 +168,37 @@ def build_engine_args(cfg: EngineConfig, model_path: str, kv_transfer: dict[str,
         kwargs["disable_log_stats"] = False
     elif user_kv is not None:
         kwargs["kv_transfer_config"] = user_kv if not isinstance(user_kv, dict) else KVTransferConfig(**user_kv)
-    return AsyncEngineArgs(model=model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+    args = AsyncEngineArgs(model=model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                            tensor_parallel_size=cfg.tp_size, pipeline_parallel_size=cfg.pp_size, **kwargs)
+    apply_cpu_mla_backend(args)
+    return args
+
+
+def apply_cpu_mla_backend(args: Any) -> str | None:
+    """On an AMX CPU, an MLA model in float32 runs vLLM's portable CPU_MLA backend (AMX_MLA refuses
+    float32 weights: `actors.engine.vllm.cpu_kernels`); returns the MLA backend the engine will run."""
+    from vllm.platforms import current_platform
+
+    from actors.engine.vllm.cpu_kernels import CpuKernelError, host_cpu_flags, host_has_amx, mla_backend_choice
+
+    if not current_platform.is_cpu() or not host_has_amx() or not _may_use_mla(args.model):
+        return None  # vLLM's own choice is one that starts (CPU_MLA or a GPU backend)
+    try:
+        model_config = args.create_model_config()  # the HF config: is it MLA, which dtype "auto" resolves to
+    except Exception:  # noqa: BLE001 - a model vLLM cannot load: the engine's start reports it
+        return None
+    user = args.attention_backend or args.attention_config.backend
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    try:
+        choice = mla_backend_choice(host_cpu_flags(), "x86_64", bool(model_config.use_mla), dtype,
+                                    user.name if user is not None else None)
+    except CpuKernelError as exc:
+        raise EngineArgsError("attention_config.backend", str(exc)) from None
+    if choice.backend is not None:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        args.attention_config.backend = AttentionBackendEnum[choice.backend]
+    return choice.runs
 
 
 def resumed_logits_processors(kwargs: dict[str, Any]) -> list[Any] | None:
@@ -200,6 +231,7 @@ class EffectiveEngineConfig:
     enforce_eager: bool
     kv_role: str | None
     num_kv_blocks: int
+    mla_backend: str | None = None  # the MLA attention backend on a CPU (None: not MLA, or not a CPU)
 
     @classmethod
     def from_vllm_config(cls, vc: Any) -> "EffectiveEngineConfig":
@@ -216,4 +248,29 @@ class EffectiveEngineConfig:
             enforce_eager=bool(vc.model_config.enforce_eager),
             kv_role=kv.kv_role if kv is not None else None,
             num_kv_blocks=int(vc.cache_config.num_gpu_blocks or 0),
+            mla_backend=_cpu_mla_backend(vc),
         )
+
+
+def _may_use_mla(model: str) -> bool:
+    """False when the model's config.json says it has no MLA latent (no `kv_lora_rank`): a cheap
+    look before vLLM's own model config is built; True when there is none to read."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        return True
+    with open(path, encoding="utf-8") as f:
+        hf = json.load(f)
+    return any(c.get("kv_lora_rank") is not None for c in (hf, hf.get("text_config") or {}))
+
+
+def _cpu_mla_backend(vc: Any) -> str | None:
+    from vllm.platforms import current_platform
+
+    from actors.engine.vllm.cpu_kernels import host_cpu_flags, mla_backend_choice
+
+    if not current_platform.is_cpu() or not vc.model_config.use_mla:
+        return None
+    chosen = vc.attention_config.backend
+    return mla_backend_choice(host_cpu_flags(), platform.machine(), True,
+                              str(vc.model_config.dtype).removeprefix("torch."),
+                              chosen.name if chosen is not None else None).runs
