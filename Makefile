@@ -1,5 +1,5 @@
 # raypd: two commands do everything (see README).
-#   make run   - set up, then serve SmolLM2 with one prefill + one decode engine on 127.0.0.1:8000
+#   make run   - set up, then serve SmolLM2 with two role-flexible engines (one core each) on 127.0.0.1:8000
 #   make test  - set up, then run the whole test suite
 #   make bench - set up (+ the benchmark's extra), then benchmarks/pd_vs_vllm.py (~50 min;
 #                BENCH_ARGS=--quick for a short run; on a shared box prefix with a lock,

@@ -73,6 +73,7 @@ class EngineGroupConfig(_Strict):
     resources: dict[str, float] = {}
     cpu_bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
     compute_nice: int = Field(10, ge=0, le=19)  # CPU hosts: vLLM's worker threads yield to the serving path
+    shm_busy_loop_s: float | None = Field(None, ge=0)  # vLLM's shared-memory readers' spin (None: vLLM's 1 s)
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of this role (over the shared ones)
 
 
@@ -299,7 +300,7 @@ class DeploymentConfig(_Strict):
             num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
             resources=group.resources, max_restarts=self.restarts.max_restarts,
             cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,
-            compute_nice=group.compute_nice,
+            compute_nice=group.compute_nice, shm_busy_loop_s=group.shm_busy_loop_s,
         )
 
     @property

@@ -29,7 +29,7 @@ def greedy_request(request_id: str, token_ids: Sequence[int], max_tokens: int) -
     """A greedy request that also returns each position's top-2 logprobs."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, flat_logprobs=True)  # flat: 3x cheaper on CPU
     return EngineRequest(request_id, SamplingSpec(max_tokens=max_tokens, temperature=0.0, vllm_params=pickle.dumps(sp)),
                          prompt_token_ids=tuple(token_ids))
 

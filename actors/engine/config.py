@@ -118,6 +118,11 @@ class EngineConfig(_Strict):
     # CPU hosts: the nice value of vLLM's worker threads, so that the serving path preempts the
     # compute (actors/engine/vllm/compute_priority.py); 0 leaves them at the actor's priority
     compute_nice: int = Field(10, ge=0, le=19)
+    # how long vLLM's shared-memory readers (engine core, workers) spin on sched_yield after a read
+    # before sleeping on the writer's notification (actors/engine/vllm/plugin.py); None: vLLM's own
+    # (1 s). 0 saves the engine cores' spin (~7 of ~68 ms CPU per token on 2 cores) but answered
+    # slower in the one A/B run so far, so it is not the default (docs/configuration.md)
+    shm_busy_loop_s: float | None = Field(None, ge=0)
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments, passed through (actors.engine.vllm.args)
     # False: plain vLLM with no KV connector at all (role "both" only). Used as the
     # colocated baseline of benchmarks/pd_vs_vllm.py; such an engine cannot take part

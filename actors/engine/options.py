@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from actors.engine.config import EngineConfig
+from actors.engine.vllm.plugin import BUSY_LOOP_ENV
 
 
 def engine_actor_options(cfg: EngineConfig, max_restarts: int = 0) -> dict:
@@ -18,6 +19,8 @@ def engine_actor_options(cfg: EngineConfig, max_restarts: int = 0) -> dict:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
     if cfg.backend == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
+        if cfg.shm_busy_loop_s is not None:  # how vLLM's shared-memory readers wait (actors/engine/vllm/plugin.py)
+            env[BUSY_LOOP_ENV] = repr(cfg.shm_busy_loop_s)
     return {
         "num_cpus": cfg.num_cpus,
         "resources": dict(cfg.resources),

@@ -23,9 +23,12 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.cli import runstate
+
+if TYPE_CHECKING:
+    from serving.config import DeploymentConfig
 
 COMMANDS = {
     "up": "start (or join) a Ray cluster, the coordinator and the engines, and serve the OpenAI API",
@@ -199,9 +202,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         install_handlers()  # Ray's core worker installs its own SIGTERM handler (logs and dies): take it back
         where = "started a local Ray cluster" if started_cluster else "joined Ray cluster"
         print(f"raypd: {where} ({ray.get_runtime_context().gcs_address}; {_auth_line()})", flush=True)
-        n = cfg.prefill.count + cfg.decode.count
-        print(f"raypd: launching {cfg.name}: {cfg.prefill.count} prefill + {cfg.decode.count} decode "
-              f"{cfg.backend} engine(s)...", flush=True)
+        n = cfg.prefill.count + cfg.decode.count + cfg.both.count
+        print(f"raypd: launching {cfg.name}: {engine_counts(cfg)} {cfg.backend} engine(s)...", flush=True)
         t0, t0_wall = time.monotonic(), time.time()
         dep = launch(cfg, on_phase=lambda phase: print(phase_line(phase, t0_wall), flush=True))
         print(f"raypd: {n} engine(s) up in {time.monotonic() - t0:.1f}s", flush=True)
@@ -361,6 +363,12 @@ def cmd_down(args: argparse.Namespace) -> int:
         ray.shutdown()
         if state:
             runstate.remove_state(args.temp_dir)
+
+
+def engine_counts(cfg: DeploymentConfig) -> str:
+    """"2 both", "1 prefill + 2 decode": each role that has engines."""
+    counts = [(cfg.prefill.count, "prefill"), (cfg.decode.count, "decode"), (cfg.both.count, "both")]
+    return " + ".join(f"{n} {role}" for n, role in counts if n) or "0"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,58 @@ class NamedActor:
             self._stale = True
 
 
+class EngineStream:
+    """The chunks of one started `generate` call; closing it before its end cancels the call (the
+    actor's generator sees CancelledError and frees the request), iterated or not."""
+
+    def __init__(self, client: "RayEngineClient", gen: Any, error: Exception | None = None):
+        self._client, self._gen, self._error = client, gen, error
+        self._chunks: AsyncIterator[TokenChunk] | None = None
+        self._finished = False
+
+    def __aiter__(self) -> "EngineStream":
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self._error is not None:
+            error, self._error, self._finished = self._error, None, True
+            raise error
+        if self._chunks is None:
+            self._chunks = self._iterate()
+        return await self._chunks.__anext__()
+
+    async def _iterate(self) -> AsyncIterator[TokenChunk]:
+        gen, fail = self._gen, self._client._error
+        try:
+            async for ref in gen:
+                try:
+                    chunk, failure = await merge_ready(gen, await ref)  # and whatever else arrived
+                except (ray.exceptions.RayError, EngineRequestError) as exc:
+                    raise fail(exc) from None
+                self._finished = chunk.finished
+                yield chunk
+                if failure is not None:
+                    raise fail(failure) if isinstance(failure, (ray.exceptions.RayError, EngineRequestError)) \
+                        else failure
+        except ray.exceptions.RayError as exc:
+            raise fail(exc) from None
+        finally:
+            self._cancel()
+
+    def _cancel(self) -> None:
+        if not self._finished and self._gen is not None:
+            self._finished = True
+            try:
+                ray.cancel(self._gen, recursive=False)
+            except Exception:  # noqa: BLE001 - already done or actor gone
+                pass
+
+    async def aclose(self) -> None:
+        if self._chunks is not None:
+            await self._chunks.aclose()  # its finally cancels
+        self._cancel()
+
+
 class RayEngineClient:
     """One EngineActor handle."""
 
@@ -89,31 +141,13 @@ class RayEngineClient:
         except (ray.exceptions.RayError, EngineRequestError) as exc:
             raise self._error(exc) from None
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenChunk]:
+    def generate(self, req: EngineRequest) -> "EngineStream":
+        """The engine's chunks of `req`; the call starts now, not at the first `__anext__` (a P/D
+        continuation's pull overlaps the first token's way to the client)."""
         try:
-            gen = self.handle.generate.options(num_returns="streaming").remote(req)
+            return EngineStream(self, self.handle.generate.options(num_returns="streaming").remote(req))
         except ray.exceptions.RayError as exc:
-            raise self._error(exc) from None
-        finished = False
-        try:
-            async for ref in gen:
-                try:
-                    chunk, failure = await merge_ready(gen, await ref)  # and whatever else arrived
-                except (ray.exceptions.RayError, EngineRequestError) as exc:
-                    raise self._error(exc) from None
-                finished = chunk.finished
-                yield chunk
-                if failure is not None:
-                    raise self._error(failure) if isinstance(failure, (ray.exceptions.RayError, EngineRequestError)) \
-                        else failure
-        except ray.exceptions.RayError as exc:
-            raise self._error(exc) from None
-        finally:
-            if not finished:
-                try:
-                    ray.cancel(gen, recursive=False)  # the actor's generator sees CancelledError and frees the request
-                except Exception:  # noqa: BLE001 - already done or actor gone
-                    pass
+            return EngineStream(self, None, self._error(exc))
 
     async def abort(self, request_id: str) -> None:
         try:  # bounded: a hung engine never answers, and nothing waits for an abort's answer

@@ -172,3 +172,11 @@ def test_status_prints_the_ledgers_breakers(capsys):
     assert "held by the coordinator's ledger" in out
     assert "d-prefill-0->d-decode-0" in out and "open" in out and "failures=3" in out and "opened=2" in out
     assert "last: engine d-prefill-0 died: actor died" in out
+
+
+def test_the_launch_line_counts_every_role_that_has_engines():
+    from serving.cli.main import engine_counts
+    from serving.config import load_config
+
+    assert (engine_counts(load_config("configs/local.yaml")), engine_counts(load_config("configs/local-pd.yaml"))) == (
+        "2 both", "1 prefill + 1 decode")

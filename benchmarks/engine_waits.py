@@ -1,0 +1,165 @@
+"""CPU per streamed token of one vLLM engine on one core: vLLM's shared-memory readers as shipped
+(spinning on sched_yield for 1 s after each read) against raypd's setting (`RAYPD_SHM_BUSY_LOOP_S=0`:
+they sleep on the writer's notification; `actors/engine/vllm/plugin.py`).
+
+Each run is a fresh process with every thread on one core (`sched_setaffinity`, inherited by
+vLLM's engine core and worker, as a raypd engine's share of a 2-core box), the worker's OMP
+thread bound to it (`VLLM_CPU_OMP_THREADS_BIND`) and at nice 10 (raypd's `compute_nice`), the
+same model and settings as the embedded default (SmolLM2, float32, enforce_eager). It streams
+`--requests` answers of `--tokens` tokens to `--prompt`-token random prompts, one at a time, and
+reads each process's CPU time (/proc) over them. Set-ups alternate (A B B A ...), and the
+ratios compare the runs' medians of ITL p50 and CPU per token.
+
+  python benchmarks/engine_waits.py --rounds 2 --out benchmarks/results/engine_waits.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUPS = {"A": ("vLLM as shipped (busy_loop_s 1)", None), "B": ("raypd (busy_loop_s 0)", "0")}
+
+
+async def _measure(args: argparse.Namespace) -> dict:
+    import psutil
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from actors.engine.vllm.compute_priority import lower_compute_priority
+    from actors.models.local import resolve_model
+
+    path = str(resolve_model("smollm2"))
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, dtype="float32", max_model_len=2048,
+                                                    enforce_eager=True, disable_log_stats=False))
+    lower_compute_priority(10)
+    me, rng = psutil.Process(), random.Random(0)
+
+    def cpu() -> dict[int, tuple[str, float]]:
+        out = {me.pid: ("client (AsyncLLM)", sum(me.cpu_times()[:2]))}
+        for p in me.children(recursive=True):
+            try:
+                title = Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+                out[p.pid] = ("engine core" if "EngineCore" in title else "worker" if "Worker" in title else title,
+                              sum(p.cpu_times()[:2]))
+            except (psutil.Error, OSError):
+                pass
+        return out
+
+    def prompt() -> list[int]:
+        return [rng.randrange(1000, 40000) for _ in range(args.prompt)]
+
+    sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
+    async for _ in llm.generate({"prompt_token_ids": prompt()}, sp, "warm-up"):
+        pass
+    before, gaps, tokens, t0 = cpu(), [], 0, time.monotonic()
+    for i in range(args.requests):
+        last, streamed = None, 0
+        async for out in llm.generate({"prompt_token_ids": prompt()}, sp, f"r{i}"):
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last, streamed = now, len(out.outputs[0].token_ids)  # cumulative: the answer so far
+        tokens += streamed
+    wall, after = time.monotonic() - t0, cpu()
+    llm.shutdown()
+    per_process: dict[str, float] = {}
+    for pid, (name, t) in after.items():
+        if pid in before:
+            per_process[name] = per_process.get(name, 0.0) + 1000 * (t - before[pid][1]) / max(1, tokens)
+    return {"tokens": tokens, "wall_s": wall, "itl_p50_ms": 1000 * statistics.median(gaps),
+            "cpu_ms_per_token": per_process}
+
+
+def child(args: argparse.Namespace) -> None:
+    os.sched_setaffinity(0, {args.core})
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.core)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    busy = SETUPS[args.child][1]
+    if busy is not None:
+        os.environ["RAYPD_SHM_BUSY_LOOP_S"] = busy
+    else:
+        os.environ.pop("RAYPD_SHM_BUSY_LOOP_S", None)
+    print("RESULT " + json.dumps(asyncio.run(_measure(args))), flush=True)
+
+
+def run_one(setup: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--child", setup, "--core", str(args.core), "--requests", str(args.requests),
+           "--tokens", str(args.tokens), "--prompt", str(args.prompt)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"set-up {setup} failed:\n{out.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
+    sys.path.insert(0, str(ROOT))
+    from serving.bench.provenance import git_state, header_line
+
+    load = os.getloadavg()[0]
+    lines = [f"# benchmarks/engine_waits.py, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+             f"load average {load:.2f} at the end",
+             header_line(git_state(ROOT)),
+             f"# one engine on one core (core {args.core}), SmolLM2 float32, {args.requests} requests of "
+             f"{args.prompt} prompt tokens -> {args.tokens} tokens, one at a time; runs alternate "
+             f"{' '.join(s for s, _ in args.order)}", ""]
+    names = sorted({n for rs in runs.values() for r in rs for n in r["cpu_ms_per_token"]})
+    head = f"{'set-up':34s} {'runs':>4s} {'ITL p50 ms':>10s} " + " ".join(f"{n[:18]:>18s}" for n in names) + f" {'total':>8s}"
+    lines += ["CPU per streamed token (ms), medians over runs:", head]
+    med: dict[str, dict[str, float]] = {}
+    for setup, rs in runs.items():
+        row = {n: statistics.median(r["cpu_ms_per_token"].get(n, 0.0) for r in rs) for n in names}
+        row["total"] = statistics.median(sum(r["cpu_ms_per_token"].values()) for r in rs)
+        row["itl"] = statistics.median(r["itl_p50_ms"] for r in rs)
+        med[setup] = row
+        lines.append(f"{SETUPS[setup][0]:34s} {len(rs):4d} {row['itl']:10.1f} "
+                     + " ".join(f"{row[n]:18.2f}" for n in names) + f" {row['total']:8.2f}")
+    a, b = med["A"], med["B"]
+    core = next((n for n in names if n == "engine core"), None)
+    lines += ["", "raypd / shipped:",
+              f"  ITL p50 {b['itl'] / a['itl']:.2f}x, CPU per token {b['total'] / a['total']:.2f}x"
+              + (f", engine core {b[core] / a[core]:.2f}x ({a[core]:.2f} -> {b[core]:.2f} ms/token)" if core else "")]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2, help="A B B A per round")
+    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--core", type=int, default=0)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--child", choices=sorted(SETUPS), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    args.order = [(s, i) for i in range(args.rounds) for s in ("A", "B", "B", "A")]
+    runs: dict[str, list[dict]] = {"A": [], "B": []}
+    for setup, _ in args.order:
+        r = run_one(setup, args)
+        runs[setup].append(r)
+        print(f"{setup}: ITL p50 {r['itl_p50_ms']:.1f} ms, CPU/token "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_token"].items()), flush=True)
+    text = report(runs, args)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
