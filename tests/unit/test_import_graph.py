@@ -1,4 +1,4 @@
-"""The project's own import graph has no cycle, and no source file grows past ~400 lines.
+"""The project's own import graph has no cycle, and no source file grows past 420 lines.
 
 Every import statement counts, wherever it stands (module level, inside a function, under
 TYPE_CHECKING): a lazy import hides a cycle, it does not remove it. Folders open with a
@@ -11,8 +11,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("actors", "serving", "benchmarks")
-MAX_LINES = 420  # "~400": a file past this is split by job
+PACKAGES = ("actors", "serving", "benchmarks", "k8s")
+MAX_LINES = 420  # the size limit (docs/design.md): a file past this is split by job
 
 
 def _modules() -> dict[str, Path]:
@@ -103,7 +103,7 @@ def test_the_graph_sees_lazy_imports():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_source_file_past_400_lines():
+def test_no_source_file_past_420_lines():
     long = {str(p.relative_to(ROOT)): n for p in _modules().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
