@@ -12,9 +12,12 @@ actors/engine/config.py). `check_engine_args` checks the rest against vLLM's
 own argument classes where vLLM is importable (the CLI calls it; the engines
 check again when they start).
 
-One default differs from vLLM's: a prefill engine runs one prompt at a time
-(`max_num_seqs` 1, `PREFILL_DEFAULT_KWARGS`; set it in `prefill.engine_kwargs` to
-change it). vLLM would pack every queued prompt into one step of up to
+Two defaults differ from vLLM's on a CPU host (`EngineConfig.cpu_engine_defaults`: the engine
+applies them only where vLLM's platform is the CPU, so a GPU engine runs vLLM's own defaults
+unless the operator writes a value): decode-capable engines under SLO placement get the chunk
+budget `chunk_budget` derives from the placement priors (CPU priors), and a prefill engine runs
+one prompt at a time (`max_num_seqs` 1, `PREFILL_DEFAULT_KWARGS`; set it in
+`prefill.engine_kwargs` to change it). vLLM would pack every queued prompt into one step of up to
 `max_num_batched_tokens`, so that each of them gets its first token only when the
 whole pack is computed (four 512-token prompts: ~4x one prompt's time for all four
 on a CPU core); one at a time, first come first served, the first of them is
@@ -282,15 +285,16 @@ class DeploymentConfig(_Strict):
     def engine_config(self, role: str, index: int = 0, engine_id: str | None = None) -> EngineConfig:
         group: EngineGroupConfig = getattr(self, role)
         kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+        cpu_defaults: dict[str, Any] = {}  # applied by the engine on a CPU host only (vLLM's defaults on a GPU)
         if role == "prefill" and self.backend == "vllm":
-            kwargs = {**PREFILL_DEFAULT_KWARGS, **kwargs}
+            cpu_defaults.update({k: v for k, v in PREFILL_DEFAULT_KWARGS.items() if k not in kwargs})
         budget = self.chunk_budget(role)
-        if budget is not None:
-            kwargs["max_num_batched_tokens"] = budget
+        if budget is not None and "max_num_batched_tokens" not in kwargs:
+            cpu_defaults["max_num_batched_tokens"] = budget
         return EngineConfig(
             role=role, backend=self.backend, engine_id=engine_id, model=self.model,
             synthetic=self.synthetic, dtype=self.dtype, tp_size=group.tp_size, pp_size=group.pp_size,
-            engine_kwargs=kwargs,
+            engine_kwargs=kwargs, cpu_engine_defaults=cpu_defaults,
             dcp_size=group.dcp_size, block_size=group.block_size, max_model_len=self.max_model_len,
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
             kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,

@@ -124,6 +124,9 @@ class EngineConfig(_Strict):
     # slower in the one A/B run so far, so it is not the default (docs/configuration.md)
     shm_busy_loop_s: float | None = Field(None, ge=0)
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments, passed through (actors.engine.vllm.args)
+    # vLLM engine arguments raypd sets on a CPU host where engine_kwargs has none (tuned there: a prefill
+    # engine's FCFS max_num_seqs 1, the chunk budget from the SLO priors); a GPU host runs vLLM's defaults
+    cpu_engine_defaults: dict[str, Any] = {}
     # False: plain vLLM with no KV connector at all (role "both" only). Used as the
     # colocated baseline of benchmarks/pd_vs_vllm.py; such an engine cannot take part
     # in P/D (it publishes no handshake payload).

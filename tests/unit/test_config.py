@@ -59,15 +59,22 @@ def test_load_config_errors(tmp_path):
 
 
 # ------------------------------------------------------------------ engine_kwargs
+def on_cpu(engine) -> dict:
+    """The engine arguments an engine runs with on a CPU host (its kwargs over raypd's CPU defaults)."""
+    from actors.engine.vllm.args import platform_defaults
+
+    return {**platform_defaults(engine, is_cpu=True), **engine.engine_kwargs}
+
+
 def test_engine_kwargs_reach_each_role_and_the_role_wins():
     cfg = DeploymentConfig.from_dict({
         "engine_kwargs": {"max_num_seqs": 64, "enable_prefix_caching": False},
         "decode": {"engine_kwargs": {"max-num-seqs": 8, "gpu_memory_utilization": 0.8}},
     })
-    assert cfg.engine_config("prefill").engine_kwargs == {"max_num_seqs": 64, "enable_prefix_caching": False}
-    assert cfg.engine_config("decode").engine_kwargs == {"max_num_seqs": 8, "enable_prefix_caching": False,
-                                                         "gpu_memory_utilization": 0.8,
-                                                         "max_num_batched_tokens": 128}  # raypd's chunk budget
+    assert on_cpu(cfg.engine_config("prefill")) == {"max_num_seqs": 64, "enable_prefix_caching": False}
+    assert on_cpu(cfg.engine_config("decode")) == {"max_num_seqs": 8, "enable_prefix_caching": False,
+                                                   "gpu_memory_utilization": 0.8,
+                                                   "max_num_batched_tokens": 128}  # raypd's chunk budget
 
 
 def test_owned_engine_kwargs_move_into_raypds_fields():
@@ -84,11 +91,10 @@ def test_owned_engine_kwargs_move_into_raypds_fields():
 
 def test_defaults_follow_vllm_but_decode_capable_engines_get_a_chunk_budget_within_the_itl_target():
     cfg = DeploymentConfig.from_dict({})
-    assert cfg.dtype == "auto" and cfg.engine_config("prefill").engine_kwargs == {"max_num_seqs": 1}  # FCFS prefills
+    assert cfg.dtype == "auto" and on_cpu(cfg.engine_config("prefill")) == {"max_num_seqs": 1}  # FCFS prefills
     # a step with a local prefill chunk stays near the ITL target (prior rates; vLLM's floor: one block)
-    assert cfg.engine_config("decode").engine_kwargs == {"max_num_batched_tokens": 128}
-    assert DeploymentConfig.from_dict({"router": {"placement": "disaggregate"}}).engine_config(
-        "decode").engine_kwargs == {}
+    assert on_cpu(cfg.engine_config("decode")) == {"max_num_batched_tokens": 128}
+    assert on_cpu(DeploymentConfig.from_dict({"router": {"placement": "disaggregate"}}).engine_config("decode")) == {}
 
 
 def test_both_alone_means_no_fixed_pools():
@@ -137,12 +143,12 @@ def test_a_prefill_engine_runs_one_prompt_at_a_time_unless_its_engine_kwargs_say
     """vLLM would pack queued prompts into one step (each gets its first token when the whole pack is
     done); raypd's prefill engines default to max_num_seqs 1 (FCFS). Decode engines keep vLLM's default."""
     cfg = DeploymentConfig.from_dict({"backend": "vllm", "model": "m"})
-    assert cfg.engine_config("prefill").engine_kwargs["max_num_seqs"] == 1
-    assert "max_num_seqs" not in cfg.engine_config("decode").engine_kwargs
+    assert on_cpu(cfg.engine_config("prefill"))["max_num_seqs"] == 1
+    assert "max_num_seqs" not in on_cpu(cfg.engine_config("decode"))
     own = DeploymentConfig.from_dict({"backend": "vllm", "model": "m", "prefill": {"engine_kwargs": {"max_num_seqs": 8}}})
-    assert own.engine_config("prefill").engine_kwargs["max_num_seqs"] == 8
+    assert on_cpu(own.engine_config("prefill"))["max_num_seqs"] == 8
     shared = DeploymentConfig.from_dict({"backend": "vllm", "model": "m", "engine_kwargs": {"max_num_seqs": 4}})
-    assert shared.engine_config("prefill").engine_kwargs["max_num_seqs"] == 4
+    assert on_cpu(shared.engine_config("prefill"))["max_num_seqs"] == 4
 
 
 def test_every_restarted_actor_follows_restarts_max_restarts():

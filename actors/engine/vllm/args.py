@@ -151,6 +151,7 @@ def build_engine_args(cfg: EngineConfig, model_path: str, kv_transfer: dict[str,
 
     kwargs = dict(cfg.engine_kwargs)
     check_engine_kwargs(kwargs)
+    kwargs = {**platform_defaults(cfg), **kwargs}
     kwargs.setdefault("tokenizer", model_path)
     if cfg.block_size is not None:
         kwargs["block_size"] = cfg.block_size
@@ -172,6 +173,16 @@ def build_engine_args(cfg: EngineConfig, model_path: str, kv_transfer: dict[str,
                            tensor_parallel_size=cfg.tp_size, pipeline_parallel_size=cfg.pp_size, **kwargs)
     apply_cpu_mla_backend(args)
     return args
+
+
+def platform_defaults(cfg: EngineConfig, is_cpu: bool | None = None) -> dict[str, Any]:
+    """The engine arguments raypd adds where the operator set none: `cpu_engine_defaults` on a CPU
+    host (`is_cpu`: this host's vLLM platform when None), nothing elsewhere (vLLM's defaults stand)."""
+    if is_cpu is None:
+        from vllm.platforms import current_platform
+
+        is_cpu = current_platform.is_cpu()
+    return {k: v for k, v in cfg.cpu_engine_defaults.items() if k not in cfg.engine_kwargs} if is_cpu else {}
 
 
 def apply_cpu_mla_backend(args: Any) -> str | None:
