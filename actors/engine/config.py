@@ -120,8 +120,7 @@ class EngineConfig(_Strict):
     compute_nice: int = Field(10, ge=0, le=19)
     # how long vLLM's shared-memory readers (engine core, workers) spin on sched_yield after a read
     # before sleeping on the writer's notification (actors/engine/vllm/plugin.py); None: vLLM's own
-    # (1 s). 0 saves the engine cores' spin (~7 of ~68 ms CPU per token on 2 cores) but answered
-    # slower in the one A/B run so far, so it is not the default (docs/configuration.md)
+    # (1 s). 0 stops the engine cores' spin; not the default until a benchmark shows it faster
     shm_busy_loop_s: float | None = Field(None, ge=0)
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments, passed through (actors.engine.vllm.args)
     # vLLM engine arguments raypd sets on a CPU host where engine_kwargs has none (tuned there: a prefill

@@ -14,10 +14,9 @@ ZMQ notification. On a GPU host that spin waits for a step of a few milliseconds
 its own. On a CPU host the step is the worker computing on the very cores the spinning reader
 competes for: the engine core burned ~19 ms of CPU per streamed token beside a ~60 ms worker
 in an earlier measurement. With `busy_loop_s` = 0 the reader sleeps on the notification the
-writer sends after every write (`MessageQueue.enqueue` -> `notify`). Measured with `raypd up`
-at 0.5 req/s of 512-token prompts (one A/B run): the engine cores' CPU fell from 7.5 to 0.8 ms per
-streamed token (68.3 -> 63.4 in all), but TTFT p50 rose from 3.8 to 4.6 s and ITL p50 from 151
-to 169 ms: each step now waits for two wake-ups on busy cores. So it is opt-in.
+writer sends after every write (`MessageQueue.enqueue` -> `notify`), and each step then waits for
+two wake-ups on busy cores: it is opt-in until a benchmark shows it faster
+(`benchmarks/engine_waits.py`).
 
 Two changes make that sleep safe, since vLLM only takes this path after a second of idleness:
 - the writer's notification socket gets no send high-water mark (vLLM sets 1): with 1, a
@@ -35,8 +34,6 @@ from __future__ import annotations
 import os
 
 BUSY_LOOP_ENV = "RAYPD_SHM_BUSY_LOOP_S"
-
-
 POLL_CAP_MS = 50  # the longest a reader sleeps before it looks at the buffer again
 SNDHWM_UNBOUNDED = 0
 
