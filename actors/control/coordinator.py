@@ -82,7 +82,7 @@ class Coordinator:
                  probe_failure_threshold: int = 2):
         self.ledger = TransferLedger(BreakerConfig.model_validate(breaker or {}), deadline_s=handoff_deadline_s)
         self.liveness = Liveness(self._evict, timeout_s=ping_timeout_s, interval_s=hang_check_s,
-                                 failure_threshold=probe_failure_threshold, progress=lambda entry: entry.heard)
+                                 failure_threshold=probe_failure_threshold)
         self._engines: dict[str, EngineEntry] = {}
         self._model_hash: dict[str, str] = {}
         self.book = RouteBook(self.ledger)  # the pairs and the routers' table
@@ -241,10 +241,8 @@ class Coordinator:
     # ------------------------------------------------------- prefix index
     async def kv_events(self, engine_id: str, batch: KVEventsBatch) -> bool:
         """A registered engine's KV cache events (in its order); False: not registered, ignored."""
-        entry = self._engines.get(engine_id)
-        if entry is None:
+        if engine_id not in self._engines:
             return False
-        entry.heard += 1  # its engine core stepped: progress (liveness)
         self.prefix_index.apply(engine_id, batch)
         c = self.counters
         c["kv_calls"] += 1
@@ -275,8 +273,6 @@ class Coordinator:
     async def report_batch(self, batch: LedgerBatch) -> int:
         """A decode engine's coalesced ledger records, applied in its order; returns how many."""
         self._ensure_timers()
-        if (entry := self._engines.get(batch.decode_id)) is not None:
-            entry.heard += 1  # its transfers completed: progress (liveness)
         return self.desk.apply(batch)
 
     async def open_handoff(self, req_id: str, prefill_id: str, decode_id: str) -> None:

@@ -12,17 +12,13 @@ nothing fails, it just never answers. So the coordinator probes:
              timeout is the evidence. An engine actor that answers checks its own engine core
              behind it (vLLM's: a utility call through the core's busy loop) and answers with
              the problem when the core is stuck;
-  strikes    one slow answer from a healthy engine on busy cores (a starved process, a long
-             step) must not kill it with its streams: an incarnation is decided after
-             `failure_threshold` consecutive failed probes (as Serve's replica health check and
-             Kubernetes' liveness probe count failures), for a sweep and a router's report alike:
-             a reported incarnation is probed again at once until it answers or reaches the
-             threshold; a sweep's strikes wait for the next sweep. An answer resets the count;
-  progress   a failed probe counts only if the incarnation also made no progress meanwhile:
-             `progress(entry)` counts what the coordinator heard from it (KV events its engine
-             core published, ledger batches of its transfers); one that moved while the probe
-             waited is busy, not hung (the probe is retried by the next report or sweep);
-  verdict    no answer (or a stuck core) and no progress, `failure_threshold` times in a row: hung.
+  strikes    a probe the sweep started is routine, and one slow answer from a healthy engine on
+             busy cores (a starved process, a long step) must not kill it with its streams: the
+             sweep decides after `failure_threshold` consecutive failed probes of one incarnation
+             (as Serve's replica health check and Kubernetes' liveness probe count failures);
+             an answer resets the count. A router's report is evidence of its own (a missed
+             deadline), so a reported incarnation is decided by the probe it triggers;
+  verdict    no answer, or a stuck core, reported or `failure_threshold` times in a row: hung.
              The incarnation is evicted as a dead one (its
              pairs' breakers open in the ledger, its handoffs end, decode engines drop its
              agents) and its actor is killed with `ray.kill(no_restart=False)`, so that Ray
@@ -66,14 +62,12 @@ class _Probe:
 class Liveness:
     def __init__(self, remove: Callable[[EngineEntry, str], Awaitable[None]], timeout_s: float = 10.0,
                  interval_s: float = 10.0, kill: Callable[[Any], None] = kill_for_restart,
-                 failure_threshold: int = 2, progress: Callable[[EngineEntry], int] = lambda entry: 0):
+                 failure_threshold: int = 2):
         self.remove = remove  # evict an incarnation as dead (the coordinator's `_remove`)
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self.failure_threshold = failure_threshold
         self.kill = kill
-        self.progress = progress  # what the coordinator heard from an incarnation so far (a count)
         self.hangs: Counter[str] = Counter()
-        self.busy_not_hung: Counter[str] = Counter()  # failed probes forgiven: the engine made progress
         self._probes: dict[tuple[str, int], _Probe] = {}  # (engine, generation) -> its probe
         self._strikes: Counter[tuple[str, int]] = Counter()  # failed probes in a row, per incarnation
 
@@ -103,41 +97,31 @@ class Liveness:
 
     async def _judge(self, entry: EngineEntry, live: Callable[[], bool], probe: _Probe) -> str | None:
         key = (entry.engine_id, entry.generation)
-        while True:
-            heard = self.progress(entry)
-            problem = await self.probe(entry)
-            reported = probe.reported
-            if problem is None:
-                self._strikes.pop(key, None)
-                if reported is not None:
-                    logger.info("engine %s (generation %d) was reported hung (%s) but answers its probe",
-                                entry.engine_id, entry.generation, reported)
-                return None
-            kind, why = problem
-            if not live():  # evicted or replaced while we probed: nothing left to do
-                self._strikes.pop(key, None)
-                return kind
-            if kind == "died":
-                self._strikes.pop(key, None)
-                logger.warning("engine %s (generation %d) is dead: %s", entry.engine_id, entry.generation, why)
-                await self.remove(entry, why)
-                return kind
-            if self.progress(entry) != heard:  # it kept working while the probe waited: busy, not hung
-                self._strikes.pop(key, None)
-                self.busy_not_hung[entry.engine_id] += 1
-                logger.warning("engine %s (generation %d) failed a probe (%s) but made progress meanwhile: busy, "
-                               "not hung", entry.engine_id, entry.generation, why)
-                return None
-            self._strikes[key] += 1
-            strikes = self._strikes[key]
-            if strikes >= self.failure_threshold:
-                break
+        problem = await self.probe(entry)
+        reported = probe.reported
+        if problem is None:
+            self._strikes.pop(key, None)
+            if reported is not None:
+                logger.info("engine %s (generation %d) was reported hung (%s) but answers its probe",
+                            entry.engine_id, entry.generation, reported)
+            return None
+        kind, why = problem
+        if not live():  # evicted or replaced while we probed: nothing left to do
+            self._strikes.pop(key, None)
+            return kind
+        if kind == "died":
+            self._strikes.pop(key, None)
+            logger.warning("engine %s (generation %d) is dead: %s", entry.engine_id, entry.generation, why)
+            await self.remove(entry, why)
+            return kind
+        self._strikes[key] += 1
+        strikes = self._strikes[key]
+        if reported is None and strikes < self.failure_threshold:
             logger.warning("engine %s (generation %d) failed a probe (%s): %d of %d in a row decide it is hung",
                            entry.engine_id, entry.generation, why, strikes, self.failure_threshold)
-            if reported is None:
-                return None  # a sweep's strike: the next sweep probes again
+            return None
         self._strikes.pop(key, None)
-        reason = f"hung: {why}" + (f" (reported: {reported})" if reported else "") + f" ({strikes} probes in a row)"
+        reason = f"hung: {why}" + (f" (reported: {reported})" if reported else f" ({strikes} probes in a row)")
         logger.warning("engine %s (generation %d) is %s; evicting it and killing it so that Ray restarts it",
                        entry.engine_id, entry.generation, reason)
         self.hangs[entry.engine_id] += 1

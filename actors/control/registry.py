@@ -43,7 +43,6 @@ class EngineEntry:
     eviction_reason: str = ""
     watchers: list[asyncio.Task] = field(default_factory=list)
     draining: bool = False  # routers stop choosing it (the autoscaler is removing it)
-    heard: int = 0  # messages from this incarnation (KV events, ledger batches): liveness's progress evidence
 
     @property
     def head(self) -> RankHandshake:

@@ -1,8 +1,7 @@
 """The coordinator's liveness probes without Ray (actors/control/liveness.py): a router's hang report is
-probed, two probes in a row that time out evict the incarnation (breakers open) and kill it for a
-restart; an engine that answers is left alone, and so is one that made progress while its probe
-waited (busy, not hung); the sweep finds hangs nobody reported (after two failed probes in a row:
-one slow answer does not kill a healthy engine); one judgement per incarnation at a time."""
+probed, a probe that times out evicts the incarnation (breakers open) and kills it for a restart; an
+engine that answers is left alone; the sweep finds hangs nobody reported (after two failed probes in a
+row: one slow answer does not kill a healthy engine); one probe per incarnation."""
 
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ class FakeActor:
 
     def __init__(self, answer="pong"):
         self.frozen = False
-        self.while_frozen = None  # what the engine still does while its actor does not answer
         self.answer = answer
         self.calls: list[str] = []
         self.killed = 0
@@ -44,8 +42,6 @@ class FakeActor:
 
     async def _ping(self):
         if self.frozen:
-            if self.while_frozen is not None:
-                await self.while_frozen()
             await asyncio.Event().wait()
         return self.answer
 
@@ -78,7 +74,7 @@ def test_a_reported_hang_is_probed_evicted_with_open_breakers_and_killed_once():
 
     verdicts, routes, events, h, c = asyncio.run(go())
     assert verdicts == ["hung"] * 3
-    assert h["D"].calls.count("ping") == 2  # three reports, one judgement: two probes in a row
+    assert h["D"].calls.count("ping") == 1  # three reports, one probe
     assert h["D"].killed == 1 and h["P"].killed == 0  # killed so that Ray restarts it
     assert "D" not in routes.decodes and routes.hangs == {"D": 1}
     assert events[0]["reason"].startswith("hung: no answer to a ping in 0 s (reported: missed its token deadline")
@@ -137,14 +133,13 @@ def test_a_slow_answer_between_sweeps_resets_the_count():
     assert "D" in routes.decodes and routes.hangs == {}
 
 
-def test_a_report_during_a_sweeps_probe_is_decided_by_that_judgement():
+def test_a_report_during_a_sweeps_probe_is_decided_by_that_probe():
     async def go():
         c, h = await pair(timeout_s=0.3)
         h["D"].frozen = True
         gen = {e.engine_id: e.generation for e in await c.engines()}["D"]
         sweep = asyncio.ensure_future(c.check_engines())
-        while "ping" not in h["D"].calls:  # the sweep's probe is in flight
-            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)  # the sweep's probe is in flight
         verdict = await c.engine_hung("D", gen, "missed its token deadline")
         found = await sweep
         stop(c)
@@ -152,24 +147,4 @@ def test_a_report_during_a_sweeps_probe_is_decided_by_that_judgement():
 
     verdict, found, h = asyncio.run(go())
     assert verdict == "hung" and found == ["D"]
-    assert h["D"].calls.count("ping") == 2 and h["D"].killed == 1  # the report probes again at once
-
-
-def test_an_engine_that_made_progress_while_its_probe_waited_is_busy_not_hung():
-    """Its actor is too starved to answer a ping in time, but its transfers keep completing."""
-    from actors.control.ledger_records import LedgerBatch
-
-    async def go():
-        c, h = await pair()
-        h["D"].frozen = True
-        h["D"].while_frozen = lambda: c.report_batch(LedgerBatch("D", ()))
-        gen = {e.engine_id: e.generation for e in await c.engines()}["D"]
-        verdict = await c.engine_hung("D", gen, "missed its token deadline")
-        found = await c.check_engines() + await c.check_engines()
-        routes = await c.routes()
-        stop(c)
-        return verdict, found, routes, h, c
-
-    verdict, found, routes, h, c = asyncio.run(go())
-    assert (verdict, found, h["D"].killed, "D" in routes.decodes) == (None, [], 0, True)
-    assert c.liveness.busy_not_hung["D"] == 3
+    assert h["D"].calls.count("ping") == 1 and h["D"].killed == 1
