@@ -141,9 +141,9 @@ class PrefixReplica:
     # ------------------------------------------------------- own claims
     def note_held(self, engine_id: str, token_ids: Sequence[int], now: float) -> int:
         """This router placed `token_ids` (tokens whose KV the engine computes) on `engine_id`: their full
-        blocks count as held there until the
-        engine's events confirm them (or `claim_ttl_s` passes). Hashed with the engine's scheme, or the
-        deployment's one scheme for an engine that has reported none yet; returns the blocks claimed."""
+        blocks count as held there until the engine's events confirm them (or `claim_ttl_s` passes).
+        Hashed with the engine's scheme, or the deployment's one scheme for an engine that has reported
+        none yet; returns the blocks claimed."""
         self.expire_claims(now)
         scheme = self._scheme.get(engine_id)
         if scheme is None:
