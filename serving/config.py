@@ -100,9 +100,11 @@ class RouterConfig(_Strict):
     # Deadlines of the engine calls a client waits for (formulas: serving/routing/deadlines.py):
     # a prefill call or a stream's first chunk gets floor + margin x tokens / the engine's measured
     # prefill rate (+ transfer.read_timeout_s when the decode engine pulls KV first); every later
-    # chunk max(token_timeout_s, margin x the engine's measured gap between chunks). An engine that
-    # misses one is treated as hung: its streams migrate, the coordinator is told (it probes,
-    # evicts and restarts the engine), and this router gives it no work meanwhile.
+    # chunk max(token_timeout_s, margin x the engine's measured gap between chunks). A wait past its
+    # deadline goes on while the engine answers other calls (silent < token_timeout_s), up to margin x
+    # its deadline: busy is not hung. An engine that misses one is treated as hung: its streams
+    # migrate, the coordinator is told (it probes, evicts and restarts the engine), and this router
+    # gives it no work meanwhile.
     deadline_floor_s: float = Field(10.0, gt=0)
     deadline_margin: float = Field(3.0, ge=1.0)
     initial_prefill_tokens_per_s: float = Field(500.0, gt=0)  # until the engine's rate is measured

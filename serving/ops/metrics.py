@@ -79,6 +79,9 @@ class RouterCollector(Collector):
         yield _labelled(CounterMetricFamily("raypd_deadline_misses", "engine calls that missed their deadline here "
                                             "(the engine was then treated as hung)", labels=["engine", "call"]),
                         snap.deadline_misses)
+        yield _labelled(CounterMetricFamily("raypd_deadline_extensions", "engine calls past their deadline that "
+                                            "went on: the engine was busy (it answered other calls meanwhile)",
+                                            labels=["engine", "call"]), snap.deadline_extensions)
         pq = GaugeMetricFamily("raypd_prefill_queue_depth", "prefills in flight, per prefill engine",
                                labels=["engine"])
         for eid, load in snap.prefill_load.items():

@@ -15,6 +15,13 @@ this router's own measurements, per engine):
   busy engine gets more time), 1 / initial_prefill_tokens_per_s before the first one;
   gap(engine): EWMA of the time between two chunks of the engine's streams.
 
+A deadline is missed only when the engine shows no progress (busy is not hung): when a wait's
+time is up but this router heard from the same incarnation (any call on it returned) within the
+last `token_timeout_s`, the wait goes on until that engine has been silent for `token_timeout_s`,
+at most `deadline_margin` x its deadline in all. A frozen engine is still found one token timeout
+after its last output; a busy one (20 prompts queued on a prefill engine, a decode engine taking
+the streams of a failed one) is not failed, its clients are not migrated, nothing cascades.
+
 An engine incarnation that misses a deadline is suspected hung, once:
 
   - every other wait of this router on that incarnation ends now (`EngineHung`): its streams
@@ -26,8 +33,9 @@ An engine incarnation that misses a deadline is suspected hung, once:
     decides: it pings the engine with a timeout and, when that times out too, evicts the
     incarnation (its pairs' breakers open) and kills it so that Ray restarts it.
 
-Deadline misses are counted per (engine, call) (`raypd_deadline_misses_total`). Pure asyncio;
-`asyncio.timeout` (no task per wait), so a wait on the token path costs one timer.
+Deadline misses are counted per (engine, call) (`raypd_deadline_misses_total`), waits that went
+on because the engine was busy per (engine, call) too (`extended`). Pure asyncio; `asyncio.timeout`
+(no task per wait), so a wait on the token path costs one timer.
 """
 
 from __future__ import annotations
@@ -73,6 +81,15 @@ class Ewma:
 Report = Callable[[str, "int | None", str], None]
 
 
+class _Wait:
+    """One wait in progress: its engine incarnation, its timeout and the check that may end it."""
+    __slots__ = ("generation", "timer", "check", "last_call")
+
+    def __init__(self, generation: int | None, timer: asyncio.Timeout, last_call: float):
+        self.generation, self.timer, self.last_call = generation, timer, last_call
+        self.check: asyncio.TimerHandle | None = None
+
+
 class EngineDeadlines:
     def __init__(self, config: RouterConfig | None = None, pull_timeout_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, report: Report | None = None):
@@ -82,10 +99,11 @@ class EngineDeadlines:
         self.report = report  # (engine, generation, reason): the router tells the coordinator
         self._s_per_token: dict[str, Ewma] = {}
         self._gap: dict[str, Ewma] = {}
-        # the timers of the waits in progress, per engine: (its incarnation, the timer)
-        self._waits: dict[str, set[tuple[int | None, asyncio.Timeout]]] = {}
+        self._waits: dict[str, set[_Wait]] = {}  # the waits in progress, per engine
+        self._heard: dict[str, tuple[int | None, float]] = {}  # engine -> (incarnation, loop time): a call returned
         self.suspects: dict[str, tuple[int | None, float]] = {}  # engine -> (incarnation, since)
         self.misses: Counter[tuple[str, str]] = Counter()  # (engine, call) -> deadlines missed
+        self.extended: Counter[tuple[str, str]] = Counter()  # (engine, call) -> waits let run on: busy
 
     # ------------------------------------------------------------ formulas
     def s_per_token(self, engine_id: str) -> float:
@@ -117,22 +135,44 @@ class EngineDeadlines:
     # ------------------------------------------------------------------ waits
     async def within(self, engine_id: str, generation: int | None, call: str, seconds: float,
                      work: Awaitable[T]) -> T:
-        """`await work`, or `EngineHung` once `seconds` passed (or another wait on this engine
-        incarnation missed its deadline)."""
+        """`await work`, or `EngineHung` once `seconds` passed with no progress of the engine (or
+        another wait on this engine incarnation missed its deadline)."""
         waits = self._waits.setdefault(engine_id, set())
-        entry = None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        wait = None
         try:
-            async with asyncio.timeout(seconds) as timer:
-                entry = (generation, timer)
-                waits.add(entry)
+            async with asyncio.timeout(None) as timer:  # armed by the check below, never on its own
+                wait = _Wait(generation, timer, start + self.config.deadline_margin * seconds)
+                wait.check = loop.call_at(start + seconds, self._check, engine_id, call, wait)
+                waits.add(wait)
                 try:
-                    return await work
+                    result = await work
                 finally:
-                    waits.discard(entry)
+                    waits.discard(wait)
+                    wait.check.cancel()
+            self._heard[engine_id] = (generation, loop.time())
+            return result
         except TimeoutError:
-            if entry is None or not entry[1].expired():
+            if wait is None or not wait.timer.expired():
                 raise  # the work's own timeout, not ours
             raise self._missed(engine_id, generation, call, seconds) from None
+
+    def _check(self, engine_id: str, call: str, wait: _Wait) -> None:
+        """A wait's time is up: it goes on while the engine is busy (heard from within
+        `token_timeout_s`) and under its last call; otherwise it ends now (a missed deadline)."""
+        if wait.timer.expired():
+            return  # ended already (another wait on the incarnation missed its deadline)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        heard = self._heard.get(engine_id)
+        if heard is not None and heard[0] == wait.generation:
+            silent_at = heard[1] + self.config.token_timeout_s
+            if now < silent_at and now < wait.last_call:
+                self.extended[(engine_id, call)] += 1
+                wait.check = loop.call_at(min(silent_at, wait.last_call), self._check, engine_id, call, wait)
+                return
+        wait.timer.reschedule(now)  # expires at once: the awaiting task gets a TimeoutError
 
     def _missed(self, engine_id: str, generation: int | None, call: str, seconds: float) -> EngineHung:
         if self.suspected(engine_id, generation):  # another wait found it first: already handled
@@ -142,9 +182,10 @@ class EngineDeadlines:
         reason = f"missed its {call} deadline ({seconds:.1f} s)"
         logger.warning("engine %s (incarnation %s) %s: treated as hung", engine_id, generation, reason)
         now = asyncio.get_running_loop().time()
-        for gen, timer in list(self._waits.get(engine_id, ())):
-            if gen == generation and not timer.expired():
-                timer.reschedule(now)  # its other waits end now: their streams move at once
+        for wait in list(self._waits.get(engine_id, ())):
+            if wait.generation == generation and not wait.timer.expired():
+                wait.check.cancel()
+                wait.timer.reschedule(now)  # its other waits end now: their streams move at once
         if self.report is not None:
             try:
                 self.report(engine_id, generation, reason)

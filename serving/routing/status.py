@@ -66,6 +66,8 @@ class RouterSnapshot:
     engines: dict[str, EngineStatus] = field(default_factory=dict)
     readiness: Readiness | None = None  # as the cached view of the directory says
     deadline_misses: dict[tuple[str, str], int] = field(default_factory=dict)  # (engine, call) -> misses seen here
+    # (engine, call) -> waits past their deadline let run on here: the engine was busy, not hung
+    deadline_extensions: dict[tuple[str, str], int] = field(default_factory=dict)
     hangs: dict[str, int] = field(default_factory=dict)  # engine -> incarnations the coordinator judged hung
 
     @classmethod
@@ -80,7 +82,8 @@ class RouterSnapshot:
             prefill_failures=dict(pool.prefill_failures),
             routes={d: tuple(r.prefill_id for r in rs) for d, rs in routes.decodes.items()},
             planner=planner, pools=pools, engines=dict(pool.engine_stats), readiness=readiness,
-            deadline_misses=dict(pool.deadlines.misses), hangs=dict(routes.hangs),
+            deadline_misses=dict(pool.deadlines.misses), deadline_extensions=dict(pool.deadlines.extended),
+            hangs=dict(routes.hangs),
         )
 
     def to_json(self) -> dict[str, Any]:

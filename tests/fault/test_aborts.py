@@ -9,7 +9,6 @@ test_vllm_faults.py):
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 
@@ -20,7 +19,7 @@ from serving.config import DeploymentConfig
 from serving.cluster.launcher import launch, shutdown_deployment
 from serving.cluster.clients import build_router
 
-from chaos_helpers import pair_states
+from chaos_helpers import freeze_tree, kill_tree, pair_states
 from engine_calls import request
 from service_helpers import SYNTHETIC, engine_stats, wait_blocks_at_baseline
 
@@ -61,52 +60,52 @@ def test_released_prefill_frees_its_blocks_at_once(service):
 
 
 def test_client_aborts_close_handoffs_and_never_count_against_the_pair(service, coordinator):
-    """12 clients leave (more than the breaker threshold, 3), four at each point of a P/D request:
-    after the prefill engine's token (no handoff was opened: the decode engine never heard of it),
-    during the KV pull (the prefill engine's rank frozen, so the READ stays in flight: the handoff
-    closes as aborted), and after a decode token (the pull had its verdict: ok)."""
+    """12 clients leave (more than the breaker threshold, 3), six at each point of a P/D request after
+    its prefill (the router starts the decode call, and so the KV pull, as the prefill returns):
+    during the pull (the decode engine's ranks frozen, so the pull stays in flight and has no outcome:
+    the handoff closes as aborted once the engine's ranks answer its abort), and after a decode token
+    (the pull had its verdict: ok). Each handoff is seen open (or decided) before the next client
+    comes: the order is forced by the ledger, not by sleeps."""
     dep, cfg = service["dep"], service["cfg"]
     (pid,), (did,) = dep.prefills, dep.decodes
     router = build_router(cfg, dep)
     pair = f"{pid}->{did}"
-    rank_pid = ray.get(dep.prefills[pid].stats.remote()).backend.child_pids[0]
+    decode_ranks = ray.get(dep.decodes[did].stats.remote()).backend.child_pids
 
     async def in_flight() -> int:
         return (await coordinator.transfers.remote()).in_flight
 
+    async def until(done, what: str, i: int) -> None:
+        deadline = time.monotonic() + 10
+        while not await done():
+            assert time.monotonic() < deadline, f"{what} (client {i})"
+            await asyncio.sleep(0.01)
+
     async def go():
         before = await coordinator.transfers.remote()
         for i in range(12):
-            stream = await router.open(request(f"gone{i}", "a client that leaves " * 6, max_tokens=40))
-            await stream.__anext__()  # the prefill engine's token
-            if i % 3 == 1:  # during the pull: the producer's rank cannot serve the READ
-                os.kill(rank_pid, signal.SIGSTOP)
-                try:
-                    pending = asyncio.ensure_future(stream.__anext__())  # the decode engine starts pulling
-                    deadline = time.monotonic() + 10
-                    while not await in_flight() and time.monotonic() < deadline:
-                        await asyncio.sleep(0.01)
-                    assert await in_flight() == 1, "the handoff should be open while the READ is in flight"
-                    stream.close()  # the client disconnects mid-pull
-                    pending.cancel()
-                    await asyncio.gather(pending, return_exceptions=True)
-                    while await in_flight() and time.monotonic() < deadline:
-                        await asyncio.sleep(0.01)
-                finally:
-                    os.kill(rank_pid, signal.SIGCONT)
-                continue
-            if i % 3 == 2:
-                await stream.__anext__()  # ... a decode token: the pull has its verdict
-            stream.close()  # the client disconnects: aborts on both engines
+            mid_pull = i % 2 == 0
+            frozen = freeze_tree(decode_ranks) if mid_pull else []  # the reader's ranks: the pull stays in flight
+            try:
+                stream = await router.open(request(f"gone{i}", f"client {i} leaves " * 6, max_tokens=40))
+                await stream.__anext__()  # the prefill engine's token
+                if mid_pull:
+                    await until(lambda: in_flight_is(1), "the handoff should be open while the pull is in flight", i)
+                else:
+                    await stream.__anext__()  # a decode token: the pull had its verdict
+                stream.close()  # the client disconnects: aborts on both engines
+            finally:
+                kill_tree(frozen, signal.SIGCONT)  # (the engine's abort waits for its ranks' answers)
+            await until(lambda: in_flight_is(0), "the handoff should close when the client leaves", i)
         await router.drain()
-        deadline = time.monotonic() + 10
-        while await in_flight() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
         return before, await coordinator.transfers.remote(), await pair_states(coordinator)
+
+    async def in_flight_is(n: int) -> bool:
+        return await in_flight() == n
 
     before, after, states = asyncio.run(go())
     delta = {k: after.verdicts[k] - before.verdicts[k] for k in after.verdicts}
-    assert after.in_flight == 0  # closed now, not at their deadline
-    assert delta == {"ok": 4, "failed": 0, "expired": 0, "aborted": 4}, delta
+    assert after.in_flight == 0  # closed when the client left, not at their deadline
+    assert delta == {"ok": 6, "failed": 0, "expired": 0, "aborted": 6}, delta
     assert getattr(states.get(pair), "failures", 0) == 0, states.get(pair)  # no abort counted against it
     assert router.pool.counters["aborted"] == 12

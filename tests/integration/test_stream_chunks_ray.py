@@ -10,8 +10,9 @@ from actors.protocol import TokenChunk
 
 
 def test_a_slow_consumer_gets_one_chunk_per_wake_up_from_a_real_ray_stream(ray_cluster):
-    """An engine-like actor yields one token, then (once let go) 7 more fast; a consumer that sleeps
-    before taking the rest finds them all arrived and takes them as one chunk (Ray streaming generator)."""
+    """An engine-like actor yields one token, then (once let go) 7 more fast; a consumer that falls
+    behind until the generator task has ended finds them all arrived and takes them as one chunk (Ray
+    streaming generator). The order is forced by the task's end, not by a sleep."""
     from serving.cluster.clients import RayEngineClient
 
     @ray.remote(num_cpus=0)
@@ -36,7 +37,9 @@ def test_a_slow_consumer_gets_one_chunk_per_wake_up_from_a_real_ray_stream(ray_c
         gen = client.generate(None)
         got.append(await gen.__anext__())
         await actor.release.remote()
-        await asyncio.sleep(1.0)  # the consumer falls behind: the other 7 arrive meanwhile
+        # the consumer falls behind until the actor's generator has ended: every item was reported
+        # to this process (Ray reports a streaming task's items before its end)
+        await gen._gen.completed()
         async for chunk in gen:
             got.append(chunk)
         return got

@@ -139,3 +139,47 @@ def test_a_timeout_raised_by_the_work_itself_is_not_a_missed_deadline():
         assert d.suspected("e", 1) and not d.suspected("e", 2)  # another incarnation is not suspected
 
     run(go())
+
+
+async def keep_busy(d: EngineDeadlines, engine: str, every_s: float, stop: asyncio.Event) -> None:
+    """Another stream on the engine: a call on it returns every `every_s` (progress)."""
+    while not stop.is_set():
+        await d.within(engine, 1, "token", 5.0, asyncio.sleep(every_s))
+
+
+def test_a_busy_engine_is_slow_not_hung_up_to_margin_times_the_deadline():
+    async def go():
+        d = EngineDeadlines(RouterConfig(**{**FAST, "token_timeout_s": 0.3, "deadline_margin": 4.0}))
+        stop = asyncio.Event()
+        other = asyncio.ensure_future(keep_busy(d, "e", 0.05, stop))
+        await asyncio.sleep(0.06)
+        t0 = time.monotonic()
+        slow = await d.within("e", 1, "prefill", 0.2, asyncio.sleep(0.5, "done"))  # 2.5x its deadline
+        took = time.monotonic() - t0
+        assert (slow, d.suspects, d.misses) == ("done", {}, {})
+        assert d.extended[("e", "prefill")] >= 1 and took >= 0.5
+        t0 = time.monotonic()
+        with pytest.raises(EngineHung):  # busy, but past margin x deadline: a bound for every wait
+            await d.within("e", 1, "prefill", 0.2, asyncio.sleep(10))
+        assert 0.8 <= time.monotonic() - t0 < 1.2
+        stop.set()
+        (ended,) = await asyncio.gather(other, return_exceptions=True)
+        assert isinstance(ended, EngineHung) and "another request" in str(ended)  # its other waits end too
+
+    run(go())
+
+
+def test_an_engine_silent_for_the_token_timeout_misses_the_deadline_then():
+    async def go():
+        d = EngineDeadlines(RouterConfig(**{**FAST, "token_timeout_s": 0.4, "deadline_margin": 10.0}))
+        await d.within("e", 1, "token", 1.0, asyncio.sleep(0))  # the last output: now
+        t0 = time.monotonic()
+        with pytest.raises(EngineHung):
+            await d.within("e", 1, "prefill", 0.1, asyncio.sleep(10))  # nothing returns after it
+        took = time.monotonic() - t0
+        assert 0.35 <= took < 0.6  # the engine's silence reached token_timeout_s, not margin x deadline
+        assert d.misses[("e", "prefill")] == 1 and d.suspected("e", 1)
+        with pytest.raises(EngineHung):  # progress of another incarnation is no evidence for this one
+            await d.within("f", 2, "prefill", 0.1, asyncio.sleep(10))
+
+    run(go())
