@@ -25,11 +25,13 @@ from actors.protocol import EngineRequest, Logprobs, SamplingSpec, TokenChunk
 TIE_MARGIN = 0.05  # nats between the reference's best two tokens: a near tie that batch noise may flip
 
 
-def greedy_request(request_id: str, token_ids: Sequence[int], max_tokens: int) -> EngineRequest:
+def greedy_request(request_id: str, token_ids: Sequence[int], max_tokens: int,
+                   ignore_eos: bool = False) -> EngineRequest:
     """A greedy request that also returns each position's top-2 logprobs."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, flat_logprobs=True)  # flat: 3x cheaper on CPU
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, flat_logprobs=True,  # flat: 3x cheaper on CPU
+                        ignore_eos=ignore_eos)
     return EngineRequest(request_id, SamplingSpec(max_tokens=max_tokens, temperature=0.0, vllm_params=pickle.dumps(sp)),
                          prompt_token_ids=tuple(token_ids))
 

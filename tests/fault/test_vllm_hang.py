@@ -5,7 +5,7 @@ colocated on the other engine; the single-decode-engine case needs fixed pools.
 
 1. SIGSTOP of the decode engine's actor and vLLM processes while 3 streams run, one more request sent
    at once: every stream ends with an SSE error event (never a cut connection) within 30 s, the request
-   sent at once is answered within it too (an error event or 503, never a cut), the first request after
+   sent at once too (its prefill returns first, its decode chunk never comes), the first request after
    /health turned 503 is answered at once (503 with the reason), and the coordinator's probe times out
    and it kills the engine for a restart;
 2. kill -9 of the restarting incarnation while its vLLM engine core starts: the front stays up;
@@ -32,7 +32,7 @@ from serving.cluster.names import actor_name_of
 from serving.config import load_config
 
 from chaos_helpers import SteadyLoad, freeze_tree, kill_tree
-from service_helpers import free_port
+from service_helpers import free_port, run_serve_app
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -125,11 +125,11 @@ def check_streams(answers, t0: float, phase: str) -> float:
     ended = max(a.ended for a in answers) - t0
     print(f"{phase}: streams {[a.outcome for a in answers]} (codes {[a.code for a in answers]}) "
           f"ended {ended:.1f} s after the fault")
-    # mid-stream: an error event after what was streamed; the request sent at the fault may be refused
-    # before its first token (503 with the reason) instead; never a cut connection
-    assert [a.outcome for a in answers[:-1]] == ["error_event"] * (len(answers) - 1), [a.error for a in answers]
-    assert answers[-1].outcome == "error_event" or (answers[-1].outcome, answers[-1].status) == ("http_error", 503), \
-        answers[-1].error
+    # mid-stream: an error event after what was streamed; the request sent at the fault too: its prefill
+    # returns long before the router's first token deadline on the frozen engine (so it is not refused),
+    # the router answers 200 and streams the prefill engine's token, and the decode engine's never comes;
+    # never a cut connection
+    assert [a.outcome for a in answers] == ["error_event"] * len(answers), [(a.outcome, a.error) for a in answers]
     assert ended < 30, ended
     return ended
 
@@ -159,18 +159,8 @@ def test_a_lone_decode_engine_frozen_then_killed_while_restarting(coordinator):
     frozen: list[int] = []
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        t_up = time.monotonic()
-        serve.run(build_app(base), name=NAME, route_prefix="/", blocking=False)
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=10).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the Serve app did not come up"
-            time.sleep(2)
-        print(f"up in {time.monotonic() - t_up:.0f} s")
+        up_s = run_serve_app(build_app(base), NAME, url)
+        print(f"up in {up_s:.0f} s")
         replicas_before = ingress_replicas()
         assert len(replicas_before) == 1 and replicas_before[0]["state"] == "ALIVE", replicas_before
 

@@ -64,3 +64,20 @@ class UvicornThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+
+def run_serve_app(app, name: str, url: str, timeout_s: float = 900.0) -> float:
+    """`serve.run` the app (non-blocking) and wait until its /health answers 200; seconds it took."""
+    import httpx
+    from ray import serve
+
+    t0 = time.monotonic()
+    serve.run(app, name=name, route_prefix="/", blocking=False)
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=10).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() - t0 < timeout_s, "the Serve app did not come up"
+        time.sleep(2)

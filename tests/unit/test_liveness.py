@@ -139,7 +139,8 @@ def test_a_report_during_a_sweeps_probe_is_decided_by_that_probe():
         h["D"].frozen = True
         gen = {e.engine_id: e.generation for e in await c.engines()}["D"]
         sweep = asyncio.ensure_future(c.check_engines())
-        await asyncio.sleep(0.05)  # the sweep's probe is in flight
+        while "ping" not in h["D"].calls:  # until the sweep's probe is in flight (an event, not a sleep)
+            await asyncio.sleep(0)
         verdict = await c.engine_hung("D", gen, "missed its token deadline")
         found = await sweep
         stop(c)
