@@ -36,17 +36,17 @@ from actors.engine.actor import EngineActor
 from actors.engine.options import engine_actor_options  # noqa: E402
 from actors.engine.config import EngineConfig  # noqa: E402
 from actors.protocol import EngineRequest, SamplingSpec  # noqa: E402
+from actors.transfer_config import TransferConfig  # noqa: E402
 
 Engine = ray.remote(EngineActor)
 
 
 def engine(role, engine_id, model, bind, sync=None, max_model_len=2048):
-    fields = dict(role=role, backend="vllm", engine_id=engine_id, model=model, max_model_len=max_model_len,
-                  cpu_bind=bind, dtype="float32", num_cpus=0, lease_ttl_s=60, read_timeout_s=10,
-                  engine_kwargs={"enforce_eager": True})
-    if sync is not None and "sync_load_max_tokens" in EngineConfig.model_fields:
-        fields["sync_load_max_tokens"] = sync
-    cfg = EngineConfig(**fields)
+    transfer = TransferConfig(lease_ttl_s=60, read_timeout_s=10,
+                              **({} if sync is None else {"sync_load_max_tokens": sync}))
+    cfg = EngineConfig(role=role, backend="vllm", engine_id=engine_id, model=model, max_model_len=max_model_len,
+                       cpu_bind=bind, dtype="float32", num_cpus=0, transfer=transfer,
+                       engine_kwargs={"enforce_eager": True})
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}
     return Engine.options(**opts).remote(cfg.model_dump(), COORDINATOR_NAME)
 

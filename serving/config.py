@@ -44,8 +44,12 @@ from actors.engine.config import (
     lift_owned_kwargs,
 )
 from actors.control.ledger import BreakerConfig
-from serving.cluster.autoscale_policy import AutoscalerConfig
-from serving.routing.placement import PlacementConfig, chunked_prefill_budget
+from actors.transfer_config import TransferConfig
+
+# serving/'s ground floor: of serving/ only the config types kept beside this file, which import
+# nothing of serving/ themselves; routing and cluster import them from there (tests/unit/test_config_layers.py)
+from serving.autoscaler_config import AutoscalerConfig
+from serving.placement_config import PlacementConfig, chunked_prefill_budget
 
 ROLES = ("prefill", "decode", "both")
 PREFILL_CAPABLE, DECODE_CAPABLE = ("prefill", "both"), ("decode", "both")
@@ -114,21 +118,6 @@ class RouterConfig(_Strict):
     hung_engine_hold_s: float = Field(30.0, gt=0)
 
 
-class TransferConfig(_Strict):
-    failure_policy: Literal["fail", "recompute"] = "fail"
-    lease_ttl_s: float = Field(30.0, gt=0)
-    read_timeout_s: float = Field(10.0, gt=0)
-    handoff_deadline_s: float = Field(60.0, gt=0)
-    # a pull of at most this many tokens loads before the decode step's forward (no scheduler step
-    # spent waiting for it); larger ones load asynchronously. 0: always async (EngineConfig)
-    sync_load_max_tokens: int = Field(4096, ge=0)
-    fault_rate: float = Field(0.0, ge=0.0, le=1.0)  # test knob: fail this fraction of KV pulls on purpose
-    # KV integrity (actors.kv.integrity): producers checksum each (block, head) when they lease a
-    # prefill, readers check all blocks or a 1-in-8 sample of them after the pull; a mismatch fails it.
-    # Off by default: on CPU `all` adds 1.6-6x the pull's time, `sample` 20-140 % (benchmarks/transfer.py).
-    verify: Literal["off", "sample", "all"] = "off"
-
-
 class RestartConfig(_Strict):
     """Ray restarts crashed engines, their rank actors (synthetic engines), the coordinator and the
     autoscaler, each at most `max_restarts` times. A hung engine is restarted too: the coordinator
@@ -193,7 +182,7 @@ class DeploymentConfig(_Strict):
     # end to end; the router places every request (router.placement). Given alone, there are no fixed pools.
     both: EngineGroupConfig = EngineGroupConfig(count=0)
     router: RouterConfig = RouterConfig()
-    transfer: TransferConfig = TransferConfig()
+    transfer: TransferConfig = TransferConfig()  # the engines' EngineConfig.transfer, as is (actors.transfer_config)
     breaker: BreakerConfig = BreakerConfig()
     restarts: RestartConfig = RestartConfig()
     http: HttpConfig = HttpConfig()
@@ -299,10 +288,7 @@ class DeploymentConfig(_Strict):
             engine_kwargs=kwargs, cpu_engine_defaults=cpu_defaults,
             dcp_size=group.dcp_size, block_size=group.block_size, max_model_len=self.max_model_len,
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
-            kv_load_failure_policy=self.transfer.failure_policy, lease_ttl_s=self.transfer.lease_ttl_s,
-            read_timeout_s=self.transfer.read_timeout_s, fault_rate=self.transfer.fault_rate,
-            sync_load_max_tokens=self.transfer.sync_load_max_tokens,
-            kv_verify=self.transfer.verify,
+            transfer=self.transfer,
             num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
             resources=group.resources, max_restarts=self.restarts.max_restarts,
             cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,

@@ -66,14 +66,13 @@ from actors.control.liveness import Liveness
 from actors.control.route_book import RouteBook
 from actors.control.ledger_records import ControlStats, LedgerBatch
 from actors.protocol import EngineInfo, EngineSummary
+from actors.ray_names import COORDINATOR_NAME, NAMESPACE
 from actors.routes import RouteDelta, RouteTable
-from actors.control.prefix_index import IndexCursor, IndexUpdate, KVEventsBatch, PrefixIndex
+from actors.prefix_wire import IndexCursor, IndexUpdate, KVEventsBatch
+from actors.control.prefix_index import PrefixIndex
 from actors.control.registry import ROLES, EngineEntry, Registration, RegistrationError, decode_registration
 
 logger = logging.getLogger("raypd.coordinator")
-
-COORDINATOR_NAME = "raypd-coordinator"
-NAMESPACE = "raypd"
 
 
 class Coordinator:

@@ -1,19 +1,11 @@
-"""Which engine holds which prefix-cache blocks, keyed the way vLLM keys its prefix cache.
-
-vLLM (0.32) names a full KV block by a hash chained over the prompt's token ids:
-`hash(parent_hash, tuple(block_token_ids), extra_keys)`, the first block's parent
-being `NONE_HASH = hash(seed)`; the default algorithm is `sha256` over the
-pickled tuple and the seed is "vllm-none-hash" (or PYTHONHASHSEED). Its KV
-cache events (`BlockStored` / `BlockRemoved` / `AllBlocksCleared`) report the
-same hashes, by default as the low 64 bits (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`).
-`HashScheme.block_hashes` computes them here, so a router can ask "how many
-leading blocks of this prompt does each engine hold" without asking the engines.
+"""Which engine holds which prefix-cache blocks, keyed the way vLLM keys its prefix cache
+(`actors.prefix_wire`: the hash scheme, the events and the replication types).
 
 Life cycle of an engine's entries:
 
   stored    `apply(engine, KVEventsBatch)` with the engine's relayed events (runs of
             stores or removals merged by `coalesce`: one op per run);
-  evicted   by the engine (BlockRemoved / AllBlocksCleared), or here when the
+  evicted   by the engine (BlocksRemoved / AllBlocksCleared), or here when the
             engine exceeds `max_blocks_per_engine` (oldest first; bounds memory
             even if a removal was lost);
   dropped   `drop_engine` when the engine dies, restarts or is unregistered.
@@ -26,151 +18,19 @@ or the owner restarted). Pure Python: no Ray, no vLLM.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-import pickle
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from functools import cached_property
-from typing import Literal, NamedTuple, Union
+from collections.abc import Iterable, Sequence
 
-DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for cryptographic hashes (no PYTHONHASHSEED)
-SUPPORTED_ALGOS = ("sha256", "sha256_cbor")  # xxhash uses a random per-process seed: not reproducible
-_INT64 = (1 << 64) - 1
-
-
-class HashSchemeError(ValueError):
-    """An engine's prefix-cache hashes cannot be reproduced here (algorithm, block size)."""
-
-
-def external_key(block_hash: bytes | int) -> int:
-    """A block hash as an index key: vLLM's int form (low 64 bits of the digest)."""
-    if isinstance(block_hash, int):
-        return block_hash & _INT64
-    return int.from_bytes(block_hash, "big") & _INT64
-
-
-@dataclass(frozen=True)
-class HashScheme:
-    """How one engine hashes its blocks: block size, hash algorithm, NONE_HASH seed."""
-
-    block_size: int
-    algo: str = "sha256"
-    seed: str = DEFAULT_SEED
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise HashSchemeError(f"block_size must be >= 1, got {self.block_size}")
-        if self.algo not in SUPPORTED_ALGOS:
-            raise HashSchemeError(
-                f"prefix_caching_hash_algo {self.algo!r} cannot be reproduced by the router "
-                f"(supported: {', '.join(SUPPORTED_ALGOS)})")
-
-    def _digest(self, obj: object) -> bytes:
-        if self.algo == "sha256":
-            return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-        import cbor2
-
-        return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
-
-    @cached_property
-    def none_hash(self) -> bytes:
-        return self._digest(self.seed)
-
-    def block_hashes(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
-        """Index keys of the full blocks of `token_ids`, first block first."""
-        keys = self.iter_block_hashes(token_ids)
-        return list(keys if max_blocks is None else itertools.islice(keys, max_blocks))
-
-    def iter_block_hashes(self, token_ids: Sequence[int]) -> Iterator[int]:
-        """`block_hashes`, one block at a time (a lookup stops hashing at the first block nobody holds)."""
-        parent = self.none_hash
-        for i in range(len(token_ids) // self.block_size):
-            block = tuple(map(int, token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            parent = self._digest((parent, block, None))
-            yield external_key(parent)
-
-
-# ---------------------------------------------------------------- events
-@dataclass(frozen=True)
-class BlocksStored:
-    hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BlocksRemoved:
-    hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    pass
-
-
-KVEvent = Union[BlocksStored, BlocksRemoved, AllBlocksCleared]
-
-
-@dataclass(frozen=True)
-class KVEventsBatch:
-    """An engine's KV cache events, in the order the engine emitted them.
-
-    `reset`: the relay lost events (a gap, or a batch it could not deliver), so
-    the owner clears the engine's entries first: under-claiming only costs a
-    cache miss, over-claiming would route to blocks that are gone.
-    `engine_events`: how many of the engine's own events the batch carries when
-    `coalesce` merged runs of them (0: one per entry of `events`).
-    """
-
-    scheme: HashScheme
-    events: tuple[KVEvent, ...]
-    reset: bool = False
-    engine_events: int = 0
-
-    @property
-    def num_engine_events(self) -> int:
-        return self.engine_events or len(self.events)
-
-
-def coalesce(events: Sequence[KVEvent]) -> tuple[KVEvent, ...]:
-    """The same changes in the same order, consecutive stores (and consecutive removals) merged into one
-    event: vLLM reports every evicted block as its own BlockRemoved, this ships and applies a run at once."""
-    runs: list[tuple[type, list[int]]] = []
-    for ev in events:
-        if isinstance(ev, AllBlocksCleared):
-            runs.append((AllBlocksCleared, []))
-        elif runs and runs[-1][0] is type(ev):
-            runs[-1][1].extend(ev.hashes)
-        else:
-            runs.append((type(ev), list(ev.hashes)))
-    return tuple(AllBlocksCleared() if kind is AllBlocksCleared else kind(tuple(hashes))
-                 for kind, hashes in runs if hashes or kind is AllBlocksCleared)
-
-
-# ------------------------------------------------------------ replication
-class IndexOp(NamedTuple):
-    """One change of the index (a NamedTuple: replicas unpickle thousands per refresh)."""
-
-    engine_id: str
-    kind: Literal["store", "remove", "clear"]
-    hashes: tuple[int, ...] = ()
-    scheme: HashScheme | None = None  # store: the engine's scheme
-
-
-@dataclass(frozen=True)
-class IndexCursor:
-    epoch: str
-    seq: int
-
-
-@dataclass(frozen=True)
-class IndexUpdate:
-    """Ops that bring a replica from its cursor to `cursor`; `full`: clear it first."""
-
-    cursor: IndexCursor
-    ops: tuple[IndexOp, ...]
-    full: bool
+from actors.prefix_wire import (
+    BlocksRemoved,
+    BlocksStored,
+    HashScheme,
+    IndexCursor,
+    IndexOp,
+    IndexUpdate,
+    KVEventsBatch,
+)
 
 
 class _EngineBlocks:

@@ -15,7 +15,7 @@ Life cycle of a request through an engine pair:
                                  decode request aborted before its verdict
                                  closes its ledger handoff (no breaker moves).
 
-A transfer failure is answered per `kv_load_failure_policy`: `recompute`
+A transfer failure is answered per `transfer.failure_policy`: `recompute`
 prefills the prompt locally (the client sees a normal answer), `fail` ends the
 stream with finish_reason "error" and the reason.
 
@@ -62,6 +62,7 @@ from actors.protocol import (
     Stamps,
     TokenChunk,
 )
+from actors.ray_names import NAMESPACE
 from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
 from actors.transfer_params import TransferParams, TransferParamsError
 
@@ -144,8 +145,6 @@ class EngineActor:
 
     async def _start(self) -> EngineStart:
         if self.coordinator_name is not None:
-            from actors.control.coordinator import NAMESPACE
-
             self._coordinator = ray.get_actor(self.coordinator_name, namespace=NAMESPACE)
             self.ledger = LedgerReporter(self.engine_id, lambda: self._coordinator)
         pairs: dict = {}
@@ -226,8 +225,6 @@ class EngineActor:
 
     async def _await_coordinator(self) -> None:
         """Until the coordinator answers again (restarted by Ray, or recreated by name)."""
-        from actors.control.coordinator import NAMESPACE
-
         delay = 0.2
         while not self.closed:
             try:

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from actors.transfer_config import TransferConfig
+
 Role = Literal["prefill", "decode", "both"]
 Backend = Literal["vllm", "synthetic"]
 # vLLM's `dtype` values ("auto": the model's own, as vLLM picks it for the platform)
@@ -105,13 +107,9 @@ class EngineConfig(_Strict):
     kv_cache_space_gib: int = Field(1, ge=1, le=1024)  # vLLM CPU KV cache per rank (GiB, whole)
     num_blocks: int = Field(512, ge=1)  # synthetic backend
     layout: str = "HND"  # synthetic backend: HND | NHD | HCND | ND
-    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
-    lease_ttl_s: float = Field(30.0, gt=0)
-    read_timeout_s: float = Field(10.0, gt=0)
-    # vLLM decode: a KV pull of at most this many tokens loads synchronously, before the step's
-    # forward (the request computes in the step that admits it); larger ones load asynchronously
-    # (vLLM schedules the request once the pull is done: two scheduler steps later). 0: always async.
-    sync_load_max_tokens: int = Field(4096, ge=0)
+    # the deployment's `transfer:` section as is (failure policy, leases, timeouts, verify, the
+    # fault knob): one type, so the engine, its backends and the vLLM connector read the same fields
+    transfer: TransferConfig = TransferConfig()
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
@@ -133,11 +131,8 @@ class EngineConfig(_Strict):
     # vLLM publishes its KV cache events (kv_events_config) and the engine relays them to the
     # coordinator's prefix index: on when the deployment routes cache-aware (router.policy).
     kv_events: bool = True
-    # Test knob: this fraction of KV pulls fails on purpose (fault-injection suites only).
-    fault_rate: float = Field(0.0, ge=0.0, le=1.0)
     # Ray restarts the engine's rank actors (synthetic backend) at most this often (restarts.max_restarts)
     max_restarts: int = Field(5, ge=0, le=1000)
-    kv_verify: Literal["off", "sample", "all"] = "off"  # transfer.verify: KV checksums (actors.kv.integrity)
 
     @model_validator(mode="before")
     @classmethod

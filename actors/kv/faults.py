@@ -1,6 +1,6 @@
 """Fault injection for transfer tests: a policy object given to a rank, never a wire field.
 
-An engine built with `fault_rate > 0` (EngineConfig.fault_rate, a test knob)
+An engine built with `fault_rate > 0` (EngineConfig.transfer.fault_rate, a test knob)
 gives each of its ranks a `FaultPolicy`; `RankTransfer.start_pull` asks it
 whether a pull fails on purpose. `corrupt_rate` is the producer's half: that
 fraction of held leases gets one byte of its first block flipped *after* the

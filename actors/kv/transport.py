@@ -15,10 +15,10 @@ Life cycle of one request's pull on a decode rank:
                       outlives `read_timeout_s` (a dead peer must never leave a
                       request waiting forever); every handle is released once.
 
-`NixlTransport` moves bytes with NIXL (UCX); `actors.kv.fake_transport`
-moves them with memmove inside one process, with fault switches for the layers
-above. Both share the bookkeeping in `TransportBase`, so tests of one exercise
-the other's logic too. Nothing here starts a thread or spins: NIXL's UCX
+`NixlTransport` moves bytes with NIXL (UCX); the unit tests' `FakeTransport`
+(tests/unit/fake_transport.py) moves them with memmove inside one process, with
+fault switches for the layers above. Both share the bookkeeping in `TransportBase`,
+so tests of one exercise the other's logic too. Nothing here starts a thread or spins: NIXL's UCX
 progress thread (asleep on the UCX worker's fd, `actors.kv.nixl_binding`)
 serves peers' READs and collects notifications; `poll()` reads states.
 """

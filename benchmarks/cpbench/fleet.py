@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import ray
 
-from actors.control.prefix_index import BlocksRemoved, BlocksStored, HashScheme, KVEventsBatch, coalesce
+from actors.prefix_wire import BlocksRemoved, BlocksStored, HashScheme, KVEventsBatch, coalesce
 from actors.engine.ledger_reporter import LedgerReporter
 from actors.kv.aggregator import KVConnectorOutput
 from actors.kv.handshake import CompatInfo, RankHandshake

@@ -8,7 +8,8 @@ import pickle
 import random
 import tracemalloc
 
-from actors.control.prefix_index import BlocksStored, KVEventsBatch, PrefixIndex
+from actors.control.prefix_index import PrefixIndex
+from actors.prefix_wire import BlocksStored, KVEventsBatch
 from serving.routing.prefix_replica import PrefixReplica
 from cpbench.fleet import NEW_BLOCKS, RESIDENT, SCHEME
 

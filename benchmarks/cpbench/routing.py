@@ -28,7 +28,7 @@ from typing import Any
 
 import ray
 
-from actors.control.prefix_index import IndexCursor, IndexUpdate
+from actors.prefix_wire import IndexCursor, IndexUpdate
 from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from serving.cluster.clients import RayDirectory
 from serving.config import RouterConfig

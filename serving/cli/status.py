@@ -75,7 +75,7 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
     """Everything `raypd status` shows, as JSON values (`--json` prints it as it is)."""
     import ray
 
-    from actors.control.coordinator import COORDINATOR_NAME, NAMESPACE
+    from actors.ray_names import COORDINATOR_NAME, NAMESPACE
     from serving.cluster.engines import find_engines
 
     out: dict[str, Any] = {"deployment": name, "engines": {}, "coordinator": None, "serve": None, "breakers": {}}

@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
 
+from serving.cluster.autoscaler import AutoscalerStatus
+from serving.cluster.engines import Deployment
 from serving.cluster.launcher import find_launcher
 from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, actor_name_of
 from actors.routes import RouteDelta, RouteTable
-from actors.control.prefix_index import IndexCursor, IndexUpdate
+from actors.prefix_wire import IndexCursor, IndexUpdate
 from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
 from serving.cluster.merge import merge_ready
+from serving.config import DeploymentConfig
 from serving.routing.prefix_view import PrefixCacheView
 from serving.routing.planner import planner_for
 from serving.routing.router import EngineUnavailable, RequestRejected, Router
@@ -208,7 +211,7 @@ class RayDirectory:
         self.coordinator.handle.engine_hung.remote(engine_id, generation, reason)
 
 
-def resolve_engine() -> Any:
+def resolve_engine() -> Callable[[str], RayEngineClient | None]:
     """Looks up the engines the directory names by actor name (engines started after the router
     was built: scaled up by the autoscaler); None when no such actor exists."""
     def resolve(engine_id: str) -> RayEngineClient | None:
@@ -222,10 +225,12 @@ def resolve_engine() -> Any:
 
 
 class AutoscalerClient:
-    def __init__(self, handle: Any):
-        self.handle = handle
+    """The launcher's autoscaler as the router's `PoolStatusSource` (its status shown with the engine stats)."""
 
-    async def status(self) -> Any:
+    def __init__(self, handle: Any):
+        self.handle = handle  # the launcher actor: its status() is the autoscaler's
+
+    async def status(self) -> AutoscalerStatus:
         return await self.handle.status.remote()
 
 
@@ -239,10 +244,16 @@ def prefix_index_view(directory: RayDirectory, refresh_s: float) -> PrefixCacheV
     return PrefixCacheView(fetch, refresh_s)
 
 
-def build_router(cfg: Any, deployment: Any) -> Router:
-    """A Router over a launched deployment (`serving.cluster.launcher.Deployment`)."""
+def pool_status_source(cfg: DeploymentConfig) -> AutoscalerClient | None:
+    """The autoscaler's status, when the deployment runs one (in its launcher) and the launcher is found."""
+    handle = find_launcher(cfg.name) if cfg.autoscaler.enabled else None
+    return AutoscalerClient(handle) if handle is not None else None
+
+
+def build_router(cfg: DeploymentConfig, deployment: Deployment) -> Router:
+    """A Router over a launched deployment (`serving.cluster.launcher.attach` / `launch`)."""
     directory = RayDirectory(deployment.coordinator)
-    router = Router(
+    return Router(
         prefills={eid: RayEngineClient(eid, h, actor_name_of(eid)) for eid, h in deployment.prefills.items()},
         decodes={eid: RayEngineClient(eid, h, actor_name_of(eid)) for eid, h in deployment.decodes.items()},
         directory=directory,
@@ -251,8 +262,5 @@ def build_router(cfg: Any, deployment: Any) -> Router:
         planner=planner_for(cfg.router, prefix_index_view(directory, cfg.router.index_refresh_s),
                             {r: b for r in ("prefill", "decode", "both") if (b := cfg.chunk_budget(r))}),
         pull_timeout_s=cfg.transfer.read_timeout_s,
+        pool_status=pool_status_source(cfg),
     )
-    if cfg.autoscaler.enabled:  # the launcher runs the autoscaler; its status() is the autoscaler's
-        handle = find_launcher(cfg.name)
-        router.autoscaler = AutoscalerClient(handle) if handle is not None else None
-    return router

@@ -9,7 +9,7 @@ autoscaler's loop).
 
 from __future__ import annotations
 
-from actors.control.coordinator import COORDINATOR_NAME, NAMESPACE
+from actors.ray_names import COORDINATOR_NAME, NAMESPACE
 
 __all__ = ["COORDINATOR_NAME", "NAMESPACE", "ROLES", "actor_name", "actor_name_of", "engine_id", "engine_index",
            "launcher_name", "placement_group_name"]

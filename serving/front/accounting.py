@@ -18,6 +18,7 @@ from typing import Any
 from actors.protocol import TokenChunk
 from serving.front.errors import ApiError
 from serving.ops.metrics import ServiceMetrics
+from serving.routing.protocols import TokenStream
 
 
 class Accounting:
@@ -41,7 +42,7 @@ class RequestTicket:
         self.path = "unknown"  # the P/D path the router took: pd | local | fallback
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.stream: Any = None  # the RoutedStream, once routed: closed on settle
+        self.stream: TokenStream | None = None  # once routed: closed on settle
 
     def admit(self) -> None:
         acc = self.accounting
@@ -56,8 +57,7 @@ class RequestTicket:
             now = time.perf_counter()
             m = self.metrics
             if self.last_token_at is None:
-                route = getattr(self.stream, "route", None)
-                self.path = route.path if route is not None else self.path
+                self.path = self.stream.route.path if self.stream is not None else self.path
                 m.ttft(self.kind, self.path, now - self.t0)
             else:
                 m.itl(self.kind, self.path, now - self.last_token_at)

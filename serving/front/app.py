@@ -27,7 +27,6 @@ import gc
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -42,6 +41,7 @@ from serving.front.routes import FrontState, count_refusal, open_router, router
 from serving.front.served_model import ServedModel, SyntheticServedModel
 from serving.ops.loop_watch import LoopWatch
 from serving.ops.metrics import ServiceMetrics
+from serving.routing.protocols import RequestRouter
 
 
 def api_keys(cfg: DeploymentConfig) -> tuple[bytes, ...]:
@@ -61,9 +61,10 @@ def _in_ray() -> bool:
     return ray.is_initialized()
 
 
-def create_app(cfg: DeploymentConfig, router_: Any, model: ServedModel | None = None,
+def create_app(cfg: DeploymentConfig, router_: RequestRouter, model: ServedModel | None = None,
                metrics: ServiceMetrics | None = None, cluster_metrics: bool | None = None) -> FastAPI:
-    """The front for one deployment; `router_` is a `serving.routing.router.Router` (or a fake with its API);
+    """The front for one deployment; `router_` is a `serving.routing.router.Router` (or a fake with its API:
+    `serving.routing.protocols.RequestRouter`);
     `model` comes from an engine's `model_info()` (`served_model`), synthetic deployments may omit it.
     `cluster_metrics` (default: when this process is connected to Ray) also records the metrics
     through Ray's metrics agent (`serving.ops.cluster_metrics`)."""

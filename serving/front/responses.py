@@ -20,6 +20,7 @@ from actors.protocol import Stamps
 from serving.front.accounting import RequestTicket
 from serving.front.errors import ApiError, error_body
 from serving.front.prepare import PreparedRequest
+from serving.front.trace import RequestTrace
 
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -181,11 +182,11 @@ class SSEResponse(StreamingResponse):
     request on both engines in the background.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], trace: Any = None,
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], trace: RequestTrace | None = None,
                  **kwargs: Any):
         super().__init__(content, **kwargs)
         self._on_close = on_close
-        self._trace = trace  # serving.front.trace.RequestTrace, shown in a header (or None)
+        self._trace = trace  # shown in a header (or None)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:

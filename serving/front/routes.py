@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
-from actors.protocol import Stamps
+from actors.protocol import EngineRequest, Stamps
 from serving.config import DeploymentConfig
 from serving.front.accounting import Accounting, RequestTicket
 from serving.front.errors import CLIENT_ERRORS, ApiError, error_response, invalid_request, invalid_value
@@ -30,8 +30,10 @@ from serving.front.responses import SSEResponse, Shapes, collect, json_response,
 from serving.front.trace import RequestTrace
 from serving.front.trace import requested as traced
 from serving.front.served_model import ServedModel
+from serving.ops.loop_watch import LoopWatch
 from serving.ops.metrics import CONTENT_TYPE, ServiceMetrics
 from serving.routing.errors import InvalidRequest, RoutingError
+from serving.routing.protocols import RequestRouter, TokenStream
 from serving.routing.status import Readiness
 
 logger = logging.getLogger("raypd.api")
@@ -58,13 +60,13 @@ class FrontState:
     """Everything the routes share (one per app)."""
 
     cfg: DeploymentConfig
-    router: Any
+    router: RequestRouter  # serving.routing.router.Router (a fake in the front's unit tests)
     model: ServedModel
     metrics: ServiceMetrics
     accounting: Accounting
     api_keys: tuple[bytes, ...]
     created: int
-    watch: Any = None  # serving.ops.loop_watch.LoopWatch (http.trace)
+    watch: LoopWatch | None = None  # event-loop lag and gc pauses (http.trace)
 
     @property
     def model_name(self) -> str:
@@ -216,8 +218,8 @@ async def generate(request: Request, state: FrontState, body: dict, kind: Kind) 
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         prep = await prepare(kind, parsed, state.model, rid)
         trace.mark(Stamps.PREPARED)
-        ticket.stream = await open_stream(state, prep.engine_request)
-        trace.extend(getattr(ticket.stream, "first_stamps", ()))
+        ticket.stream = stream = await open_stream(state, prep.engine_request)
+        trace.extend(stream.first_stamps)
         shown = trace if traced(request.headers, state.cfg.http.trace) else None
         shapes = Shapes(prep, state.model_name)
         if prep.stream:
@@ -243,7 +245,9 @@ async def generate(request: Request, state: FrontState, body: dict, kind: Kind) 
             ticket.settle(status)
 
 
-async def open_stream(state: FrontState, engine_request: Any) -> Any:
+async def open_stream(state: FrontState, engine_request: EngineRequest) -> TokenStream:
+    """The routed stream of `engine_request` (`RequestRouter.open`: `serving.routing.router.Router.open`);
+    a routing error becomes the HTTP error it means."""
     try:
         return await state.router.open(engine_request)
     except RoutingError as exc:

@@ -36,7 +36,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import SamplingParams
 
-from actors.engine.vllm.decode import NO_CAPS, replay_reason
+from actors.decode_caps import NO_CAPS, replay_reason
 from actors.protocol import ModelInfo
 from actors.engine.synthetic.tokenizer import chat_to_text, decode_tokens, encode_text
 
@@ -64,7 +64,7 @@ class ServedModel:
         sp = request.to_sampling_params(max_tokens, self.info.default_sampling_params)
         if sp.seed is None and sp.temperature > 0 and replay_reason(sp, NO_CAPS) is not None:
             # A parameter the decode engine may have to replay the first token for: a seed, so
-            # that the replay draws the prefill engine's token again (actors.engine.vllm.decode).
+            # that the replay draws the prefill engine's token again (actors.decode_caps).
             # Other requests keep vLLM's unseeded sampling.
             sp.seed = random.getrandbits(SEED_BITS)
         self.verify(sp)

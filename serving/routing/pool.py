@@ -27,7 +27,7 @@ import contextlib
 import logging
 import math
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -240,7 +240,7 @@ class EnginePool:
         return self.engine_stats
 
     # ---------------------------------------------------------- background
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         try:
             task = asyncio.get_running_loop().create_task(coro)
         except RuntimeError:  # no loop (called at interpreter shutdown): best effort
@@ -262,8 +262,8 @@ class EnginePool:
         if prefill_id in self.prefills:
             self.spawn(self.prefills[prefill_id].abort(engine_req_id))
 
-    def close_gen(self, gen: Any) -> None:
-        aclose = getattr(gen, "aclose", None)
+    def close_gen(self, gen: AsyncIterator[TokenChunk]) -> None:
+        aclose = getattr(gen, "aclose", None)  # async generators and engine streams have one
         if aclose is not None:
             self.spawn(aclose())
 

@@ -37,11 +37,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from serving.placement_config import PlacementConfig
 from serving.routing.placement import (
     DECODE_CAPABLE,
     PREFILL_CAPABLE,
     EngineEstimate,
-    PlacementConfig,
     Role,
     ttft_target,
 )

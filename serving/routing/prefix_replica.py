@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
-from actors.control.prefix_index import HashScheme, IndexCursor, IndexOp, IndexUpdate
+from actors.prefix_wire import HashScheme, IndexCursor, IndexOp, IndexUpdate
 
 
 class PrefixReplica:

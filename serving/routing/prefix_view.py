@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
-from actors.control.prefix_index import IndexCursor, IndexUpdate
+from actors.prefix_wire import IndexCursor, IndexUpdate
 from serving.routing.prefix_replica import PrefixReplica
 
 logger = logging.getLogger("raypd.router")

@@ -34,7 +34,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from serving.routing.placement import EngineEstimate, PlacementConfig, Role, TransferEstimate
+from serving.placement_config import PlacementConfig
+from serving.routing.placement import EngineEstimate, Role, TransferEstimate
 
 # floors of the coefficients: engine (a, b, c), pair (overhead, s/token)
 _ENGINE_FLOORS = (1e-5, 0.0, 1e-9)

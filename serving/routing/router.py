@@ -54,7 +54,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from actors.protocol import EngineRequest, PrefillResult, Stamps, TokenChunk
 from actors.routes import RouteTable
@@ -69,8 +68,10 @@ from serving.routing.errors import (
     NoPrefillEngine,
     RequestRejected,
 )
-from serving.routing.planner import RoutePlan, RoutePlanner, planner_for
-from serving.routing.pool import DecodeCharge, EngineClient, EnginePool
+from serving.routing.placers import RoutePlan
+from serving.routing.planner import RoutePlanner, planner_for
+from serving.routing.pool import DecodeCharge, EngineClient, EnginePool, EngineStatus
+from serving.routing.protocols import PoolStatusSource
 from serving.routing.rates import RateEstimator
 from serving.routing.status import Readiness, RouterSnapshot
 from serving.routing.stream import Route, RoutedStream, no_more_chunks
@@ -90,7 +91,7 @@ class Router:
                  directory_ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  resolve_engine: Callable[[str], EngineClient | None] | None = None,
                  planner: RoutePlanner | None = None, probe_timeout_s: float = 0.5,
-                 pull_timeout_s: float = 10.0):
+                 pull_timeout_s: float = 10.0, pool_status: PoolStatusSource | None = None):
         if not decodes:
             raise ValueError("a router needs at least one decode engine")
         self.config = config or RouterConfig()
@@ -105,9 +106,9 @@ class Router:
         self.probe_timeout_s = probe_timeout_s  # a request waits this long at most to win a probe
         self._rr = itertools.count()
         self._states: tuple[RouteTable | None, dict[str, dict[str, str]]] = (None, {})
-        # the autoscaler's status, shown with the engine stats (set by serving.cluster.clients)
-        self.autoscaler: Any = None
-        self.pool_status: Any = None
+        # the pools' status (the autoscaler's, when one runs), asked with the engine stats and shown beside them
+        self.pool_status_source = pool_status
+        self.pool_status: object | None = None  # its last answer (None: no source, or it did not answer)
 
     async def routes(self, force: bool = False) -> RouteTable:
         return await self.view.routes(force)
@@ -304,7 +305,7 @@ class Router:
     def _continuation(self, route: Route, req: EngineRequest, engine_req: EngineRequest, out: PrefillResult,
                       charge: DecodeCharge) -> RoutedStream:
         """A stream whose first chunk is the prefill engine's token; the decode engine goes on
-        (and answers a failed pull per its `kv_load_failure_policy`)."""
+        (and answers a failed pull per its `transfer.failure_policy`)."""
         # the first token's text less what one engine would still hold back (stop strings): the
         # decode engine streams that tail with the next tokens
         first = TokenChunk(engine_req.request_id, out.first_token_ids, out.streamed_text,
@@ -374,16 +375,16 @@ class Router:
                             "no_prefill_engine")
         return Readiness(ready, reason, tuple(live), pd_paths, local_ok, self.view.error, code, hung)
 
-    async def refresh_engine_stats(self, timeout_s: float = 2.0) -> dict[str, Any]:
+    async def refresh_engine_stats(self, timeout_s: float = 2.0) -> dict[str, EngineStatus]:
         """Every engine's stats, and the routes (breakers) when the cached ones are old."""
         await self.routes()
         stats = await self.pool.refresh_stats(timeout_s)
-        if self.autoscaler is not None:
+        if self.pool_status_source is not None:
             try:
-                self.pool_status = await asyncio.wait_for(self.autoscaler.status(), timeout_s)
+                self.pool_status = await asyncio.wait_for(self.pool_status_source.status(), timeout_s)
             except Exception as exc:  # noqa: BLE001 - shown as unavailable, routing goes on
                 self.pool_status = None
-                logger.info("autoscaler status unavailable: %s", exc)
+                logger.info("pool status unavailable: %s", exc)
         return stats
 
     def snapshot(self) -> RouterSnapshot:

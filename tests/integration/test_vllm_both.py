@@ -14,10 +14,11 @@ from actors.engine.actor import EngineActor
 from actors.engine.options import engine_actor_options
 from actors.engine.config import EngineConfig
 from actors.models.local import build_tiny_llama
+from actors.transfer_config import TransferConfig
 from engine_calls import collect, pd, request, token_ids
 from serving.cluster.clients import RayDirectory, RayEngineClient
 from serving.config import RouterConfig
-from serving.routing.placement import PlacementConfig
+from serving.placement_config import PlacementConfig
 from serving.routing.router import Router
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -31,7 +32,7 @@ def make_engine(engine_id, model, bind):
     cfg = EngineConfig(role="both", backend="vllm", engine_id=engine_id, model=str(model), model_id="tiny-both",
                        max_model_len=512, block_size=32, cpu_bind=bind, dtype="float32",
                        engine_kwargs={"enable_prefix_caching": False, "enforce_eager": True},
-                       num_cpus=0, lease_ttl_s=60, read_timeout_s=10, kv_load_failure_policy="fail")
+                       num_cpus=0, transfer=TransferConfig(lease_ttl_s=60, read_timeout_s=10, failure_policy="fail"))
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}
     return Engine.options(**opts).remote(cfg.model_dump(), COORDINATOR_NAME)
 

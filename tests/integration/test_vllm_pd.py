@@ -19,6 +19,7 @@ from actors.engine.actor import EngineActor
 from actors.engine.options import engine_actor_options
 from actors.engine.config import EngineConfig
 from actors.models.local import build_tiny_llama
+from actors.transfer_config import TransferConfig
 from engine_calls import collect, request, token_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -32,12 +33,13 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def make_engine(role, engine_id, model, bind, **kw):
+def make_engine(role, engine_id, model, bind, failure_policy="fail", **kw):
     kw = {"model_id": "tiny-a", "block_size": 32, **kw}
+    transfer = TransferConfig(lease_ttl_s=60, read_timeout_s=10, failure_policy=failure_policy)
     cfg = EngineConfig(role=role, backend="vllm", engine_id=engine_id, model=str(model), max_model_len=512,
                        cpu_bind=bind, dtype="float32",
                        engine_kwargs={"enable_prefix_caching": False, "enforce_eager": True},
-                       num_cpus=0, lease_ttl_s=60, read_timeout_s=10, **kw)
+                       num_cpus=0, transfer=transfer, **kw)
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}
     return Engine.options(**opts).remote(cfg.model_dump(), COORDINATOR_NAME)
 
@@ -49,8 +51,8 @@ def engines(coordinator, tmp_path_factory):
     b = build_tiny_llama(root / "tiny-b", seed=1, progress=None)
     e = {
         "P": make_engine("prefill", "tp-P", a, "0"),
-        "D": make_engine("decode", "tp-D", a, "1", kv_load_failure_policy="fail"),
-        "D2": make_engine("decode", "tp-D2", b, "1", kv_load_failure_policy="recompute"),
+        "D": make_engine("decode", "tp-D", a, "1", failure_policy="fail"),
+        "D2": make_engine("decode", "tp-D2", b, "1", failure_policy="recompute"),
     }
     ray.get([h.start.remote() for h in e.values()])
     yield e

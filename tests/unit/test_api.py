@@ -13,6 +13,7 @@ from serving.config import DeploymentConfig
 from serving.front import create_app
 from serving.front.served_model import SyntheticServedModel
 from serving.routing.errors import InvalidRequest, NoPrefillEngine
+from serving.routing.stream import Route
 from serving.routing.status import Readiness
 from typed_fakes import router_snapshot
 
@@ -20,8 +21,12 @@ MODEL = "synthetic-tiny"
 
 
 class FakeStream:
+    """A `serving.routing.protocols.TokenStream`."""
+
     def __init__(self, chunks):
         self.chunks = list(chunks)
+        self.route = Route("d0")
+        self.first_stamps = ()
         self.num_prompt_tokens = 7
         self.num_generated = 0
         self.num_cached_tokens = None
@@ -50,6 +55,8 @@ def tokens(n=3, finish="length"):
 
 
 class FakeRouter:
+    """A `serving.routing.protocols.RequestRouter`."""
+
     def __init__(self):
         self.requests = []
         self.streams = []

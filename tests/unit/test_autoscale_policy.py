@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serving.cluster.autoscale_policy import AutoscalerConfig, PoolSignals, RolePolicy
+from serving.autoscaler_config import AutoscalerConfig
+from serving.cluster.autoscale_policy import PoolSignals, RolePolicy
 from serving.config import ConfigError, DeploymentConfig
 
 CFG = AutoscalerConfig(

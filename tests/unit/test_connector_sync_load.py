@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 from actors.engine.vllm.connector.metadata import RayNixlMetadata, RecvSpec  # noqa: E402
 from actors.engine.vllm.connector.worker import ConnectorWorker, merge_steps  # noqa: E402
 from actors.kv.pull_types import StepResult  # noqa: E402
+from actors.transfer_config import TransferConfig  # noqa: E402
 
 
 class FakeTransfer:
@@ -31,7 +32,7 @@ class FakeTransfer:
 
 def worker(script):
     w = ConnectorWorker.__new__(ConnectorWorker)
-    w.extra, w._load_errors, w._stepped, w._sync_ids = {"read_timeout_s": 5}, set(), [], set()
+    w.transfer, w._load_errors, w._stepped, w._sync_ids = TransferConfig(read_timeout_s=5), set(), [], set()
     w.xfer = FakeTransfer(script)
     w._start = lambda req_id, recv: w.xfer.start_pull(req_id, None, None)
     return w

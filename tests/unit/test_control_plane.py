@@ -153,13 +153,13 @@ def test_a_healthy_pair_reporting_success_is_no_change():
 def test_coalesced_kv_events_leave_the_index_exactly_as_the_engine_events_do():
     import random
 
-    from actors.control.prefix_index import (
+    from actors.control.prefix_index import PrefixIndex
+    from actors.prefix_wire import (
         AllBlocksCleared,
         BlocksRemoved,
         BlocksStored,
         HashScheme,
         KVEventsBatch,
-        PrefixIndex,
         coalesce,
     )
 

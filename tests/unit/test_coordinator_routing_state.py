@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from actors.control.coordinator import Coordinator
-from actors.control.prefix_index import BlocksStored, HashScheme, KVEventsBatch
+from actors.prefix_wire import BlocksStored, HashScheme, KVEventsBatch
 from tests.unit.test_handshake import payload
 
 SCHEME = HashScheme(16)

@@ -2,7 +2,8 @@
 
 Every import statement counts, wherever it stands (module level, inside a function, under
 TYPE_CHECKING): a lazy import hides a cycle, it does not remove it. Folders open with a
-docstring saying their one job (an `__init__.py` docstring or a README).
+docstring saying their one job (an `__init__.py` docstring or a README). The seams between
+layers hold: routing never imports the control plane, the front never vLLM's engine side.
 """
 
 from __future__ import annotations
@@ -101,6 +102,25 @@ def test_the_graph_sees_lazy_imports():
     # serving.cluster.clients imports the launcher's names inside a function: the edge must be seen
     assert any(t.startswith("actors.") for t in graph["serving.cluster.clients"])
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _edges_from(package: str, graph: dict[str, set[str]], forbidden: str) -> dict[str, list[str]]:
+    """The modules of `package` that import `forbidden` or a module under it, with those imports."""
+    found = {name: sorted(t for t in targets if t == forbidden or t.startswith(forbidden + "."))
+             for name, targets in graph.items() if name == package or name.startswith(package + ".")}
+    return {name: targets for name, targets in found.items() if targets}
+
+
+def test_the_seams_hold():
+    """Routers read the coordinator's state through the wire types (`actors.prefix_wire`,
+    `actors.routes`), never the coordinator's modules; the front asks about resumed requests
+    through `actors.decode_caps`, never vLLM's engine side."""
+    graph = _graph()
+    assert any(name.startswith("serving.routing.") for name in graph)  # the packages are seen at all
+    assert any(name.startswith("serving.front.") for name in graph)
+    assert _edges_from("serving.routing", graph, "actors.control") == {}
+    assert _edges_from("serving.front", graph, "actors.engine.vllm") == {}
+    assert _edges_from("a", {"a.b": {"c.d", "e"}, "a.c": {"e"}, "f": {"c"}}, "c") == {"a.b": ["c.d"]}
 
 
 def test_no_source_file_past_420_lines():

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from actors.engine.vllm.kv_events import TOPIC, KVEventsRelay, endpoint_in
-from actors.control.prefix_index import AllBlocksCleared, BlocksRemoved, BlocksStored, HashScheme, PrefixIndex
+from actors.control.prefix_index import PrefixIndex
+from actors.prefix_wire import AllBlocksCleared, BlocksRemoved, BlocksStored, HashScheme
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 msgspec = pytest.importorskip("msgspec")

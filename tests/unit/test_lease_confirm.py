@@ -11,11 +11,11 @@ import math
 import numpy as np
 import pytest
 
-from actors.kv.fake_transport import FakeFabric, FakeTransport
 from actors.kv.faults import NO_FAULTS, FaultPolicy
 from actors.kv.lease_board import BUCKET, HELD, RELEASED, LeaseBoard, find, lease_tag, parse
 from actors.engine.synthetic.rank import RankConfig, SyntheticModel, SyntheticRank
 from actors.transfer_params import TransferParams
+from tests.unit.fake_transport import FakeFabric, FakeTransport
 
 TOKENS = list(range(100, 137))
 

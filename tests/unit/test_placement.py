@@ -6,12 +6,11 @@ import math
 
 import pytest
 
+from serving.placement_config import PlacementConfig, chunked_prefill_budget
 from serving.routing.placement import (
     EngineEstimate,
     Option,
-    PlacementConfig,
     TransferEstimate,
-    chunked_prefill_budget,
     place,
 )
 

@@ -1,6 +1,6 @@
 """The SLO planner's shortlist at cluster size: the least loaded engines and those holding the prompt."""
 
-from serving.routing.planner import SHORTLIST, shortlist
+from serving.routing.shortlist import SHORTLIST, shortlist
 
 
 def test_a_small_deployment_is_considered_whole():
@@ -43,7 +43,7 @@ class _Pool:
 def test_one_ranking_gives_each_decode_engine_the_shortlist_of_its_own_prefill_engines():
     """The walk down one load ranking equals `shortlist` over each decode engine's usable prefill engines,
     also for one whose pairs with the least loaded engines are not usable (open breakers)."""
-    from serving.routing.planner import PrefillShortlist
+    from serving.routing.shortlist import PrefillShortlist
 
     loads = {f"p{i}": (i * 7) % 12 for i in range(12)}  # p0 idle, then p7, p2, p9, ...
     pool = _Pool(loads)

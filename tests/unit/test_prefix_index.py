@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.control.prefix_index import (
+from actors.control.prefix_index import PrefixIndex
+from actors.prefix_wire import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
@@ -12,7 +13,6 @@ from actors.control.prefix_index import (
     HashSchemeError,
     IndexCursor,
     KVEventsBatch,
-    PrefixIndex,
     external_key,
 )
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 
-from actors.control.prefix_index import AllBlocksCleared, BlocksRemoved, BlocksStored, HashScheme, KVEventsBatch, PrefixIndex
+from actors.control.prefix_index import PrefixIndex
+from actors.prefix_wire import AllBlocksCleared, BlocksRemoved, BlocksStored, HashScheme, KVEventsBatch
 from serving.routing.prefix_replica import PrefixReplica
 from serving.routing.prefix_view import PrefixCacheView
 

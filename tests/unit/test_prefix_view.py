@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.control.prefix_index import BlocksStored, HashScheme, KVEventsBatch, PrefixIndex
+from actors.control.prefix_index import PrefixIndex
+from actors.prefix_wire import BlocksStored, HashScheme, KVEventsBatch
 from serving.routing.prefix_view import PrefixCacheView
 
 S = HashScheme(16)

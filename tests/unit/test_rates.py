@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from serving.routing.placement import Option, PlacementConfig, place
+from serving.placement_config import PlacementConfig
+from serving.routing.placement import Option, place
 from serving.routing.rates import RateEstimator
 
 # what the engine "really" does: a 20 ms step, +2 ms per stream, 1000 prompt tokens/s

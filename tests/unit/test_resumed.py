@@ -17,8 +17,9 @@ from vllm.model_executor.layers.utils import apply_penalties
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
+from actors.decode_caps import NO_CAPS, DecodeCaps, replay_reason
 from actors.engine.vllm import decode
-from actors.engine.vllm.decode import NO_CAPS, DecodeCaps, ResumedText, held_chars, replay_reason
+from actors.engine.vllm.decode import ResumedText, held_chars
 from actors.engine.vllm.resumed import (
     PENALTIES_KEY,
     RESUMED_KEY,
@@ -208,15 +209,14 @@ class FakeLLM:
 
 
 def decode_path(llm, caps=CAPS):
-    from types import SimpleNamespace
+    async def no_attach(params):
+        raise AssertionError("no pull in these tests")
 
-    backend = SimpleNamespace(llm=llm, cfg=SimpleNamespace(max_model_len=4096, kv_load_failure_policy="fail"),
-                              counters={k: 0 for k in ("replays", "replay_mismatches", "inexact_resumes",
-                                                       "recomputed", "kv_failures", "kv_pulls")},
-                              coordinator=None, engine_id="D", _aliases={}, _report=lambda *a: None)
-    path = decode.DecodePath.__new__(decode.DecodePath)
-    path.b, path.caps = backend, caps
-    return path
+    wiring = decode.DecodeWiring(engine_id="D", llm=llm, max_model_len=4096, kv_load_failure_policy="fail",
+                                 counters={k: 0 for k in ("replays", "replay_mismatches", "inexact_resumes",
+                                                          "recomputed", "kv_failures", "kv_pulls")},
+                                 attach=no_attach, report_pull=lambda *a: None, handshake_failed=lambda *a: None)
+    return decode.DecodePath(wiring, caps)
 
 
 def resumed_request(tokenizer, prompt, first, max_tokens, **sampling):

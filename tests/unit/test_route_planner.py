@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.control.prefix_index import BlocksStored, HashScheme, KVEventsBatch, PrefixIndex
+from actors.control.prefix_index import PrefixIndex
+from actors.prefix_wire import BlocksStored, HashScheme, KVEventsBatch
 from actors.protocol import EngineRequest, SamplingSpec
 from serving.ops.metrics import RouterCollector
 from serving.routing.prefix_view import PrefixCacheView

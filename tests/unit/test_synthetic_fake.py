@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from actors.kv.fake_transport import FakeFabric, FakeTransport
 from actors.kv.faults import NO_FAULTS, FaultPolicy
 from actors.engine.synthetic.rank import FailedPull, PulledKV, RankConfig, SyntheticModel, SyntheticRank
 from actors.transfer_params import TransferParams
+from tests.unit.fake_transport import FakeFabric, FakeTransport
 
 TOKENS = list(range(100, 137))  # 37 tokens: several blocks plus a partial one
 

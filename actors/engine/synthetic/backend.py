@@ -37,9 +37,10 @@ class SyntheticBackend:
     async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]] | None = None,
                     ledger: Any = None) -> None:
         # Registration is done by the EngineActor (it adds itself as a liveness handle).
+        transfer = self.cfg.transfer
         self.engine = SyntheticEngine(self.engine_id, self.cfg.role, self.model, self.shape, coordinator,
-                                      lease_ttl_s=self.cfg.lease_ttl_s, read_timeout_s=self.cfg.read_timeout_s,
-                                      register=False, fault_rate=self.cfg.fault_rate, verify=self.cfg.kv_verify,
+                                      lease_ttl_s=transfer.lease_ttl_s, read_timeout_s=transfer.read_timeout_s,
+                                      register=False, fault_rate=transfer.fault_rate, verify=transfer.verify,
                                       on_new_incarnation=on_new_incarnation, ledger=ledger,
                                       rank_max_restarts=self.cfg.max_restarts)
         await self.engine.start()
@@ -107,11 +108,11 @@ class SyntheticBackend:
             if params:
                 try:
                     out = await self.engine.decode(req_id, params, prompt, seed=req.kv_seed,
-                                                   max_tokens=1, timeout_s=self.cfg.read_timeout_s * 2)
+                                                   max_tokens=1, timeout_s=self.cfg.transfer.read_timeout_s * 2)
                     if out["mismatches"]:
                         raise TransferFailed(req_id, [f"{out['mismatches']} KV elements failed verification"], set())
                 except (TransferFailed, KeyError, TypeError, ValueError) as exc:
-                    if self.cfg.kv_load_failure_policy == "fail":
+                    if self.cfg.transfer.failure_policy == "fail":
                         yield TokenChunk.error_chunk(req_id, f"KV transfer failed: {exc}", len(prompt))
                         return
                     out = await self.engine.generate_local(req_id, prompt, seed=req.kv_seed, max_tokens=1)

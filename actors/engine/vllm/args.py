@@ -120,7 +120,7 @@ def pd_kv_transfer(cfg: EngineConfig, engine_id: str, extra_config: dict[str, An
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": KV_ROLES[cfg.role],
         "engine_id": engine_id,
-        "kv_load_failure_policy": cfg.kv_load_failure_policy,
+        "kv_load_failure_policy": cfg.transfer.failure_policy,
         "kv_connector_extra_config": extra_config,
     }
 

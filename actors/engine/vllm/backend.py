@@ -47,12 +47,13 @@ import shutil
 import tempfile
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from actors.engine.config import EngineConfig
+from actors.engine.vllm.extra_config import ConnectorExtraConfig
 from actors.kv.handshake import decode_handshake
 from actors.engine.vllm.kv_events import KVEventsSource, endpoint_in, vllm_kv_events_config
-from actors.control.prefix_index import DEFAULT_SEED, HashScheme
+from actors.prefix_wire import DEFAULT_SEED, HashScheme
 from actors.engine.vllm.orphans import child_pids, forget, reap_children, reap_previous, record_children
 from actors.protocol import (
     BackendStats,
@@ -64,6 +65,9 @@ from actors.protocol import (
 from actors.engine.vllm.peer_payloads import PeerPayloads
 from actors.engine.vllm.requests import engine_outputs, logprobs_of, prompt_ids, sampling_params, usage_sink
 from actors.transfer_params import TransferParams
+
+if TYPE_CHECKING:
+    from actors.engine.vllm.decode import DecodePath
 
 logger = logging.getLogger("raypd.vllm")
 
@@ -81,8 +85,7 @@ class VllmBackend:
         self.handshake_dir = tempfile.mkdtemp(prefix=f"raypd-{engine_id}-")
         self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0, "replays": 0, "replay_mismatches": 0,
                          "inexact_resumes": 0, "released": 0}
-        self.decode: Any = None  # actors.engine.vllm.decode.DecodePath, once the engine runs
-        self._aliases: dict[str, str] = {}  # request id -> the id of its continuation after a replay mismatch
+        self.decode: DecodePath | None = None  # once the engine runs
         # prefills whose blocks are held for a reader: request id -> (vLLM's id, lease expiry)
         self._unread: dict[str, tuple[str, float]] = {}
         self.kv_events_endpoint = endpoint_in(self.handshake_dir)  # the engine core publishes its KV events here
@@ -93,17 +96,12 @@ class VllmBackend:
         from actors.engine.vllm.args import build_engine_args, pd_kv_transfer, pd_overrides
 
         cfg = self.cfg
-        kv = pd_kv_transfer(cfg, self.engine_id, {
-            "engine_id": self.engine_id,
-            "handshake_dir": self.handshake_dir,
-            "model_id": cfg.served_model_id,
-            "lease_ttl_s": cfg.lease_ttl_s,
-            "read_timeout_s": cfg.read_timeout_s,
-            "sync_load_max_tokens": cfg.sync_load_max_tokens,
-            "fault_rate": cfg.fault_rate,
-            "verify": cfg.kv_verify,
-            "incarnation": self.incarnation,
-        }) if cfg.kv_connector else None  # None: plain vLLM (baseline)
+        kv = None  # plain vLLM (the baseline): no connector
+        if cfg.kv_connector:
+            extra = ConnectorExtraConfig(engine_id=self.engine_id, handshake_dir=self.handshake_dir,
+                                         model_id=cfg.served_model_id, incarnation=self.incarnation,
+                                         transfer=cfg.transfer)
+            kv = pd_kv_transfer(cfg, self.engine_id, extra.to_extra_config())
         for note in pd_overrides(cfg):
             logger.warning("%s: %s", self.engine_id, note)
         args = build_engine_args(cfg, model_path, kv)
@@ -130,9 +128,12 @@ class VllmBackend:
         self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=self._stat_loggers())
         record_children(self.engine_id)
         self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
-        from actors.engine.vllm.decode import DecodePath
+        from actors.engine.vllm.decode import DecodePath, DecodeWiring, decode_caps
 
-        self.decode = DecodePath(self)
+        wiring = DecodeWiring(engine_id=self.engine_id, llm=self.llm, max_model_len=self.cfg.max_model_len,
+                              kv_load_failure_policy=self.cfg.transfer.failure_policy, counters=self.counters,
+                              attach=self._attach, report_pull=self._report, handshake_failed=self._handshake_failed)
+        self.decode = DecodePath(wiring, decode_caps(self.llm.vllm_config))
         if self.cfg.kv_connector:
             self._handshakes = await self._collect_handshakes()
             self.peers.own = decode_handshake(self._handshakes[0])
@@ -204,7 +205,7 @@ class VllmBackend:
     async def prefill(self, req: EngineRequest) -> PrefillResult:
         """Prefill for remote decode: first token + transfer params."""
         ids = prompt_ids(req, self.cfg.max_model_len)
-        ttl = req.lease_ttl_s or self.cfg.lease_ttl_s
+        ttl = req.lease_ttl_s or self.cfg.transfer.lease_ttl_s
         # max_tokens 1: the first token is the whole answer, nothing to hand off
         remote = req.max_tokens > 1
         sp = sampling_params(req.sampling, 1, {"do_remote_decode": True, "lease_ttl_s": ttl} if remote else None)
@@ -242,7 +243,19 @@ class VllmBackend:
 
     def generate(self, req: EngineRequest, params: TransferParams | None) -> AsyncIterator[TokenChunk]:
         """Stream a request (colocated, or resuming an answer: `actors.engine.vllm.decode`)."""
+        if self.decode is None:
+            raise RuntimeError(f"{self.engine_id}: generate before the engine started")
         return self.decode.generate(req, params)
+
+    def _attach(self, params: TransferParams) -> Awaitable[dict]:
+        """`params` as vLLM's connector reads them, with the producer's payloads (from the coordinator
+        as it is now: it changes when the coordinator restarts)."""
+        return self.peers.attach(params, self.coordinator)
+
+    def _handshake_failed(self, prefill_id: str, reason: str, req_id: str) -> None:
+        """A pull that could not start: the ledger hears it as the pair's handshake failure."""
+        if self.ledger is not None:
+            self.ledger.handshake_failed(prefill_id, reason, req_id)
 
     def _report(self, req_id: str, failed: bool) -> None:
         """One outcome per pulled request to the coordinator's ledger (vLLM merged its ranks)."""
@@ -260,7 +273,7 @@ class VllmBackend:
             return
         unread = self._unread.pop(req_id, None)
         if unread is None:
-            await self.llm.abort(list({req_id, self._aliases.get(req_id, req_id)}))
+            await self.llm.abort(self.decode.vllm_ids(req_id) if self.decode is not None else [req_id])
             return
         # The prefill finished: vLLM's abort would not find it. Its rejection hook submits an
         # aborted request whose params name the held one; our scheduler side releases it.

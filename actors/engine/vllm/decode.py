@@ -43,94 +43,58 @@ A colocated request (k = 0, no transfer params) is vLLM's own stream, unchanged.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING
 
+from actors.decode_caps import SAMPLING_EPS, DecodeCaps, replay_reason
 from actors.engine.vllm.requests import base_params, engine_outputs, logprobs_of, prompt_ids, stream_params
 from actors.engine.vllm.resumed import PENALTIES_KEY, RESUMED_KEY, SKIP_DRAWS_KEY
 from actors.kv.errors import HandshakeError
 from actors.protocol import EngineRequest, TokenChunk
 from actors.transfer_params import TransferParams
 
+if TYPE_CHECKING:  # vLLM's own types, for the annotations only (this module imports vLLM lazily)
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+    from vllm.outputs import RequestOutput
+    from vllm.tokenizers import TokenizerLike
+    from vllm.v1.engine.async_llm import AsyncLLM
+
 logger = logging.getLogger("raypd.vllm")
 
-SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
+
+def decode_caps(vllm_config: VllmConfig) -> DecodeCaps:
+    """What this engine, as vLLM configured it, offers a resumed request."""
+    from actors.engine.vllm.resumed import QUALNAME, resume_support
+
+    support = resume_support(vllm_config)
+    names = [p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}"
+             for p in (vllm_config.model_config.logits_processors or ())]
+    return DecodeCaps(penalties=support["penalties"], seed_advance=support["seed_advance"],
+                      custom_processors=any(n != QUALNAME for n in names),
+                      watermark=getattr(vllm_config, "watermark_config", None) is not None)
 
 
-@dataclass(frozen=True)
-class DecodeCaps:
-    """What this engine offers a resumed request (`actors.engine.vllm.resumed.resume_support`)."""
-
-    penalties: bool = False  # ResumedPenalties is registered (V1 runner, no speculative decoding)
-    seed_advance: bool = False  # the worker advances a seeded generator exactly (CPU sampler checked)
-    custom_processors: bool = False  # the user registered logits processors: their state is unknown
-    watermark: bool = False  # vLLM watermarks tokens (keyed by what it generated)
-
-    @classmethod
-    def of(cls, vllm_config: Any) -> "DecodeCaps":
-        from actors.engine.vllm.resumed import QUALNAME, resume_support
-
-        support = resume_support(vllm_config)
-        names = [p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}"
-                 for p in (vllm_config.model_config.logits_processors or ())]
-        return cls(penalties=support["penalties"], seed_advance=support["seed_advance"],
-                   custom_processors=any(n != QUALNAME for n in names),
-                   watermark=getattr(vllm_config, "watermark_config", None) is not None)
-
-
-NO_CAPS = DecodeCaps()  # an engine that can continue only stateless sampling exactly
-
-
-def multi_token_bad_words(sp: Any) -> bool:
-    """Whether a bad word spans tokens (vLLM bans its last token after the others as *outputs*);
-    unknown token ids (no tokenizer has seen the params yet) count as multi-token."""
-    if not sp.bad_words:
-        return False
-    ids = getattr(sp, "_bad_words_token_ids", None)
-    return ids is None or any(len(word) > 1 for word in ids)
-
-
-def replay_reason(sp: Any, caps: DecodeCaps) -> str | None:
-    """Why a request resumed from prompt + k would sample differently from one engine (None: it
-    would not). Pure: the front asks it with `NO_CAPS` to seed what may replay."""
-    if sp.structured_outputs is not None:
-        return "structured_outputs"  # the grammar advances on sampled tokens only
-    if getattr(sp, "thinking_token_budget", None) is not None:
-        return "thinking_token_budget"  # counts output tokens
-    if getattr(sp, "repetition_detection", None) is not None:
-        return "repetition_detection"  # output-only n-grams
-    if multi_token_bad_words(sp):
-        return "bad_words"  # the word's prefix is matched against outputs only
-    if caps.custom_processors:
-        return "logits_processors"
-    if caps.watermark:
-        return "watermarking"
-    if (sp.presence_penalty or sp.frequency_penalty) and not caps.penalties:
-        return "penalties"
-    if sp.seed is not None and sp.temperature >= SAMPLING_EPS and not caps.seed_advance:
-        return "seed"
-    return None
-
-
-def redraw_is_exact(sp: Any) -> bool:
+def redraw_is_exact(sp: SamplingParams) -> bool:
     """Whether replaying a token draws it again: greedy, or seeded (a fresh generator)."""
     return sp.temperature < SAMPLING_EPS or sp.seed is not None
 
 
-def needs_own_text(sp: Any) -> bool:
+def needs_own_text(sp: SamplingParams) -> bool:
     """Stop strings a resumed request's text must be checked for across the resumed tokens (a
     one-character stop string lies within one token's text, and is never held back)."""
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or ())
     return any(len(s) > 1 for s in stop)
 
 
-def held_chars(sp: Any) -> int:
+def held_chars(sp: SamplingParams) -> int:
     """vLLM's stop-string buffer: what a DELTA stream holds back while it goes on."""
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or ())
     return max(len(s) for s in stop) - 1 if stop and not sp.include_stop_str_in_output else 0
 
 
-def resumed_params(sp: Any, k: int, max_tokens: int, caps: DecodeCaps) -> Any:
+def resumed_params(sp: SamplingParams, k: int, max_tokens: int, caps: DecodeCaps) -> SamplingParams:
     """The decode request's params for prompt + k (no replay), from the request's own `sp`."""
     sp.max_tokens = max_tokens
     sp.min_tokens = min(max(0, sp.min_tokens - k), max_tokens)
@@ -145,7 +109,7 @@ def resumed_params(sp: Any, k: int, max_tokens: int, caps: DecodeCaps) -> Any:
     return sp
 
 
-def without_prompt_logprobs(sp: Any) -> Any:
+def without_prompt_logprobs(sp: SamplingParams) -> SamplingParams:
     """The prefill engine returned them; asking again would also make vLLM skip the prefix cache
     and the connector (`skip_reading_prefix_cache`, resolved when the params were built)."""
     sp.prompt_logprobs = None
@@ -158,7 +122,7 @@ class ResumedText:
     """vLLM's own incremental detokenizer as one engine runs it: over the original prompt, fed the
     resumed tokens first (their text, less the held-back tail, reached the client already)."""
 
-    def __init__(self, tokenizer: Any, prompt: list[int], resumed: list[int], sp: Any):
+    def __init__(self, tokenizer: TokenizerLike | None, prompt: list[int], resumed: list[int], sp: SamplingParams):
         from vllm.v1.engine import EngineCoreRequest
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
@@ -189,44 +153,63 @@ class PullVerdict:
         return chunk.replace(num_cached_tokens=self.num_cached_tokens, recomputed=self.recomputed)
 
 
-class DecodePath:
-    """`VllmBackend.generate`, with the backend's engine, peers, counters and ledger."""
+@dataclass(frozen=True)
+class DecodeWiring:
+    """All `DecodePath` uses of its backend, handed over when the engine runs: the engine, the
+    counters the backend reports, and calls into the backend's peers and ledger (looked up at
+    each call: the backend's coordinator changes when the coordinator restarts)."""
 
-    def __init__(self, backend: Any):  # the VllmBackend (not imported: it imports this module)
-        self.b = backend
-        self.caps = DecodeCaps.of(backend.llm.vllm_config)
-        logger.info("%s: resumed requests: %s", backend.engine_id, self.caps)
+    engine_id: str
+    llm: AsyncLLM
+    max_model_len: int
+    kv_load_failure_policy: str  # "fail": a failed pull ends the request; else the prompt is recomputed
+    counters: dict[str, int]  # the backend's, shared: its stats() report them
+    attach: Callable[[TransferParams], Awaitable[dict]]  # the params for vLLM's connector; raises HandshakeError
+    report_pull: Callable[[str, bool], None]  # (request id, failed): one pulled request's outcome to the ledger
+    handshake_failed: Callable[[str, str, str], None]  # (prefill engine, reason, request id) to the ledger
+
+
+class DecodePath:
+    """`VllmBackend.generate`, with the engine, peers, counters and ledger its `DecodeWiring` gives."""
+
+    def __init__(self, wiring: DecodeWiring, caps: DecodeCaps):
+        self.w, self.caps = wiring, caps
+        self._aliases: dict[str, str] = {}  # request id -> the id of its continuation after a replay mismatch
+        logger.info("%s: resumed requests: %s", wiring.engine_id, caps)
+
+    def vllm_ids(self, req_id: str) -> list[str]:
+        """The ids vLLM may run request `req_id` under (its continuation's too): what an abort names."""
+        return list({req_id, self._aliases.get(req_id, req_id)})
 
     async def generate(self, req: EngineRequest, params: TransferParams | None) -> AsyncIterator[TokenChunk]:
-        b = self.b
-        ids = prompt_ids(req, b.cfg.max_model_len)
+        w = self.w
+        ids = prompt_ids(req, w.max_model_len)
         k = req.num_resumed_tokens if 0 < req.num_resumed_tokens < len(ids) else 0
         sp = base_params(req.sampling)
         reason = replay_reason(self._tokenized(sp), self.caps) if k else None
         replay = k == 1 and reason is not None and redraw_is_exact(sp)
         if reason is not None:
-            b.counters["replays" if replay else "inexact_resumes"] += 1
+            w.counters["replays" if replay else "inexact_resumes"] += 1
             logger.debug("%s: %s (%s)", req.request_id, "replay" if replay else "no exact replay", reason)
         engine_ids = ids[:-1] if replay else ids
         num_prompt = len(ids) - req.num_resumed_tokens
         kv_params, handshake_failed, expected = None, False, 0
         if params is not None:
             try:
-                kv_params = await b.peers.attach(params, b.coordinator)
+                kv_params = await w.attach(params)
             except HandshakeError as exc:
                 # the pull cannot even start: the ledger hears it as this pair's handshake failure,
                 # and the policy decides as for any failed pull
                 logger.warning("%s: handshake with %s failed: %s", req.request_id, params.remote_engine_id, exc)
-                if b.ledger is not None:
-                    b.ledger.handshake_failed(params.remote_engine_id, str(exc), req.request_id)
-                b.counters["kv_failures"] += 1
-                if b.cfg.kv_load_failure_policy == "fail":
+                w.handshake_failed(params.remote_engine_id, str(exc), req.request_id)
+                w.counters["kv_failures"] += 1
+                if w.kv_load_failure_policy == "fail":
                     yield TokenChunk.error_chunk(req.request_id, f"KV transfer failed: {exc}", num_prompt)
                     return
                 handshake_failed = True
             else:
                 expected = min(params.num_tokens, len(engine_ids) - 1)
-                b.counters["kv_pulls"] += 1
+                w.counters["kv_pulls"] += 1
         if k:
             sp = without_prompt_logprobs(sp)
         if replay:
@@ -248,16 +231,16 @@ class DecodePath:
                 recomputed = handshake_failed or bool(kv_params and cached < expected and out.outputs[0].token_ids)
                 verdict = pending = PullVerdict(cached, recomputed)
                 if recomputed:
-                    b.counters["recomputed"] += 1
+                    w.counters["recomputed"] += 1
                 if kv_params:
-                    b._report(req.request_id, recomputed or error)
+                    w.report_pull(req.request_id, recomputed or error)
                 first = tuple(out.outputs[0].token_ids[:1])
                 if replay and not error and first != tuple(ids[-1:]):
                     # the replay drew another token: go on from the streamed one (its KV is cached now)
-                    b.counters["replay_mismatches"] += 1
+                    w.counters["replay_mismatches"] += 1
                     logger.info("%s: replay drew %s instead of %s; continuing from the streamed token",
                                 req.request_id, first, ids[-1:])
-                    await b.llm.abort(req.request_id)
+                    await w.llm.abort(req.request_id)
                     async for cont in self._continue_after(req, ids, num_prompt, verdict):
                         yield cont
                     return
@@ -266,26 +249,26 @@ class DecodePath:
             if pending is not None:
                 chunk, pending = pending.on(chunk), None
             if chunk.failed:
-                b.counters["kv_failures"] += 1
+                w.counters["kv_failures"] += 1
                 chunk = chunk.replace(error="KV transfer failed (kv_load_failure_policy=fail)")
             yield chunk
 
-    def _tokenized(self, sp: Any) -> Any:
+    def _tokenized(self, sp: SamplingParams) -> SamplingParams:
         if sp.bad_words and getattr(sp, "_bad_words_token_ids", None) is None:
-            sp.update_from_tokenizer(self.b.llm.tokenizer)  # which bad words span tokens
+            sp.update_from_tokenizer(self.w.llm.tokenizer)  # which bad words span tokens
         return sp
 
     def _text(self, req: EngineRequest, ids: list[int], k: int) -> ResumedText:
-        return ResumedText(self.b.llm.tokenizer, ids[:-k], ids[-k:], base_params(req.sampling))
+        return ResumedText(self.w.llm.tokenizer, ids[:-k], ids[-k:], base_params(req.sampling))
 
-    async def _stream(self, req: EngineRequest, engine_ids: list[int], sp: Any, text: ResumedText | None,
+    async def _stream(self, req: EngineRequest, engine_ids: list[int], sp: SamplingParams, text: ResumedText | None,
                       num_prompt: int, offset: float | None, replayed: bool = False,
-                      vllm_id: str | None = None) -> AsyncIterator[tuple[TokenChunk, Any]]:
+                      vllm_id: str | None = None) -> AsyncIterator[tuple[TokenChunk, RequestOutput]]:
         """vLLM's deltas as chunks: the replayed token dropped (also when vLLM merged it with the
         next step's), text from `text` when given, the cumulative logprob continued from `offset`."""
         vllm_id = vllm_id or req.request_id
         first = True
-        async for out in engine_outputs(self.b.llm, engine_ids, sp, vllm_id):
+        async for out in engine_outputs(self.w.llm, engine_ids, sp, vllm_id):
             o = out.outputs[0]
             tokens, lps = tuple(o.token_ids), logprobs_of(o.logprobs)
             if first and replayed and tokens[:1] == tuple(req.prompt_token_ids[-1:]):
@@ -300,7 +283,7 @@ class DecodePath:
                 tokens, lps = kept, lps[:len(kept)] if lps is not None else None
                 if stop is not None and not finished:  # begun in a resumed token: vLLM could not see it
                     finished, reason = True, "stop"
-                    await self.b.llm.abort(vllm_id)
+                    await self.w.llm.abort(vllm_id)
             cumulative = o.cumulative_logprob
             if cumulative is not None and offset is not None:
                 cumulative += offset
@@ -313,9 +296,8 @@ class DecodePath:
     async def _continue_after(self, req: EngineRequest, ids: list[int], num_prompt: int,
                               verdict: PullVerdict) -> AsyncIterator[TokenChunk]:
         """Generate after prompt + the streamed token(s), as a resumed request (no pull)."""
-        b = self.b
         cont_id = f"{req.request_id}-cont"
-        b._aliases[req.request_id] = cont_id
+        self._aliases[req.request_id] = cont_id
         k = req.num_resumed_tokens
         sp = resumed_params(without_prompt_logprobs(base_params(req.sampling)), k, req.max_tokens, self.caps)
         text = self._text(req, ids, k) if needs_own_text(base_params(req.sampling)) else None
@@ -327,4 +309,4 @@ class DecodePath:
                     chunk, pending = pending.on(chunk), None
                 yield chunk
         finally:
-            b._aliases.pop(req.request_id, None)
+            self._aliases.pop(req.request_id, None)

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from actors.control.prefix_index import (
+from actors.prefix_wire import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,

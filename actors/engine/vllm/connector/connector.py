@@ -4,9 +4,10 @@ vLLM builds one instance with role SCHEDULER (EngineCore process) and one with
 role WORKER per rank (worker process); each delegates to its half
 (`ConnectorScheduler`, `ConnectorWorker`). Both refuse, when created, a
 parallel/model configuration raypd cannot map (`check_supported`: the message
-names it). Extra config keys (`kv_connector_extra_config`): engine_id,
-handshake_dir, model_id, lease_ttl_s, read_timeout_s, fault_rate, fault_seed,
-sync_load_max_tokens, verify (off | sample | all: KV checksums, `actors.kv.integrity`).
+names it). `kv_connector_extra_config` is validated once, here, into a
+`ConnectorExtraConfig` (actors.engine.vllm.extra_config: the engine id, the
+handshake folder, the model id, and the deployment's `TransferConfig`); both
+halves get the typed object.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from actors.engine.vllm.connector.metadata import RankHandshakeMetadata, RayNixlMetadata
 from actors.engine.vllm.connector.scheduler import ConnectorScheduler
 from actors.engine.vllm.connector.worker import ConnectorWorker, check_supported
+from actors.engine.vllm.extra_config import ConnectorExtraConfig
 
 
 class RayNixlConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        engine_id = str(extra.get("engine_id") or self._kv_transfer_config.engine_id)
+        settings = ConnectorExtraConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        engine_id = str(settings.engine_id or self._kv_transfer_config.engine_id)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -40,11 +42,11 @@ class RayNixlConnector(KVConnectorBase_V1):
                 engine_id=engine_id, tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size,
                 dcp_size=check_supported(vllm_config),  # refuses what raypd cannot map, by name
                 block_size=vllm_config.cache_config.block_size,
-                lease_ttl_s=float(extra.get("lease_ttl_s", 30.0)),
-                sync_load_max_tokens=int(extra.get("sync_load_max_tokens", 0)),
+                lease_ttl_s=settings.transfer.lease_ttl_s,
+                sync_load_max_tokens=settings.transfer.sync_load_max_tokens,
             )
         else:
-            self._worker = ConnectorWorker(vllm_config, engine_id, extra)
+            self._worker = ConnectorWorker(vllm_config, engine_id, settings)
 
     # ----------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from actors.engine.vllm.connector.metadata import RayNixlMetadata, RecvSpec
+from actors.engine.vllm.extra_config import ConnectorExtraConfig
 from actors.kv.errors import HandshakeError, LayoutError, TopologyError
 from actors.kv.faults import FaultPolicy
 from actors.kv.handshake import CompatInfo, decode_envelope
@@ -184,17 +185,18 @@ class ParamsDirectory:
 
 
 class ConnectorWorker:
-    def __init__(self, vllm_config: Any, engine_id: str, extra: dict):
+    def __init__(self, vllm_config: Any, engine_id: str, settings: ConnectorExtraConfig):
         self.vllm_config = vllm_config
         self.engine_id = engine_id
-        self.extra = extra
+        self.settings = settings
+        self.transfer = settings.transfer
         self.dcp_size = check_supported(vllm_config)
         self.xfer: RankTransfer | None = None
         self._load_errors: set[int] = set()
         self._stepped: list[StepResult] = []  # what a sync wait stepped, reported by the next results
         self._sync_ids: set[str] = set()  # sync loads: never reported finished or failed
-        # test knob (EngineConfig.fault_rate): this fraction of pulls fails on purpose
-        self.faults = FaultPolicy(rate=float(extra.get("fault_rate", 0.0)), seed=int(extra.get("fault_seed", 0)))
+        # test knob (transfer.fault_rate): this fraction of pulls fails on purpose
+        self.faults = FaultPolicy(rate=self.transfer.fault_rate, seed=settings.fault_seed)
 
     def _identity(self) -> RankIdentity:
         from vllm.distributed.parallel_state import (
@@ -222,7 +224,7 @@ class ConnectorWorker:
         cache_dtype = self.vllm_config.cache_config.cache_dtype
         packing = "mla" if self.use_mla else "packed" if "KV" in geometry.layout.axes else "split"
         return CompatInfo(
-            model_id=str(self.extra.get("model_id") or Path(str(mc.model)).name),
+            model_id=self.settings.model_id or Path(str(mc.model)).name,
             dtype=dtype, num_kv_heads=mc.get_total_num_kv_heads(),
             num_layers=mc.get_total_num_hidden_layers() if hasattr(mc, "get_total_num_hidden_layers")
             else mc.hf_config.num_hidden_layers,
@@ -234,14 +236,13 @@ class ConnectorWorker:
         identity = self._identity()
         geometry, planes = geometry_from_vllm(kv_caches, identity.block_size, self.use_mla)
         # every rank of one engine incarnation shares the suffix (transfer params name it)
-        incarnation = str(self.extra.get("incarnation") or uuid.uuid4().hex[:8])
+        incarnation = self.settings.incarnation or uuid.uuid4().hex[:8]
         name = f"{self.engine_id}-pp{identity.pp_rank}-tp{identity.tp_rank}-{incarnation}"
         mem = "VRAM" if next(iter(kv_caches.values())).is_cuda else "DRAM"
-        transport = NixlTransport(name, geometry, read_timeout_s=float(self.extra.get("read_timeout_s", 10.0)),
-                                  mem=mem)
+        transport = NixlTransport(name, geometry, read_timeout_s=self.transfer.read_timeout_s, mem=mem)
         self.xfer = RankTransfer(identity, geometry, planes, self._compat(geometry), transport,
-                                 is_mla=self.use_mla, faults=self.faults, verify=str(self.extra.get("verify", "off")))
-        folder = self.extra.get("handshake_dir")
+                                 is_mla=self.use_mla, faults=self.faults, verify=self.transfer.verify)
+        folder = self.settings.handshake_dir
         if folder:
             _write_atomic(handshake_file(folder, identity.pp_rank, identity.tp_rank), self.xfer.handshake())
         logger.info("raypd worker %s registered %d KV regions (%s, %d blocks)", name,
@@ -289,7 +290,7 @@ class ConnectorWorker:
         right after); the pulls' own read timeout ends a hung one, this deadline is a backstop."""
         self._sync_ids |= set(req_ids)
         pending = set(req_ids)
-        deadline = time.monotonic() + float(self.extra.get("read_timeout_s", 10.0)) + 5.0
+        deadline = time.monotonic() + self.transfer.read_timeout_s + 5.0
         while pending:
             step = self.xfer.step()
             self._stepped.append(step)

@@ -1,9 +1,10 @@
 """The in-process stand-in for `NixlTransport`: memmove instead of NIXL, plus fault switches.
 
-Unit tests drive ranks over it in one process (no Ray, no UCX). It implements
-the same backend hooks as the real transport and shares its bookkeeping
-(`TransportBase`), so what the fake proves about requests, peers and lists
-holds for the real path; bytes move on the first poll after the post.
+Unit tests drive ranks over it in one process (no Ray, no UCX); a test fake, so it lives
+with the tests, not in the product's `actors.kv`. It implements the same backend hooks as
+the real transport and shares its bookkeeping (`TransportBase`), so what the fake proves
+about requests, peers and lists holds for the real path; bytes move on the first poll
+after the post.
 """
 
 from __future__ import annotations
