@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -39,6 +40,9 @@ from vllm.sampling_params import SamplingParams
 from actors.decode_caps import NO_CAPS, replay_reason
 from actors.protocol import ModelInfo
 from actors.engine.synthetic.tokenizer import chat_to_text, decode_tokens, encode_text
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 SEED_BITS = 63
 
@@ -222,14 +226,21 @@ async def served_model(info: ModelInfo) -> ServedModel:
     return SyntheticServedModel(info)
 
 
-def model_info_of(deployment: Any) -> ModelInfo:
-    """Ask one decode engine of a launched deployment (`serving.cluster.launcher.Deployment`). Blocking."""
+class LaunchedEngines(Protocol):
+    """What the front reads of a launched deployment (`serving.cluster.engines.Deployment`)."""
+
+    @property
+    def decodes(self) -> Mapping[str, ActorHandle]: ...
+
+
+def model_info_of(deployment: LaunchedEngines) -> ModelInfo:
+    """Ask one decode engine of a launched deployment. Blocking."""
     import ray
 
     return ray.get(next(iter(deployment.decodes.values())).model_info.remote())
 
 
-def served_model_of(deployment: Any) -> ServedModel:
+def served_model_of(deployment: LaunchedEngines) -> ServedModel:
     """The front's model for a launched deployment (launchers, tests). Blocking."""
     info = model_info_of(deployment)
     return VllmServedModel(info) if info.backend == "vllm" else SyntheticServedModel(info)
