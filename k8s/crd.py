@@ -1,7 +1,8 @@
 """KubeRay CRD schemas and the jsonschema machinery that checks documents against them.
 
 `crd_errors(doc)` validates a RayService / RayCluster / RayJob against the OpenAPI v3 schema of
-its CRD (`spec.versions[name=v1].schema.openAPIV3Schema` of ../shared/kuberay-crds/*.yaml) the
+its CRD (`spec.versions[name=v1].schema.openAPIV3Schema` of k8s/kuberay_crds/, KubeRay's CRDs vendored
+by k8s/vendor_crds.py; RAYPD_KUBERAY_CRDS names another folder of CRD YAML or JSON files) the
 way `kubectl apply` with strict field validation does: unknown fields are errors, int32/int64
 ranges and the uniqueness x-kubernetes-list-type/-list-map-keys imply are checked. CEL rules
 (x-kubernetes-validations) and other x-kubernetes-* keys are ignored. `schema_errors(schema, doc)`
@@ -21,14 +22,27 @@ K8S_DIR = Path(__file__).resolve().parent
 REPO = K8S_DIR.parent
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRDs are ~1 MB each
 
+VENDORED = K8S_DIR / "kuberay_crds"  # k8s/vendor_crds.py writes it
+
+
 def crd_dir_candidates() -> list[Path]:
     env = os.environ.get("RAYPD_KUBERAY_CRDS")
-    return ([Path(env)] if env else []) + [REPO.parent / "shared" / "kuberay-crds", Path("/work/shared/kuberay-crds")]
+    return ([Path(env)] if env else []) + [VENDORED]
+
+
+def _crd_files(directory: Path) -> list[Path]:
+    return sorted([*directory.glob("*.yaml"), *directory.glob("*.json")])
+
+
+def load_crds(directory: Path) -> list[dict]:
+    """Every CustomResourceDefinition in the folder's YAML and JSON files (JSON is YAML)."""
+    return [crd for path in _crd_files(directory) for crd in yaml.load_all(path.read_text(), Loader=_LOADER)
+            if crd and crd.get("kind") == "CustomResourceDefinition"]
 
 
 def find_crd_dir() -> Path:
     for cand in crd_dir_candidates():
-        if cand.is_dir() and any(cand.glob("*.yaml")):
+        if cand.is_dir() and _crd_files(cand):
             return cand
     raise FileNotFoundError("KubeRay CRDs not found; looked in " + ", ".join(map(str, crd_dir_candidates()))
                             + " (set RAYPD_KUBERAY_CRDS)")
@@ -104,15 +118,12 @@ def crd_validators(crd_dir: str | None = None) -> dict[tuple[str, str], Any]:
     directory = Path(crd_dir) if crd_dir else find_crd_dir()
     cls, checker = _k8s_validator_class(), _format_checker()
     out = {}
-    for path in sorted(directory.glob("*.yaml")):
-        for crd in yaml.load_all(path.read_text(), Loader=_LOADER):
-            if not crd or crd.get("kind") != "CustomResourceDefinition":
-                continue
-            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-            for version in crd["spec"]["versions"]:
-                if version.get("served", True):
-                    schema = _strict(version["schema"]["openAPIV3Schema"])
-                    out[(f"{group}/{version['name']}", kind)] = cls(schema, format_checker=checker)
+    for crd in load_crds(directory):
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for version in crd["spec"]["versions"]:
+            if version.get("served", True):
+                schema = _strict(version["schema"]["openAPIV3Schema"])
+                out[(f"{group}/{version['name']}", kind)] = cls(schema, format_checker=checker)
     return out
 
 

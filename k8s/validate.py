@@ -7,7 +7,7 @@
 Per document (tests/unit/test_k8s_manifests.py runs all of them):
 
 crd_errors       (crd.py) RayService/RayCluster/RayJob against the KubeRay CRD's OpenAPI v3
-                 schema (../shared/kuberay-crds), strict like `kubectl apply`.
+                 schema (k8s/kuberay_crds, vendored), strict like `kubectl apply`.
 core_errors      (kube_rules.py) the core Kubernetes rules for the pod templates KubeRay turns
                  into Pods, and the KubeRay operator's own checks.
 security_errors  (posture.py) Ray token auth (authOptions), no exposed head Service, and the
@@ -364,7 +364,7 @@ def iter_documents(paths: list[str]) -> Iterator[tuple[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="validate.py", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", help="manifests ('-' = stdin)")
-    p.add_argument("--crds", default=None, help="directory of KubeRay CRD YAML files (default: ../shared/kuberay-crds)")
+    p.add_argument("--crds", default=None, help="directory of KubeRay CRD YAML/JSON files (default: k8s/kuberay_crds, vendored)")
     args = p.parse_args(argv)
     bad, docs = 0, []
     for where, doc in iter_documents(args.files):

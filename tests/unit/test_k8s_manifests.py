@@ -3,9 +3,9 @@
 
 No cluster: the RayService / RayJob documents (the shipped files and k8s/render.py
 outputs for several sizes) are checked with k8s/validate.py against the CRDs'
-OpenAPI v3 schemas in ../shared/kuberay-crds/ (jsonschema), against the core
-Kubernetes rules for the embedded pod templates (kubernetes-validate when it is
-installed, validate.py's own checks always), and the Serve config inside each
+OpenAPI v3 schemas vendored in k8s/kuberay_crds/ (jsonschema), against the core
+Kubernetes API schemas for the embedded pod templates (kubernetes-validate, strict) and
+validate.py's own checks, and the Serve config inside each
 RayService is loaded with raypd's DeploymentConfig and built with
 serving.cluster.app:build_app. The last tests break manifests on purpose: the same
 validators must refuse them.
@@ -95,12 +95,8 @@ def group(doc: dict, name: str) -> dict:
 # --------------------------------------------------------------- the CRD schemas
 @pytest.fixture(scope="module")
 def crds() -> dict[str, dict]:
-    directory = crd_schemas.find_crd_dir()  # fails (not skips) when the CRDs are missing
-    out = {}
-    for path in directory.glob("*.yaml"):
-        crd = yaml.load(path.read_text(), Loader=crd_schemas._LOADER)
-        out[crd["spec"]["names"]["kind"]] = crd
-    return out
+    directory = crd_schemas.find_crd_dir()  # k8s/kuberay_crds/ (vendored): fails, never skips, when missing
+    return {crd["spec"]["names"]["kind"]: crd for crd in crd_schemas.load_crds(directory)}
 
 
 def test_crds_serve_v1_with_an_openapi_schema(crds):
@@ -140,8 +136,8 @@ def test_pod_templates_and_kuberay_rules(name, doc):
             assert all(isinstance(p["containerPort"], int) for p in c.get("ports") or [])
 
 
-def test_pod_templates_with_kubernetes_validate_when_installed():
-    kv = pytest.importorskip("kubernetes_validate")  # not a raypd dependency: validate.py's checks run always
+def test_pod_templates_validate_against_the_kubernetes_api_schema():
+    import kubernetes_validate as kv  # a dev dependency: the Kubernetes OpenAPI schemas, strict
     version = kv.latest_version()
     for name, doc in DOCS:
         for group_name, template in pod_templates(doc):
@@ -499,3 +495,13 @@ def test_a_broken_bench_job_cluster_is_refused():
     errors = validate.validate(job)
     assert any("limits.cpu" in e for e in errors), errors
     assert any("needs shutdownAfterJobFinishes" in e for e in errors), errors
+
+
+def test_vendoring_drops_description_keywords_not_fields_named_description():
+    from k8s.vendor_crds import without_descriptions
+
+    schema = {"type": "object", "description": "a doc string",
+              "properties": {"description": {"type": "string", "description": "a field's doc"},
+                             "items": {"type": "array", "items": {"type": "string", "description": "x"}}}}
+    assert without_descriptions(schema) == {"type": "object", "properties": {
+        "description": {"type": "string"}, "items": {"type": "array", "items": {"type": "string"}}}}
