@@ -22,7 +22,7 @@ from actors.protocol import EngineRequest
 from actors.routes import RouteTable
 from serving.placement_config import PlacementConfig
 from serving.routing.placement import EngineEstimate, Placement, place
-from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, select
+from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, best, select
 from serving.routing.pool import EnginePool
 from serving.routing.shortlist import PrefillShortlist, shortlist
 
@@ -41,6 +41,12 @@ class Placer(Protocol):
               cached: dict[str, int], turn: int) -> RoutePlan:
         """The plan of `req` among the `live` decode engines (never empty); `cached`: engine -> prompt
         tokens its prefix cache holds; `turn`: this request's turn (equal choices go round robin)."""
+        ...
+
+    def continuation(self, pool: EnginePool, req: EngineRequest, live: list[str], cached: dict[str, int],
+                     turn: int) -> str:
+        """The decode engine among `live` (never empty) for a migrated stream's continuation: it
+        recomputes prompt + streamed tokens there (colocated), by the same policy as a first placement."""
         ...
 
 
@@ -89,6 +95,12 @@ class DisaggregatePlacer:
                          sel.decode.cached_tokens)
 
 
+    def continuation(self, pool: EnginePool, req: EngineRequest, live: list[str], cached: dict[str, int],
+                     turn: int) -> str:
+        return best(decode_candidates(pool, live, cached), req.num_prompt_tokens, self.settings.cache_weight,
+                    turn).engine_id
+
+
 class SloPlacer:
     """Placement "slo": the SLO model's choice among the allowed (prefill engine or colocated, decode
     engine) options of a shortlist (`serving.routing.shortlist`: all of them in a deployment of a few engines)."""
@@ -127,6 +139,19 @@ class SloPlacer:
             return RoutePlan(d, tuple(others), DisaggDecision("local", why), cached.get(d, 0), chosen)
         return RoutePlan(d, (chosen.option.prefill_id, *others), DisaggDecision("remote", why), cached.get(d, 0),
                          chosen)
+
+
+    def continuation(self, pool: EnginePool, req: EngineRequest, live: list[str], cached: dict[str, int],
+                     turn: int) -> str:
+        """The SLO model's colocated option with the least predicted cost (the continuation's TTFT and
+        the stall its recompute imposes on the engine's streams), as `place` ranks first placements."""
+        n = len(live)
+        live = live[turn % n:] + live[:turn % n]  # equal predictions: round robin
+        live = shortlist(live, cached, lambda d: ((x := pool.decode_load[d]).requests, x.tokens))
+        engines = [self.estimates.of(pool, d, cached.get(d, 0)) for d in live]
+        chosen = place(max(1, req.num_prompt_tokens), engines, self.estimates.slo, pool.rates.transfer,
+                       lambda prefill_id, decode_id: prefill_id is None, answer_tokens=req.max_tokens)
+        return chosen.option.decode_id if chosen is not None else live[0]
 
 
 def placer_for(placement: str, settings: ScoreSettings, estimates: EngineEstimates, fallback_local: bool) -> Placer:

@@ -21,7 +21,7 @@ Per request (`RoutePlanner.plan`, called once by `Router.open`):
   4. the decision is counted by (decision, reason), exported as
      `raypd_disagg_decisions_total{decision,reason}`.
 
-Migration (`choose_decode`) scores decode engines as a first placement does. At cluster size the
+Migration (`choose_decode`) goes through the same placer as a first placement (`Placer.continuation`). At cluster size the
 SLO model sees a shortlist (`serving.routing.shortlist`): the least loaded engines and those holding
 most of the prompt.
 """
@@ -35,8 +35,8 @@ from actors.protocol import EngineRequest
 from actors.routes import RouteTable
 from serving.config import RouterConfig
 from serving.routing.placement import EngineEstimate
-from serving.routing.placers import EngineEstimates, Placer, RoutePlan, decode_candidates, placer_for
-from serving.routing.policy import ScoreSettings, best
+from serving.routing.placers import EngineEstimates, Placer, RoutePlan, placer_for
+from serving.routing.policy import ScoreSettings
 from serving.routing.pool import EnginePool
 from serving.routing.prefix_view import PrefixCacheView
 from serving.routing.status import PlannerSnapshot
@@ -80,14 +80,13 @@ class RoutePlanner:
 
     def choose_decode(self, pool: EnginePool, req: EngineRequest, routes: RouteTable, turn: int,
                       exclude: set[str] = frozenset()) -> str | None:
-        """The decode engine for a continuation (a migrated stream: no prefill to place), scored
-        as a first placement scores decode engines; not counted as a P/D decision."""
+        """The decode engine for a continuation (a migrated stream: it recomputes there), chosen by
+        the placer that places first requests (the SLO model's `place()` by default); not counted as
+        a P/D decision."""
         live = pool.live_decodes(routes, exclude)
         if not live:
             return None
-        cached = self._cached(req)
-        return best(decode_candidates(pool, live, cached), req.num_prompt_tokens,
-                    self.settings.cache_weight, turn).engine_id
+        return self.placer.continuation(pool, req, live, self._cached(req), turn)
 
     def note_held(self, engine_id: str | None, token_ids: tuple[int, ...]) -> None:
         """`engine_id` caches `token_ids` now (a placement of this router, or an answer it streamed)."""

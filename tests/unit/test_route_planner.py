@@ -139,3 +139,20 @@ def test_the_view_refreshes_in_the_background_without_holding_the_request():
     router, second = asyncio.run(go())
     assert second.decode_id == "d1"
     assert decisions(router) == {("local", "ttft"): 1, ("local", "prefix_cached"): 1}
+
+
+def test_a_migrated_stream_goes_where_the_slo_model_places_it_and_the_score_policy_would_not():
+    """One policy (issue 28): a continuation is placed by the placer that places first requests. d0 owes
+    few tokens over 3 streams, d1 many over 1: the score policy (disaggregate) picks d0, the least
+    outstanding work; the SLO model (the default) picks d1, where recomputing the continuation
+    stalls one stream instead of three."""
+    async def go(placement: str) -> str:
+        router, _, _, _ = make(PrefixIndex(), placement=placement)
+        loads = router.pool.decode_load
+        loads["d0"].requests, loads["d0"].tokens = 3, 90
+        loads["d1"].requests, loads["d1"].tokens = 1, 2000
+        routes = await router.routes(force=True)
+        return router.planner.choose_decode(router.pool, req("m1", tokens=tuple(range(1000, 1400))), routes, 0)
+
+    assert asyncio.run(go("slo")) == "d1"
+    assert asyncio.run(go("disaggregate")) == "d0"
