@@ -26,8 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_stats(deployment) -> dict[str, dict]:
-    return dict(zip(deployment.engines, ray.get([h.stats.remote() for h in deployment.engines.values()])))
+def engine_stats(deployment, timeout_s: float = 60.0) -> dict[str, dict]:
+    """Every engine's stats; an engine that does not answer within `timeout_s` fails the test (GetTimeoutError)
+    instead of hanging it."""
+    return dict(zip(deployment.engines, ray.get([h.stats.remote() for h in deployment.engines.values()],
+                                                timeout=timeout_s)))
 
 
 def wait_blocks_at_baseline(deployment, baseline: dict[str, dict], timeout_s: float = 10.0) -> dict[str, dict]:
