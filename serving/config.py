@@ -12,17 +12,21 @@ actors/engine/config.py). `check_engine_args` checks the rest against vLLM's
 own argument classes where vLLM is importable (the CLI calls it; the engines
 check again when they start).
 
-Two defaults differ from vLLM's on a CPU host (`EngineConfig.cpu_engine_defaults`: the engine
-applies them only where vLLM's platform is the CPU, so a GPU engine runs vLLM's own defaults
-unless the operator writes a value): decode-capable engines under SLO placement get the chunk
-budget `chunk_budget` derives from the placement priors (CPU priors), and a prefill engine runs
-one prompt at a time (`max_num_seqs` 1, `PREFILL_DEFAULT_KWARGS`; set it in
-`prefill.engine_kwargs` to change it). vLLM would pack every queued prompt into one step of up to
-`max_num_batched_tokens`, so that each of them gets its first token only when the
-whole pack is computed (four 512-token prompts: ~4x one prompt's time for all four
-on a CPU core); one at a time, first come first served, the first of them is
-back after its own prefill. A prefill's request leaves vLLM's running set with its
-first token (its blocks stay under their lease), so this bounds only the compute.
+raypd sets two engine arguments where the operator wrote none (`EngineConfig.cpu_engine_defaults`
+and `gpu_engine_defaults`, applied by the engine for its platform; `raypd config` prints them):
+
+- the chunk budget (`max_num_batched_tokens`) of decode-capable engines under SLO placement:
+  derived from the rates the role's live engines measured when an engine is started with them
+  (`MeasuredRates`: the autoscaler's starts), else from the placement priors (CPU priors).
+  A CPU engine runs it; a GPU engine runs it only when it is a measured one larger than vLLM's
+  own default, so a GPU engine never gets a smaller budget than vLLM's unless the operator wrote it;
+- a prefill engine runs one prompt at a time on a CPU host (`max_num_seqs` 1,
+  `PREFILL_DEFAULT_KWARGS`; a GPU prefill engine batches prompts as vLLM does). vLLM would pack
+  every queued prompt into one step of up to `max_num_batched_tokens`, so that each of them gets
+  its first token only when the whole pack is computed (four 512-token prompts: ~4x one prompt's
+  time for all four on a CPU core); one at a time, first come first served, the first of them is
+  back after its own prefill. A prefill's request leaves vLLM's running set with its first token
+  (its blocks stay under their lease), so this bounds only the compute.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from actors.transfer_config import TransferConfig
 # serving/'s ground floor: of serving/ only the config types kept beside this file, which import
 # nothing of serving/ themselves; routing and cluster import them from there (tests/unit/test_config_layers.py)
 from serving.autoscaler_config import AutoscalerConfig
-from serving.placement_config import PlacementConfig, chunked_prefill_budget
+from serving.placement_config import ChunkBudget, MeasuredRates, PlacementConfig, vllm_default_budget
 
 ROLES = ("prefill", "decode", "both")
 PREFILL_CAPABLE, DECODE_CAPABLE = ("prefill", "both"), ("decode", "both")
@@ -125,12 +129,15 @@ class RestartConfig(_Strict):
     deadline); one that does not answer within `probe_timeout_s` (its actor, or vLLM's engine core
     behind it), when a router reported it or at `probe_failure_threshold` sweeps in a row (one slow
     answer on busy cores is not a hang), is evicted and killed, and Ray restarts it as a new
-    incarnation."""
+    incarnation. A restarted engine that has not registered again within `startup_deadline_s`
+    (unset: the launcher's engine start timeout) is killed and restarted again (a restart that hangs
+    while it starts cannot be probed)."""
 
     max_restarts: int = Field(5, ge=0, le=1000)
     probe_interval_s: float = Field(10.0, gt=0)
     probe_timeout_s: float = Field(10.0, gt=0)
     probe_failure_threshold: int = Field(2, ge=1, le=100)
+    startup_deadline_s: float | None = Field(None, gt=0)
 
 
 class HttpConfig(_Strict):
@@ -258,34 +265,46 @@ class DeploymentConfig(_Strict):
                 raise ValueError(f"{role} engines: " + "; ".join(e["msg"] for e in exc.errors())) from None
         return self
 
-    def chunk_budget(self, role: str) -> int | None:
-        """vLLM's max_num_batched_tokens on `role`'s engines: the user's, else, on decode-capable vLLM
-        engines under SLO placement, one that keeps a step with a local prefill chunk within the ITL
-        target at the placement model's prior rates (None: vLLM's default)."""
+    def chunk_budget_of(self, role: str, measured: MeasuredRates | None = None) -> ChunkBudget | None:
+        """vLLM's max_num_batched_tokens on `role`'s engines: the operator's, else, on decode-capable
+        vLLM engines under SLO placement, one that keeps a step with a local prefill chunk within the
+        ITL target at the rates the role's engines `measured` (when given), else at the placement
+        model's priors (None: vLLM's default)."""
         group: EngineGroupConfig = getattr(self, role)
         kwargs = {**self.engine_kwargs, **group.engine_kwargs}
         if "max_num_batched_tokens" in kwargs:
-            return int(kwargs["max_num_batched_tokens"])
+            return ChunkBudget(int(kwargs["max_num_batched_tokens"]), "operator")
         if self.backend != "vllm" or role not in DECODE_CAPABLE or self.router.placement != "slo":
             return None
-        slo = self.router.slo
         block = group.block_size or 128  # vLLM's CPU default (GPU configs set their block size)
-        return chunked_prefill_budget(slo.prior_step_s, slo.prior_prefill_tokens_per_s, slo.itl_target_s,
-                                      max_num_seqs=int(kwargs.get("max_num_seqs", 128)), block_size=block)
+        return self.router.slo.chunk_budget(measured, int(kwargs.get("max_num_seqs", 128)), block)
 
-    def engine_config(self, role: str, index: int = 0, engine_id: str | None = None) -> EngineConfig:
+    def chunk_budget(self, role: str, measured: MeasuredRates | None = None) -> int | None:
+        """`chunk_budget_of`'s tokens: the budget `role`'s engines run with on a CPU host."""
+        budget = self.chunk_budget_of(role, measured)
+        return budget.tokens if budget is not None else None
+
+    def engine_config(self, role: str, index: int = 0, engine_id: str | None = None,
+                      measured: MeasuredRates | None = None) -> EngineConfig:
+        """Engine `index` of `role`; `measured`: the rates the role's live engines measured, when it
+        is started beside them (its chunk budget then comes from them, not from the priors)."""
         group: EngineGroupConfig = getattr(self, role)
         kwargs = {**self.engine_kwargs, **group.engine_kwargs}
-        cpu_defaults: dict[str, Any] = {}  # applied by the engine on a CPU host only (vLLM's defaults on a GPU)
+        # applied by the engine where the operator wrote none: on a CPU host raypd's tuned values, on
+        # a GPU only a measured budget above vLLM's own (its defaults stand otherwise: see the docstring)
+        cpu_defaults: dict[str, Any] = {}
+        gpu_defaults: dict[str, Any] = {}
         if role == "prefill" and self.backend == "vllm":
             cpu_defaults.update({k: v for k, v in PREFILL_DEFAULT_KWARGS.items() if k not in kwargs})
-        budget = self.chunk_budget(role)
-        if budget is not None and "max_num_batched_tokens" not in kwargs:
-            cpu_defaults["max_num_batched_tokens"] = budget
+        budget = self.chunk_budget_of(role, measured)
+        if budget is not None and budget.source != "operator":
+            cpu_defaults["max_num_batched_tokens"] = budget.tokens
+            if budget.source == "measured" and budget.tokens > vllm_default_budget(kwargs):
+                gpu_defaults["max_num_batched_tokens"] = budget.tokens
         return EngineConfig(
             role=role, backend=self.backend, engine_id=engine_id, model=self.model,
             synthetic=self.synthetic, dtype=self.dtype, tp_size=group.tp_size, pp_size=group.pp_size,
-            engine_kwargs=kwargs, cpu_engine_defaults=cpu_defaults,
+            engine_kwargs=kwargs, cpu_engine_defaults=cpu_defaults, gpu_engine_defaults=gpu_defaults,
             dcp_size=group.dcp_size, block_size=group.block_size, max_model_len=self.max_model_len,
             kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
             transfer=self.transfer,

@@ -2,48 +2,46 @@
 
 Life cycle of an engine incarnation as the coordinator sees it:
 
-  register_engine     every rank's handshake payload is decoded and checked
-                      (protocol, compat hash, sizes); the engine is refused if its
-                      model id is known under another compatibility hash; every
-                      (prefill, decode) pair it forms is judged once and the
-                      verdict (ok or the reason) is kept for the routers. Each
-                      registration is a new incarnation (`generation`);
-  watch               one pending `watch()` call per liveness handle (the engine
-                      actor, its rank actors) that only ends when that actor dies:
-                      death is an event, not something found by pinging. Hangs are
-                      found by probing (`actors.control.liveness`): a sweep every
-                      `hang_check_s`, and at once when a router reports a missed
-                      deadline (`engine_hung`); a hung incarnation is evicted and
-                      killed, so that Ray restarts it;
-  evict               a dead or hung incarnation is removed: its pairs' breakers
-                      open, its handoffs end (the prefill side is told to let go),
-                      every decode engine drops its NIXL agents, and the engine's
-                      own `watch_registration` call returns so it re-registers
-                      once it can (a restarted engine always meets a fresh
-                      handshake);
+  register_engine     every rank's handshake payload is decoded and checked (protocol, compat
+                      hash, sizes); the engine is refused if its model id is known under another
+                      compatibility hash; every (prefill, decode) pair it forms is judged once and
+                      the verdict (ok or the reason) is kept for the routers. Each registration is
+                      a new incarnation (`generation`);
+  watch               one pending `watch()` call per liveness handle (the engine actor, its rank
+                      actors) that only ends when that actor dies: death is an event, not something
+                      found by pinging. Hangs are found by probing (`actors.control.liveness`): a
+                      sweep every `hang_check_s`, and at once when a router reports a missed
+                      deadline (`engine_hung`); a hung incarnation is evicted and killed, so that
+                      Ray restarts it;
+  evict               a dead or hung incarnation is removed: its pairs' breakers open, its handoffs
+                      end (the prefill side is told to let go), every decode engine drops its NIXL
+                      agents, and the engine's own `watch_registration` call returns so it
+                      re-registers once it can (a restarted engine always meets a fresh handshake);
+  start-up deadline   an evicted engine (not draining) must register again within `startup_deadline_s`
+                      (Ray restarts it); a restart that hangs before it registers (no probe reaches
+                      it) is killed for restart again past its deadline, counted (`startup_timeouts`)
+                      and awaited anew; unregistering or a dead-for-good actor ends it (`startup_watch`);
   handshake_payloads  decode ranks fetch exactly the payloads they need;
-  routes              routers fetch live decode engines -> usable prefill engines
-                      with every pair's breaker (the ledger owns the breakers); the
-                      table is built once per change (`RouteBook`) and
-                      `routes_if_changed` answers a router whose copy is current
+  routes              routers fetch live decode engines -> usable prefill engines with every pair's
+                      breaker (the ledger owns the breakers); the table is built once per change
+                      (`RouteBook`) and `routes_if_changed` answers a router whose copy is current
                       with nothing.
 
-Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the
-records an engine coalesced since its last batch (handoffs opened and aborted,
-per-unit outcomes, salvage, handshake failures), applied in its order, one
-batch in flight per engine (`actors.engine.ledger_reporter`). The single-record
-methods (`open_handoff`, `report_outcomes`...) remain for tools and tests.
-Nothing here is on a request's path to its first token: engines and routers
-send these fire-and-forget or from background tasks; a router awaits only
-`admit_probe`, and only for a half-open pair.
+Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the records an engine
+coalesced since its last batch (handoffs opened and aborted, per-unit outcomes, salvage, handshake
+failures), applied in its order, one batch in flight per engine (`actors.engine.ledger_reporter`).
+The single-record methods (`open_handoff`, `report_outcomes`...) remain for tools and tests.
+Nothing here is on a request's path to its first token: engines and routers send these
+fire-and-forget or from background tasks; a router awaits only `admit_probe`, and only for a
+half-open pair.
 
 Routing state it owns besides the directory:
 
-  kv_events           a registered engine's relayed KV cache events feed the
-                      prefix index (one owner); routers replicate it with
-                      `prefix_index_updates`; an engine's entries go with it;
-  set_draining        routers stop choosing the engine (`routes()` leaves it
-                      out); the autoscaler stops it once idle.
+  kv_events           a registered engine's relayed KV cache events feed the prefix index (one
+                      owner); routers replicate it with `prefix_index_updates`; an engine's
+                      entries go with it;
+  set_draining        routers stop choosing the engine (`routes()` leaves it out); the autoscaler
+                      stops it once idle.
 
 If the coordinator itself restarts (Ray restarts it), engines see their
 `watch_registration` call fail and register again with the new incarnation.
@@ -63,6 +61,7 @@ from actors.kv.aggregator import KVConnectorOutput
 from actors.control.handoff_desk import HandoffDesk
 from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger, Verdict
 from actors.control.liveness import Liveness
+from actors.control.startup_watch import DEFAULT_STARTUP_DEADLINE_S, StartupWatch
 from actors.control.route_book import RouteBook
 from actors.control.ledger_records import ControlStats, LedgerBatch
 from actors.protocol import EngineInfo, EngineSummary
@@ -78,11 +77,12 @@ logger = logging.getLogger("raypd.coordinator")
 class Coordinator:
     def __init__(self, hang_check_s: float = 10.0, ping_timeout_s: float = 10.0,
                  handoff_deadline_s: float = 60.0, breaker: dict | BreakerConfig | None = None,
-                 probe_failure_threshold: int = 2):
+                 probe_failure_threshold: int = 2, startup_deadline_s: float = DEFAULT_STARTUP_DEADLINE_S):
         self.ledger = TransferLedger(BreakerConfig.model_validate(breaker or {}), deadline_s=handoff_deadline_s)
         self.liveness = Liveness(self._evict, timeout_s=ping_timeout_s, interval_s=hang_check_s,
                                  failure_threshold=probe_failure_threshold)
         self._engines: dict[str, EngineEntry] = {}
+        self.startups = StartupWatch(startup_deadline_s, on_event=self._event)  # restarted engines awaited
         self._model_hash: dict[str, str] = {}
         self.book = RouteBook(self.ledger)  # the pairs and the routers' table
         self._generation = 0
@@ -98,9 +98,9 @@ class Coordinator:
 
     async def configure(self, breaker: dict | None = None, handoff_deadline_s: float | None = None,
                         probe_interval_s: float | None = None, probe_timeout_s: float | None = None,
-                        probe_failure_threshold: int | None = None) -> None:
-        """Cluster-wide settings of the ledger and the liveness probes (the last deployment
-        launched sets them; pairs whose breaker already exists keep theirs)."""
+                        probe_failure_threshold: int | None = None, startup_deadline_s: float | None = None) -> None:
+        """Cluster-wide settings of the ledger, the liveness probes and the start-up deadline (the
+        last deployment launched sets them; pairs whose breaker already exists keep theirs)."""
         if breaker is not None:
             self.ledger.breaker_config = BreakerConfig.model_validate(breaker)
         if handoff_deadline_s is not None:
@@ -111,6 +111,8 @@ class Coordinator:
             self.liveness.timeout_s = probe_timeout_s
         if probe_failure_threshold is not None:
             self.liveness.failure_threshold = probe_failure_threshold
+        if startup_deadline_s is not None:
+            self.startups.deadline_s = startup_deadline_s
 
     # ---------------------------------------------------------- registration
     async def register_engine(self, engine_id: str, role: str, handshakes: list[bytes],
@@ -139,6 +141,7 @@ class Coordinator:
         self._generation += 1
         entry = EngineEntry(engine_id, role, ranks, raw, list(handles or []), info or EngineInfo(), self._generation)
         self._engines[engine_id] = entry
+        self.startups.registered(engine_id)  # back: no start-up deadline pending
         self._model_hash[model] = chash
         entry.watchers = [asyncio.get_running_loop().create_task(self._watch(entry, h)) for h in entry.handles]
         pairs = self.book.add(entry, self._engines)
@@ -147,7 +150,8 @@ class Coordinator:
 
     async def unregister_engine(self, engine_id: str, reason: str = "unregistered",
                                 generation: int | None = None) -> bool:
-        """An engine leaves on purpose (shutdown): its breakers go too."""
+        """An engine leaves on purpose (shutdown): its breakers go too, and it is not awaited back."""
+        self.startups.drop(engine_id, reason)  # e.g. a restart shut down before it registered
         entry = self._engines.get(engine_id)
         if entry is None or (generation is not None and entry.generation != generation):
             return False
@@ -172,12 +176,13 @@ class Coordinator:
             self._release_prefill(handoff.prefill_id, handoff.req_id)
         entry.eviction_reason = reason
         entry.evicted.set()
+        if died and entry.handles and not entry.draining:  # Ray restarts it: await its registration
+            self.startups.expect(engine_id, entry.handles[0], reason)
         for task in entry.watchers:
             if task is not asyncio.current_task():
                 task.cancel()
         self._event("removed", engine_id, reason=reason, generation=entry.generation)
-        # Every decode engine drops the agents of this incarnation (fire and forget: a
-        # dead one will not answer, and that is fine).
+        # every decode engine drops this incarnation's agents (fire and forget: a dead one will not answer)
         for other in self._engines.values():
             if other.serves_decode:
                 for handle in other.handles:
@@ -336,7 +341,8 @@ class Coordinator:
         return ControlStats(len(self._engines), len(self.book.problems), len(self.ledger.in_flight()),
                             dict(self.ledger.verdicts), self.desk.batches, self.desk.records, c["kv_calls"],
                             c["kv_events"], c["kv_blocks"], sum(self.prefix_index.engines().values()),
-                            self.book.builds, c["route_calls"], c["route_unchanged"])
+                            self.book.builds, c["route_calls"], c["route_unchanged"],
+                            dict(self.startups.timeouts), self.startups.pending())
 
     async def recent_events(self, limit: int = 100) -> list[dict]:
         return self.events[-limit:]
@@ -359,18 +365,18 @@ class Coordinator:
             self._timers = [loop.create_task(self.desk.run_expiry()), loop.create_task(self._hang_sweeps())]
 
     async def _hang_sweeps(self) -> None:
-        while True:
+        while True:  # hangs of registered incarnations, then restarts past their start-up deadline
             await asyncio.sleep(self.liveness.interval_s)
-            try:
-                await self.check_engines()
-            except Exception:  # noqa: BLE001 - the sweep must survive anything
-                logger.exception("engine hang check failed")
+            for check in (self.check_engines, self.startups.sweep):
+                try:
+                    await check()
+                except Exception:  # noqa: BLE001 - the sweep must survive anything
+                    logger.exception("engine check %s failed", check.__name__)
 
     async def check_engines(self) -> list[str]:
-        """Probe every engine once (deaths are seen at once by the watchers; this catches
-        hangs): one that has not answered in `ping_timeout_s` at `probe_failure_threshold`
-        sweeps in a row is evicted and killed so that Ray restarts it
-        (`actors.control.liveness`). Returns the ids found hung or dead."""
+        """Probe every engine once (the watchers see deaths at once; this catches hangs): one that has
+        not answered in `ping_timeout_s` at `probe_failure_threshold` sweeps in a row is evicted and
+        killed so that Ray restarts it (`actors.control.liveness`). Returns the ids found hung or dead."""
         entries = [e for e in self._engines.values() if e.handles]
         return await self.liveness.sweep(entries, lambda e: self._engines.get(e.engine_id) is e)
 
@@ -380,11 +386,9 @@ class Coordinator:
 
 
 def _reconstructed() -> bool:
-    if not ray.is_initialized():  # not inside an actor (unit tests): asking would start a local Ray
-        return False
-    try:
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:  # noqa: BLE001 - not inside an actor (unit tests)
+    try:  # not asked outside Ray (unit tests): asking would start a local Ray
+        return ray.is_initialized() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not inside an actor
         return False
 
 
@@ -398,8 +402,7 @@ def coordinator_options(name: str = COORDINATOR_NAME, detached: bool = False, on
     )
     if detached:
         options["lifetime"] = "detached"
-    if on_head_node:
-        # Ray gives the head node this marker resource; the directory lives as long as the cluster
+    if on_head_node:  # Ray's marker resource of the head node: the directory lives as long as the cluster
         options["resources"] = {"node:__internal_head__": 0.001}
     return options
 

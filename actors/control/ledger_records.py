@@ -11,12 +11,12 @@ Life cycle of the records of one handoff (`actors.engine.ledger_reporter` sends 
   3. `HandoffAborted`    instead, when the client went away first.
 
 `LedgerBatch` carries one engine's records since its previous batch. `ControlStats` is what the
-coordinator absorbed (the control-plane benchmark reads it).
+coordinator absorbed (the control-plane benchmark reads it), and the restarts it awaits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
 from actors.kv.aggregator import KVConnectorOutput
@@ -103,3 +103,6 @@ class ControlStats:
     route_builds: int  # RouteTables built (once per change)
     route_calls: int
     route_unchanged: int  # route calls answered "your copy is current"
+    startup_timeouts: dict[str, int] = field(default_factory=dict)  # engine -> start-up deadlines it missed
+    # restarted engines not registered again yet -> seconds left to their start-up deadline (`startup_watch`)
+    startups_awaited: dict[str, float] = field(default_factory=dict)

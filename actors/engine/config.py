@@ -83,6 +83,7 @@ class SyntheticModelConfig(_Strict):
     is_mla: bool = False
     vocab_size: int = Field(32000, ge=16)
     token_latency_s: float = Field(0.0, ge=0.0, le=10.0)  # pause per streamed token (tests, demos)
+    start_delay_s: float = Field(0.0, ge=0.0, le=600.0)  # pause of every start before it registers (tests)
 
     @model_validator(mode="after")
     def _mla_has_one_head(self) -> "SyntheticModelConfig":
@@ -122,8 +123,11 @@ class EngineConfig(_Strict):
     shm_busy_loop_s: float | None = Field(None, ge=0)
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments, passed through (actors.engine.vllm.args)
     # vLLM engine arguments raypd sets on a CPU host where engine_kwargs has none (tuned there: a prefill
-    # engine's FCFS max_num_seqs 1, the chunk budget from the SLO priors); a GPU host runs vLLM's defaults
+    # engine's FCFS max_num_seqs 1, the chunk budget from measured rates or the SLO priors) ...
     cpu_engine_defaults: dict[str, Any] = {}
+    # ... and on any other platform (a GPU): only a chunk budget from measured rates that is larger
+    # than vLLM's own default; vLLM's defaults stand for everything else
+    gpu_engine_defaults: dict[str, Any] = {}
     # False: plain vLLM with no KV connector at all (role "both" only). Used as the
     # colocated baseline of benchmarks/pd_vs_vllm.py; such an engine cannot take part
     # in P/D (it publishes no handshake payload).

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from serving.cli.engine_settings import engine_args_comment
 from serving.config import ROLES, ConfigError, DeploymentConfig
 
 DEPLOYMENT_FLAGS = ("model", "prefill", "decode", "prefill_tp", "decode_tp", "engine_arg", "prefill_engine_arg",
@@ -151,8 +152,9 @@ def _for_this_cpu(cfg: DeploymentConfig) -> DeploymentConfig:
 
 
 def config_yaml(cfg: DeploymentConfig) -> str:
-    """The YAML of `cfg` (what differs from the defaults); `raypd up --config` on it gives `cfg` back."""
+    """The YAML of `cfg` (what differs from the defaults), then, as comments, the vLLM engine arguments
+    each engine group runs with and why; `raypd up --config` on it gives `cfg` back."""
     head = "# raypd deployment (`raypd up --config THIS_FILE`); fields left out take raypd's defaults\n"
     data = {"name": cfg.name, "backend": cfg.backend, "model": cfg.model,  # always said, first
             **cfg.model_dump(mode="json", exclude_defaults=True)}
-    return head + yaml.safe_dump(data, sort_keys=False)
+    return head + yaml.safe_dump(data, sort_keys=False) + "\n" + engine_args_comment(cfg)

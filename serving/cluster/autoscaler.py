@@ -7,9 +7,10 @@ Life cycle of a pool change:
            summed per role into `PoolSignals`; each role's `RolePolicy` decides;
   grow     one more engine at the lowest free index, in its own STRICT_PACK
            placement group carrying the role's resources (pinned like every
-           engine); it registers with the coordinator and routers adopt it from
-           the directory. A group no node can hold is removed again and the
-           attempt counted (`unschedulable`);
+           engine), started with the rates the role's serving engines measured
+           last (its chunk budget comes from them: `MeasuredRates`); it registers
+           with the coordinator and routers adopt it from the directory. A group
+           no node can hold is removed again and the attempt counted (`unschedulable`);
   shrink   the highest-index serving engine is marked draining at the
            coordinator, so routers stop choosing it; once it has been idle (no
            decode stream, no prefill, no lease, no handoff in flight) for
@@ -42,6 +43,7 @@ from serving.routing.pool_pressure import LoadMix, ScaleAdvice, pool_pressure
 from serving.cluster.engines import Unschedulable, handle_of
 from serving.cluster.names import engine_id, engine_index
 from serving.config import DeploymentConfig
+from serving.placement_config import MeasuredRates
 
 logger = logging.getLogger("raypd.autoscaler")
 
@@ -53,7 +55,7 @@ ROLES = ("prefill", "decode", "both")
 class EngineHands(Protocol):
     """What the autoscaler asks of the launcher."""
 
-    async def start_engine(self, role: str, index: int) -> Any: ...
+    async def start_engine(self, role: str, index: int, measured: MeasuredRates | None = None) -> Any: ...
     async def stop_engine(self, engine: str) -> None: ...
 
 
@@ -66,6 +68,7 @@ class RoleStatus:
     max: int = 0
     last_decision: str = "none yet"
     signals: PoolSignals | None = None
+    measured: MeasuredRates | None = None  # what its serving engines measured last (None: not yet)
 
 
 @dataclass
@@ -151,6 +154,7 @@ class Autoscaler:
                     self._drain(role, engine, ScaleEvent(now, role, "down", "resumed", engine))
             loads[role] = await self._loads(st.serving)
             st.signals = self._signals(len(st.serving), loads[role])
+            st.measured = self._measured(loads[role]) or st.measured  # kept through a quiet spell
         advice = self._advice(loads) if self.cfg.autoscaler.policy == "model" else None
         for role in self.active:
             st = self.roles[role]
@@ -195,6 +199,12 @@ class Autoscaler:
             itl_p90_s=max(itls) if itls else None,
         )
 
+    @staticmethod
+    def _measured(loads: list[EngineLoad]) -> MeasuredRates | None:
+        """The role's rates as its engines measured them (an engine it starts gets its chunk budget
+        from them); None until they measured both a prefill rate and a step time."""
+        return MeasuredRates.of([x.meter.prefill_tokens_per_s for x in loads], [x.meter.step_s for x in loads])
+
     def _advice(self, loads: dict[str, list[EngineLoad]]) -> ScaleAdvice:
         """The placement model's pool predictions, from what the engines measured of themselves."""
         slo = self.cfg.router.slo
@@ -227,7 +237,7 @@ class Autoscaler:
 
     async def _start(self, role: str, index: int, event: ScaleEvent) -> None:
         try:
-            await self.hands.start_engine(role, index)
+            await self.hands.start_engine(role, index, self.roles[role].measured)
             event.outcome = "started"
             self.counters[f"{role}_scaled_up"] += 1
         except Unschedulable as exc:

@@ -25,6 +25,7 @@ from actors.engine.options import engine_actor_options
 from actors.engine.startup import STARTUP_GROUP, StartPhase
 from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, ROLES, actor_name, actor_name_of, engine_id, placement_group_name
 from serving.config import DeploymentConfig
+from serving.placement_config import MeasuredRates
 
 logger = logging.getLogger("raypd.launcher")
 
@@ -74,11 +75,17 @@ def engine_placement_group(cfg: DeploymentConfig, role: str, index: int) -> Any:
     return placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached")
 
 
-def create_engine(cfg: DeploymentConfig, role: str, index: int, pg: Any) -> Any:
-    """Get or create engine `index` of `role` in its placement group (not started yet)."""
+def create_engine(cfg: DeploymentConfig, role: str, index: int, pg: Any, measured: MeasuredRates | None = None) -> Any:
+    """Get or create engine `index` of `role` in its placement group (not started yet). `measured`:
+    the rates the role's live engines measured (its chunk budget comes from them, not the priors).
+    The actor's options are fixed here: when Ray restarts it, it keeps the budget it was created with."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    ecfg = cfg.engine_config(role, index, engine_id(cfg.name, role, index))
+    ecfg = cfg.engine_config(role, index, engine_id(cfg.name, role, index), measured)
+    if measured is not None:
+        logger.info("%s engine %d: chunk budget %s tokens from its role's measured %.0f prompt tokens/s and "
+                    "%.4f s per step", role, index, cfg.chunk_budget(role, measured),
+                    measured.prefill_tokens_per_s, measured.step_s)
     opts = {k: v for k, v in engine_actor_options(ecfg, cfg.restarts.max_restarts).items() if v is not None}
     opts["num_cpus"] = max(ecfg.num_cpus, 0.01)
     opts.pop("resources", None)  # they are in the bundle
@@ -92,10 +99,11 @@ def create_engine(cfg: DeploymentConfig, role: str, index: int, pg: Any) -> Any:
 
 async def start_engine(cfg: DeploymentConfig, role: str, index: int, timeout_s: float,
                        place_timeout_s: float = 60.0,
-                       on_failed: Callable[[list[StartPhase]], None] | None = None) -> Any:
+                       on_failed: Callable[[list[StartPhase]], None] | None = None,
+                       measured: MeasuredRates | None = None) -> Any:
     """Create and start engine `index` of `role`; nothing is left behind when it cannot be placed
     (within `place_timeout_s`) or does not start (within `timeout_s`). `on_failed` gets a failed
-    engine's start-up phases (its last says why) before its actor goes."""
+    engine's start-up phases (its last says why) before its actor goes; `measured`: see `create_engine`."""
     from ray.util.placement_group import remove_placement_group
 
     pg = engine_placement_group(cfg, role, index)
@@ -104,7 +112,7 @@ async def start_engine(cfg: DeploymentConfig, role: str, index: int, timeout_s: 
     except asyncio.TimeoutError:
         remove_placement_group(pg)
         raise Unschedulable(f"no node offers {pg.bundle_specs} for {role} engine {index}") from None
-    handle = create_engine(cfg, role, index, pg)
+    handle = create_engine(cfg, role, index, pg, measured)
     try:
         await asyncio.wait_for(handle.start.remote(), timeout_s)
     except BaseException:

@@ -47,6 +47,7 @@ from serving.cluster.engines import (
 )
 from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, ROLES, engine_id, engine_index, launcher_name
 from serving.config import DeploymentConfig
+from serving.placement_config import MeasuredRates
 
 logger = logging.getLogger("raypd.launcher")
 
@@ -76,15 +77,18 @@ class Launcher:
     async def _launch_once(self) -> Deployment:
         cfg = self.cfg
         restarts = cfg.restarts
+        # a restarted engine must register again within this (the coordinator kills a stranded restart)
+        startup_deadline_s = restarts.startup_deadline_s or default_start_timeout(cfg)
         coordinator = start_coordinator(detached=True, on_head_node=True, max_restarts=restarts.max_restarts,
                                         breaker=cfg.breaker.model_dump(),
                                         handoff_deadline_s=cfg.transfer.handoff_deadline_s,
                                         hang_check_s=restarts.probe_interval_s,
                                         ping_timeout_s=restarts.probe_timeout_s,
-                                        probe_failure_threshold=restarts.probe_failure_threshold)
+                                        probe_failure_threshold=restarts.probe_failure_threshold,
+                                        startup_deadline_s=startup_deadline_s)
         await asyncio.wait_for(coordinator.configure.remote(cfg.breaker.model_dump(), cfg.transfer.handoff_deadline_s,
                                                             restarts.probe_interval_s, restarts.probe_timeout_s,
-                                                            restarts.probe_failure_threshold), 60)
+                                                            restarts.probe_failure_threshold, startup_deadline_s), 60)
         dep = await self._serving_pools(coordinator) if cfg.autoscaler.enabled else None
         if dep is None:
             dep = await self._start_all(coordinator)
@@ -126,8 +130,8 @@ class Launcher:
         return dep if dep.decodes else None
 
     # ------------------------------------------------ the autoscaler's hands
-    async def start_engine(self, role: str, index: int) -> Any:
-        return await start_engine(self.cfg, role, index, default_start_timeout(self.cfg))
+    async def start_engine(self, role: str, index: int, measured: MeasuredRates | None = None) -> Any:
+        return await start_engine(self.cfg, role, index, default_start_timeout(self.cfg), measured=measured)
 
     async def stop_engine(self, engine: str) -> None:
         await stop_engine(engine, handle_of(engine))

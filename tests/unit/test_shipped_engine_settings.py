@@ -1,6 +1,8 @@
 """Engine settings on every shipped config (configs/*.yaml, the KubeRay manifests and their renders):
 on a GPU host no engine runs with a max_num_batched_tokens or a max_num_seqs of 1 that the operator
-did not write (vLLM's own defaults stand); on a CPU host raypd's tuned defaults apply."""
+did not write (vLLM's own defaults stand), and once engines measured their rates no engine runs a
+budget below vLLM's default or max_num_seqs 1 unless the operator wrote it; on a CPU host raypd's
+tuned defaults apply."""
 
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import yaml
 
 from actors.engine.vllm.args import platform_defaults
 from serving.config import ROLES, DeploymentConfig, load_config
+from serving.placement_config import MeasuredRates, vllm_default_budget
 
 from test_k8s_manifests import SERVICES, args_of
 
@@ -41,6 +44,27 @@ def test_a_gpu_engine_runs_vllms_defaults_unless_the_operator_wrote_a_value(name
                  for key, value in {**platform_defaults(e, is_cpu=False), **e.engine_kwargs}.items()
                  if key in ("max_num_batched_tokens", "max_num_seqs") and key not in written(cfg, role)}
     assert raypd_set == {}
+
+
+# what engines of a role may have measured when the autoscaler starts one more: slow, CPU-like, and
+# fast, GPU-like (a budget above vLLM's default, which a GPU engine then runs)
+MEASURED = {"unmeasured": None, "slow": MeasuredRates(400.0, 0.05), "fast": MeasuredRates(30000.0, 0.02)}
+
+
+@pytest.mark.parametrize("measured", MEASURED.values(), ids=list(MEASURED))
+@pytest.mark.parametrize("name, cfg", SHIPPED, ids=[n for n, _ in SHIPPED])
+def test_no_gpu_engine_runs_a_budget_below_vllms_default_or_one_seq_unless_written(name, cfg, measured):
+    below = {}
+    for role, _ in engines(cfg):
+        ours = written(cfg, role)
+        e = cfg.engine_config(role, measured=measured)
+        run = {**platform_defaults(e, is_cpu=False), **e.engine_kwargs}
+        if "max_num_batched_tokens" in run and "max_num_batched_tokens" not in ours:
+            if run["max_num_batched_tokens"] < vllm_default_budget(ours):
+                below[(role, "max_num_batched_tokens")] = run["max_num_batched_tokens"]
+        if run.get("max_num_seqs") == 1 and "max_num_seqs" not in ours:
+            below[(role, "max_num_seqs")] = 1
+    assert below == {}
 
 
 def written(cfg: DeploymentConfig, role: str) -> dict:

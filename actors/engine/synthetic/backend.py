@@ -37,6 +37,8 @@ class SyntheticBackend:
     async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]] | None = None,
                     ledger: Any = None) -> None:
         # Registration is done by the EngineActor (it adds itself as a liveness handle).
+        if self.cfg.synthetic.start_delay_s:  # a slow start (tests: a restart frozen before it registers)
+            await asyncio.sleep(self.cfg.synthetic.start_delay_s)
         transfer = self.cfg.transfer
         self.engine = SyntheticEngine(self.engine_id, self.cfg.role, self.model, self.shape, coordinator,
                                       lease_ttl_s=transfer.lease_ttl_s, read_timeout_s=transfer.read_timeout_s,

@@ -177,12 +177,14 @@ def build_engine_args(cfg: EngineConfig, model_path: str, kv_transfer: dict[str,
 
 def platform_defaults(cfg: EngineConfig, is_cpu: bool | None = None) -> dict[str, Any]:
     """The engine arguments raypd adds where the operator set none: `cpu_engine_defaults` on a CPU
-    host (`is_cpu`: this host's vLLM platform when None), nothing elsewhere (vLLM's defaults stand)."""
+    host (`is_cpu`: this host's vLLM platform when None), `gpu_engine_defaults` elsewhere (at most a
+    measured chunk budget above vLLM's default: vLLM's defaults stand for the rest)."""
     if is_cpu is None:
         from vllm.platforms import current_platform
 
         is_cpu = current_platform.is_cpu()
-    return {k: v for k, v in cfg.cpu_engine_defaults.items() if k not in cfg.engine_kwargs} if is_cpu else {}
+    defaults = cfg.cpu_engine_defaults if is_cpu else cfg.gpu_engine_defaults
+    return {k: v for k, v in defaults.items() if k not in cfg.engine_kwargs}
 
 
 def apply_cpu_mla_backend(args: Any) -> str | None:
