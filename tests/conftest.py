@@ -14,6 +14,9 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
+        from serving.cluster.ray_profile import apply_ray_profile
+
+        apply_ray_profile()  # the product's default for Ray's own processes (as `raypd up` runs them)
         ray.init(num_cpus=4, include_dashboard=False, namespace="raypd",
                  _temp_dir="/tmp/raypd-ray", log_to_driver=False)
     yield ray

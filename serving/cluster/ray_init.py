@@ -14,6 +14,7 @@ import os
 import ray
 
 from serving.cluster.names import NAMESPACE
+from serving.cluster.ray_profile import apply_ray_profile
 from serving.config import DeploymentConfig
 
 DEFAULT_TEMP_DIR = "/tmp/raypd-ray"
@@ -43,6 +44,7 @@ def init_ray(cfg: DeploymentConfig | None = None, address: str | None = None,
                 f"RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN") from None
         return False
     num_cpus = (cfg.ray.num_cpus if cfg is not None else None) or 4
+    apply_ray_profile()  # Ray's processes inherit this environment (serving/cluster/ray_profile.py)
     ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, namespace=NAMESPACE,
              log_to_driver=log_to_driver)
     return True

@@ -1,0 +1,233 @@
+"""Ray's own processes on a serving node: raypd's serving profile against Ray's defaults, side by side.
+
+Each run starts `raypd up --config configs/local.yaml` (the embedded default: two `both` engines,
+one core each) with `RAYPD_RAY_PROFILE=serving` (raypd's default, serving/cluster/ray_profile.py)
+or `ray` (Ray's own defaults), waits until /health is ready, then reads every process of that
+`raypd up` tree from /proc:
+  idle   --idle-s seconds with no request: % of one core per process group;
+  load   --load-s seconds of --concurrency closed-loop streaming completions (--prompt-words
+         words, --tokens tokens each, ignore_eos): ms of CPU per streamed token per group, the
+         tokens per second and the inter-token latency p50.
+The load client runs in this process, outside the measured tree. Profiles alternate
+(S R R S ...); the ratios compare the runs' medians.
+
+  python benchmarks/ray_profile.py --rounds 2 --out benchmarks/results/ray_profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.pdbench.procs import CLK_TCK, tree  # noqa: E402
+from serving.bench.provenance import git_state, header_line  # noqa: E402
+
+PROFILES = {"S": "serving", "R": "ray"}
+URL = "http://127.0.0.1:8000"
+# (group, test on (comm, cmdline)); the first match wins
+GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("vLLM workers", ("VLLM::Worker",)),
+    ("vLLM engine cores", ("VLLM::EngineCor",)),
+    ("EngineActors", ("ray::EngineActo",)),
+    ("Serve replica (ingress)", ("ray::ServeRepli",)),
+    ("Serve proxy", ("ray::ProxyActor",)),
+    ("Serve controller", ("ray::ServeContr",)),
+    ("GCS", ("gcs_server",)),
+    ("raylet", ("raylet",)),
+    ("dashboard agent", ("ray::DashboardA",)),
+    ("log monitor", ("log_monitor.py",)),
+    ("coordinator + launcher", ("ray::Coordinato", "ray::Launcher")),
+]
+OTHER = "other (driver, dashboard, autoscaler monitor...)"
+OUTSIDE_ENGINES = [g for g, _ in GROUPS[2:]] + [OTHER]
+
+
+def group_of(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    comm = stat[stat.index("(") + 1:stat.rindex(")")]
+    for name, keys in GROUPS:
+        if any(k == comm or k in cmd for k in keys):
+            return name
+    return OTHER
+
+
+def ticks(pids: list[int]) -> dict[int, int]:
+    out = {}
+    for pid in pids:
+        try:
+            raw = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        f = raw[raw.rindex(")") + 2:].split()
+        out[pid] = int(f[11]) + int(f[12])
+    return out
+
+
+def cpu_by_group(root: int, window) -> tuple[dict[str, float], object]:
+    """CPU seconds per group spent while `window()` runs (processes alive at both ends)."""
+    pids = tree(root)
+    before = ticks(pids)
+    result = window()
+    after = ticks(tree(root))
+    seconds: dict[str, float] = {}
+    for pid, t in after.items():
+        if pid in before and (g := group_of(pid)):
+            seconds[g] = seconds.get(g, 0.0) + (t - before[pid]) / CLK_TCK
+    return seconds, result
+
+
+async def _stream(client: httpx.AsyncClient, i: int, args) -> list[float]:
+    body = {"model": "smollm2", "prompt": " ".join(f"word{(i * 7 + k) % 997}" for k in range(args.prompt_words)),
+            "max_tokens": args.tokens, "stream": True, "ignore_eos": True, "temperature": 0}
+    stamps: list[float] = []
+    async with client.stream("POST", URL + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                stamps.append(time.monotonic())
+    if not args.tokens - 2 <= len(stamps) <= args.tokens:  # a token may decode to no text of its own
+        raise RuntimeError(f"request {i}: {len(stamps)} chunks with text, expected {args.tokens}")
+    return stamps
+
+
+def load(args) -> tuple[int, list[float]]:
+    """Closed-loop streams for args.load_s; (tokens streamed, each request's mean inter-token latency)."""
+    async def run():
+        tokens, gaps = 0, []
+        end = time.monotonic() + args.load_s
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def worker(k: int):
+                nonlocal tokens
+                i = k * 100_000
+                while time.monotonic() < end:
+                    i += 1
+                    stamps = await _stream(client, i, args)
+                    tokens += args.tokens
+                    gaps.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))  # the request's mean ITL
+            await asyncio.gather(*(worker(k) for k in range(args.concurrency)))
+        return tokens, gaps
+    return asyncio.run(run())
+
+
+def ready(timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(URL + "/health", timeout=2).json().get("ready"):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"raypd up not ready within {timeout_s} s")
+
+
+def one_run(profile: str, args) -> dict:
+    env = dict(os.environ, RAYPD_RAY_PROFILE=profile, RAY_USAGE_STATS_ENABLED="0")
+    for k in ("RAY_task_events_report_interval_ms", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "REPORTER_UPDATE_INTERVAL_MS"):
+        env.pop(k, None)  # the profile alone decides them
+    up = subprocess.Popen([str(ROOT / ".venv/bin/raypd"), "up", "--config", "configs/local.yaml",
+                           "--temp-dir", "/tmp/raypd-bench-ray"], cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        ready(600)
+        asyncio.run(_warm(args))
+        time.sleep(args.settle_s)
+        idle, _ = cpu_by_group(up.pid, lambda: time.sleep(args.idle_s))
+        busy, (tokens, gaps) = cpu_by_group(up.pid, lambda: load(args))
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+    return {"idle_pct": {g: 100 * s / args.idle_s for g, s in idle.items()},
+            "ms_per_token": {g: 1000 * s / tokens for g, s in busy.items()},
+            "tokens_per_s": tokens / args.load_s, "itl_p50_ms": 1000 * statistics.median(gaps)}  # p50 of mean ITLs
+
+
+async def _warm(args) -> None:
+    async with httpx.AsyncClient(timeout=120) as client:
+        for i in range(2):
+            await _stream(client, -1 - i, args)
+
+
+def med(runs: list[dict], key: str, group: str | None = None) -> float:
+    return statistics.median(r[key].get(group, 0.0) if group else r[key] for r in runs)
+
+
+def report(runs: dict[str, list[dict]], args, load_before: float, wall_s: float) -> str:
+    s, r = runs["S"], runs["R"]
+    state = git_state(ROOT)
+    lines = [f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
+             f"# command: {' '.join([os.path.basename(sys.executable), *sys.argv])}",
+             header_line(state),
+             f"# host: {os.cpu_count()} CPUs; load average before {load_before:.2f} (1 min); wall {wall_s:.0f} s",
+             f"raypd up --config configs/local.yaml (2 x both, one core each); {args.rounds} round(s), profiles "
+             f"alternating; idle {args.idle_s:.0f} s; load {args.load_s:.0f} s of {args.concurrency} closed-loop "
+             f"streams ({args.prompt_words}-word prompts, {args.tokens} tokens each); medians of the runs",
+             "",
+             f"{'process group':<50} {'idle % of a core':>24} {'ms CPU per streamed token':>30}",
+             f"{'':<50} {'serving':>8} {'ray':>7} {'ratio':>7} {'serving':>10} {'ray':>9} {'ratio':>9}"]
+    for g in [name for name, _ in GROUPS] + [OTHER]:
+        a, b = med(s, "idle_pct", g), med(r, "idle_pct", g)
+        c, d = med(s, "ms_per_token", g), med(r, "ms_per_token", g)
+        lines.append(f"{g:<50} {a:8.2f} {b:7.2f} {a / b if b else 0:7.2f} {c:10.2f} {d:9.2f} {c / d if d else 0:9.2f}")
+    for label, groups in (("outside the engines", OUTSIDE_ENGINES), ("everything", [n for n, _ in GROUPS] + [OTHER])):
+        a = statistics.median(sum(x["idle_pct"].get(g, 0.0) for g in groups) for x in s)
+        b = statistics.median(sum(x["idle_pct"].get(g, 0.0) for g in groups) for x in r)
+        c = statistics.median(sum(x["ms_per_token"].get(g, 0.0) for g in groups) for x in s)
+        d = statistics.median(sum(x["ms_per_token"].get(g, 0.0) for g in groups) for x in r)
+        lines.append(f"{'total, ' + label:<50} {a:8.2f} {b:7.2f} {a / b:7.2f} {c:10.2f} {d:9.2f} {c / d:9.2f}")
+    ts, tr = med(s, "tokens_per_s"), med(r, "tokens_per_s")
+    its, itr = med(s, "itl_p50_ms"), med(r, "itl_p50_ms")
+    lines += ["", f"tokens/s under load: serving {ts:.1f}, ray {tr:.1f} (ratio {ts / tr:.2f}); "
+                  f"mean ITL per request, p50: serving {its:.1f} ms, ray {itr:.1f} ms (ratio {its / itr:.2f})", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--idle-s", type=float, default=30.0)
+    ap.add_argument("--load-s", type=float, default=60.0)
+    ap.add_argument("--settle-s", type=float, default=15.0)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--prompt-words", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    load_before, t0 = os.getloadavg()[0], time.monotonic()
+    runs: dict[str, list[dict]] = {"S": [], "R": []}
+    order = "".join("SR" if k % 2 == 0 else "RS" for k in range(args.rounds))
+    for key in order:
+        res = one_run(PROFILES[key], args)
+        runs[key].append(res)
+        print(f"{PROFILES[key]:8} {res['tokens_per_s']:.1f} tok/s, ITL p50 {res['itl_p50_ms']:.1f} ms", flush=True)
+    text = report(runs, args, load_before, time.monotonic() - t0)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

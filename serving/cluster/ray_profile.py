@@ -1,0 +1,66 @@
+"""Ray's own processes sized for a serving node.
+
+Ray's defaults suit an interactive cluster: a dashboard that shows every task, node
+statistics every few seconds, a Serve controller that reconciles ten times a second.
+On a serving node those processes share the cores with the engines, and none of their
+work is per request. Measured on `raypd up`'s default (`benchmarks/ray_profile.py`,
+results in `benchmarks/results/ray_profile.txt`), the controller's time goes to
+its control loop, which asks the GCS for every node's state on each pass (so the GCS
+works too); the dashboard agent's to sampling every process with psutil; the GCS's and
+every worker's also to task events, one per actor call, kept for the State API.
+
+`SERVING_NODE_ENV` is what raypd changes. Each value is set as a default only: a
+variable already in the environment wins. `RAYPD_RAY_PROFILE=ray` keeps Ray's own
+defaults (the switch back). The environment of the process that starts Ray is what
+Ray's processes inherit, so `init_ray` applies the profile before it starts a local
+cluster; a cluster started elsewhere (`ray start`, KubeRay) gets it from its own
+environment: the RayService manifests set the same variables (a unit test keeps them
+equal).
+
+What each costs you:
+- `RAY_task_events_report_interval_ms=0`: no task events; `ray list tasks`, the
+  dashboard's task views and `ray timeline` are empty. Actors, logs and metrics are
+  unaffected.
+- `RAY_SERVE_CONTROL_LOOP_INTERVAL_S`: Serve reconciles deployments and replicas every
+  0.5 s instead of 0.1 s (a replica's death or a config change is acted on up to 0.4 s
+  later; replica health checks run every 10 s either way).
+- `REPORTER_UPDATE_INTERVAL_MS`: node and process statistics (the dashboard's node view,
+  Ray's `ray_node_*` metrics) every 30 s instead of 5 s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+PROFILE_ENV = "RAYPD_RAY_PROFILE"  # "serving" (the default) or "ray" (Ray's own defaults)
+PROFILES = ("serving", "ray")
+
+SERVING_NODE_ENV: dict[str, str] = {
+    "RAY_task_events_report_interval_ms": "0",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "REPORTER_UPDATE_INTERVAL_MS": "30000",
+}
+
+
+class RayProfileError(ValueError):
+    """RAYPD_RAY_PROFILE names no profile."""
+
+
+def chosen_profile(environ: MutableMapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    profile = env.get(PROFILE_ENV, "serving")
+    if profile not in PROFILES:
+        raise RayProfileError(f"{PROFILE_ENV}={profile!r}: expected one of {', '.join(PROFILES)}")
+    return profile
+
+
+def apply_ray_profile(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set the serving profile's variables that `environ` (os.environ) does not set already;
+    returns what it set (nothing under RAYPD_RAY_PROFILE=ray)."""
+    env = os.environ if environ is None else environ
+    if chosen_profile(env) == "ray":
+        return {}
+    added = {k: v for k, v in SERVING_NODE_ENV.items() if k not in env}
+    env.update(added)
+    return added
