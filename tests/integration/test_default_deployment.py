@@ -4,7 +4,8 @@
 Both kinds of path give the same greedy answer: a request on idle engines is colocated (it saves the
 handoff); with streams decoding on one engine and the other one prefilling, the same prompt is prefilled on
 the prefilling engine (from its prefix cache) and decoded on the other after a KV pull: the P/D split,
-chosen per request. Every block is free afterwards.
+chosen per request. Every block is free afterwards, and the producer's lease ends with the reader's
+notice (the engine reports it), long before its TTL.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from service_helpers import UvicornThread, free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 NAME = "default-smollm2"
-LEASE_TTL_S = 8  # short, so the producer's count of prefills that may still be unread ends within the test
+# long: a lease that ends within the test ended by the reader's notice, never by this timer
+LEASE_TTL_S = 60
 # ~500 tokens: a prefill long enough that running it beside decoding streams would stall them
 QUESTION = [{"role": "user", "content": "The Eiffel Tower stands in the capital of France. " * 50
              + "What is the capital of France?"}]
@@ -71,21 +73,35 @@ def test_colocated_on_idle_engines_then_disaggregated_beside_busy_decoding(servi
     router.pool.decode_load[x].requests += 8  # eight streams decoding on x ...
     with router.pool.prefilling(ran, 50_000):  # ... while the other engine has been prefilling
         pass
+    before = engine_stats(service)
+    sent = time.monotonic()  # the prefill's lease starts after this: its TTL ends after sent + LEASE_TTL_S
     try:
         disaggregated = ask(service)
     finally:
         router.pool.decode_load[x].requests -= 8
     assert disaggregated == colocated  # greedy: the pulled KV gives the colocated answer
     assert router.planner.decisions == {("local", "ttft"): 1, ("remote", "itl_protect"): 1}
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # the prefill's blocks are freed by the reader's notice
-        stats = {e: ray.get(h.stats.remote()) for e, h in service["dep"].decodes.items()}
-        if all(s.free_blocks == service["baseline"][e] for e, s in stats.items()):
-            break
-        time.sleep(0.2)
+    # the reader's notice frees the prefill's blocks and ends the producer's lease: held_leases (what a
+    # drain waits for) drops to none as soon as the engine reports the notice, not when the TTL passes
+    stats = wait_for(service, lambda e, s: s.free_blocks == service["baseline"][e] and s.held_leases == 0,
+                     deadline=sent + LEASE_TTL_S / 2)
+    assert time.monotonic() < sent + LEASE_TTL_S  # so no timer ended it
     assert {e: s.free_blocks for e, s in stats.items()} == service["baseline"]
-    # vLLM's producer cannot see the reader's notice from the actor: it counts a prefill as possibly
-    # unread (held_leases, what a drain waits for) until the lease's TTL, conservatively, then none
-    time.sleep(LEASE_TTL_S)
-    assert {e: ray.get(h.stats.remote()).held_leases for e, h in service["dep"].decodes.items()} == {
-        e: 0 for e in service["baseline"]}
+    assert {e: s.held_leases for e, s in stats.items()} == {e: 0 for e in service["baseline"]}
+    ended = {e: {k: s.backend.counters[k] - before[e].backend.counters[k]
+                 for k in ("leases_released_by_notice", "leases_expired")} for e, s in stats.items()}
+    assert ended == {ran: {"leases_released_by_notice": 1, "leases_expired": 0},
+                     x: {"leases_released_by_notice": 0, "leases_expired": 0}}
+
+
+def engine_stats(service) -> dict:
+    return {e: ray.get(h.stats.remote()) for e, h in service["dep"].decodes.items()}
+
+
+def wait_for(service, done, deadline: float) -> dict:
+    """Every engine's stats once `done` holds for each of them, or as they are at the deadline."""
+    while True:
+        stats = engine_stats(service)
+        if all(done(e, s) for e, s in stats.items()) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)

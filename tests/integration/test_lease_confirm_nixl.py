@@ -72,24 +72,48 @@ def c_hold(state: dict, req: str, ids: list[int]) -> None:
     state["rank"].xfer.hold(req, ids, ttl_s=60.0)
 
 
-def c_steps(state: dict, seconds: float) -> dict:
-    """Step the producer for a while (what its engine loop does); what it released or expired."""
-    out: dict[str, list[str]] = {"released": [], "expired": []}
-    deadline = time.monotonic() + seconds
+def c_lease_end(state: dict, req: str, limit: float) -> str | None:
+    """Step the producer (what its engine loop does) until `req`'s lease ends: how it ended
+    ("released": the readers' notices; "expired": its TTL), None if it did not within `limit`."""
+    deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         step = state["rank"].poll()
-        out["released"] += step.released
-        out["expired"] += step.expired
+        if req in step.released or req in step.expired:
+            return "released" if req in step.released else "expired"
         time.sleep(0.005)
-    return out
+    return None
 
 
-def c_pull(state: dict, req: str, params: dict, ids: list[int], limit: float, after: float = 0.0) -> tuple:
+def _start(state: dict, req: str, params: dict, ids: list[int]) -> None:
     from actors.transfer_params import TransferParams
 
+    state["rank"].start_pull(req, TransferParams.parse(params), TOKENS, ids, seed=5)
+
+
+def c_pull(state: dict, req: str, params: dict, ids: list[int], limit: float) -> tuple:
+    _start(state, req, params, ids)
+    return c_pull_wait(state, req, limit)
+
+
+def c_pull_until_no_record(state: dict, req: str, params: dict, ids: list[int], limit: float) -> int:
+    """Start a pull and step it until its reader READ the producer's lease record and found none (no
+    lease granted yet): how many times it found none (0: it never got there; -1: the pull ended)."""
+    _start(state, req, params, ids)
     rank = state["rank"]
-    time.sleep(after)
-    rank.start_pull(req, TransferParams.parse(params), TOKENS, ids, seed=5)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        out = rank.poll()
+        if req in out.finished or req in out.failed:
+            return -1
+        pull = rank.xfer._pulls.get(req)  # RankTransfer's own record of the pull: it READs the record again
+        if pull is not None and pull.retries > 0:
+            return pull.retries
+        time.sleep(0.0005)
+    return 0
+
+
+def c_pull_wait(state: dict, req: str, limit: float) -> tuple:
+    rank = state["rank"]
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         out = rank.poll()
@@ -162,13 +186,13 @@ def test_a_confirmed_pull_verifies_and_then_releases_the_lease(pair):
     status, mismatches, confirm_s, checked = d.call(c_pull, "r1", params(), LOCAL, 20.0)
     assert (status, mismatches) == ("ok", 0)
     assert checked == math.ceil(len(TOKENS) / 8) and confirm_s < 1.0
-    assert "r1" in p.call(c_steps, 0.3)["released"]  # the reader's notice came after its confirmation
+    assert p.call(c_lease_end, "r1", 10.0) == "released"  # by the reader's notice (its TTL is 30 s)
 
 
 def test_a_pull_after_the_lease_expired_fails_closed(pair):
     p, d = pair()
     p.call(c_write, "r1", REMOTE, 0.2)
-    assert p.call(c_steps, 0.5)["expired"] == ["r1"]  # the producer's clock alone decides
+    assert p.call(c_lease_end, "r1", 10.0) == "expired"  # the producer's clock alone decides; then the pull
     result = d.call(c_pull, "r1", params(), LOCAL, 20.0)
     assert result[0] == "failed" and "lease had ended" in result[1] and result[2] == len(LOCAL)
 
@@ -176,12 +200,11 @@ def test_a_pull_after_the_lease_expired_fails_closed(pair):
 def test_a_reader_before_the_lease_grant_waits_for_the_record(pair):
     p, d = pair()
     p.call(c_write, "r1", REMOTE, None)  # prefilled; the lease comes later
-    d.conn.send((c_pull, ("r1", params(), LOCAL, 20.0)))
-    time.sleep(0.3)
-    p.call(c_hold, "r1", REMOTE)
-    assert d.conn.poll(30)
-    status, value = d.conn.recv()
-    assert status == "ok" and value[:2] == ("ok", 0)
+    # the reader's data READs are done and it found no lease record at the producer: it waits for one
+    assert d.call(c_pull_until_no_record, "r1", params(), LOCAL, 20.0) > 0
+    p.call(c_hold, "r1", REMOTE)  # then the lease is granted (well within the reader's 3 s read timeout)
+    assert d.call(c_pull_wait, "r1", 20.0)[:2] == ("ok", 0)
+    assert p.call(c_lease_end, "r1", 10.0) == "released"  # by the reader's notice
 
 
 def test_verify_all_catches_a_flipped_byte_over_nixl(pair):
@@ -189,4 +212,4 @@ def test_verify_all_catches_a_flipped_byte_over_nixl(pair):
     p.call(c_write, "r1", REMOTE, 30.0)
     result = d.call(c_pull, "r1", params(), LOCAL, 20.0)
     assert result[0] == "failed" and "integrity check failed" in result[1]
-    assert "r1" in p.call(c_steps, 0.3)["released"]  # the ok=false notice frees it at once
+    assert p.call(c_lease_end, "r1", 10.0) == "released"  # the ok=false notice frees it at once

@@ -33,6 +33,7 @@ class FakeTransfer:
 def worker(script):
     w = ConnectorWorker.__new__(ConnectorWorker)
     w.transfer, w._load_errors, w._stepped, w._sync_ids = TransferConfig(read_timeout_s=5), set(), [], set()
+    w._expired, w._dropped = set(), set()
     w.xfer = FakeTransfer(script)
     w._start = lambda req_id, recv: w.xfer.start_pull(req_id, None, None)
     return w

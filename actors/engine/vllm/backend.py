@@ -15,6 +15,11 @@ Life cycle of a P/D request here:
                   stop strings, logprobs and seeded sampling see the answer as
                   one vLLM engine would (`actors.engine.vllm.decode`); the few
                   parameters that need it replay the first token instead.
+  prefill engine  the readers' notices release the lease on the producer's
+                  ranks; the connector reports that through vLLM's step stats
+                  and the prefill stops counting as a held lease at once (what a
+                  drain waits for: `actors.engine.vllm.leases`), not at its TTL,
+                  which bounds only readers that never come.
 
 Prompts arrive as token ids (the front renders and tokenizes); the sampling
 parameters arrive as the `vllm.SamplingParams` the front derived the way vLLM's
@@ -53,6 +58,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.vllm.extra_config import ConnectorExtraConfig
 from actors.kv.handshake import decode_handshake
 from actors.engine.vllm.kv_events import KVEventsSource, endpoint_in, vllm_kv_events_config
+from actors.engine.vllm.leases import UnreadLeases, lease_ends_logger
 from actors.prefix_wire import DEFAULT_SEED, HashScheme
 from actors.engine.vllm.orphans import child_pids, forget, reap_children, reap_previous, record_children
 from actors.protocol import (
@@ -86,8 +92,8 @@ class VllmBackend:
         self.counters = {"kv_pulls": 0, "kv_failures": 0, "recomputed": 0, "replays": 0, "replay_mismatches": 0,
                          "inexact_resumes": 0, "released": 0}
         self.decode: DecodePath | None = None  # once the engine runs
-        # prefills whose blocks are held for a reader: request id -> (vLLM's id, lease expiry)
-        self._unread: dict[str, tuple[str, float]] = {}
+        # prefills whose blocks are held for a reader, until the engine reports the lease ended (or its TTL)
+        self._unread = UnreadLeases(self.counters)  # counts leases_released_by_notice, leases_expired
         self.kv_events_endpoint = endpoint_in(self.handshake_dir)  # the engine core publishes its KV events here
         self._usage: dict[str, Any] = {"num_blocks": 0, "kv_cache_usage": 0.0, "running": 0, "waiting": 0}
 
@@ -139,11 +145,12 @@ class VllmBackend:
             self.peers.own = decode_handshake(self._handshakes[0])
 
     def _stat_loggers(self) -> list[Any]:
-        """Our scheduler-stats sink, and vLLM's Prometheus metrics through Ray's metrics agent
-        (tagged with this engine's id and role) when running in a Ray process."""
+        """Our scheduler-stats sink, the connector's lease ends (what ends our held leases), and
+        vLLM's Prometheus metrics through Ray's metrics agent (tagged with this engine's id and
+        role) when running in a Ray process."""
         import ray
 
-        loggers: list[Any] = [usage_sink(self._usage)]
+        loggers: list[Any] = [usage_sink(self._usage), lease_ends_logger(self._unread.ended)]
         if ray.is_initialized():
             from actors.engine.vllm.metrics import engine_stat_logger
 
@@ -221,7 +228,7 @@ class VllmBackend:
             if out.finished:
                 finish, params = o.finish_reason, out.kv_transfer_params
         if params and params.get("remote_request_id"):
-            self._remember_unread(req.request_id, params["remote_request_id"], ttl)
+            self._unread.remember(req.request_id, params["remote_request_id"], ttl)
             params = {**params, "remote_incarnation": self.incarnation}
         from actors.engine.vllm.decode import held_chars
 
@@ -231,15 +238,6 @@ class VllmBackend:
                              first_logprobs=tuple(logprobs) if sp.logprobs is not None else None,
                              cumulative_logprob=cumulative if sp.logprobs is not None else None,
                              held_chars=held_chars(sp))
-
-    def _remember_unread(self, req_id: str, vllm_id: str, ttl: float) -> None:
-        self._forget_expired_unread()
-        self._unread[req_id] = (vllm_id, time.monotonic() + ttl)
-
-    def _forget_expired_unread(self) -> None:
-        now = time.monotonic()
-        for old in [r for r, (_, expiry) in self._unread.items() if expiry <= now]:
-            del self._unread[old]  # its lease expired: nothing left to release
 
     def generate(self, req: EngineRequest, params: TransferParams | None) -> AsyncIterator[TokenChunk]:
         """Stream a request (colocated, or resuming an answer: `actors.engine.vllm.decode`)."""
@@ -271,7 +269,7 @@ class VllmBackend:
         """Abort a running request; release a finished prefill's held blocks (nobody will read them)."""
         if self.llm is None:
             return
-        unread = self._unread.pop(req_id, None)
+        unread = self._unread.pop(req_id)
         if unread is None:
             await self.llm.abort(self.decode.vllm_ids(req_id) if self.decode is not None else [req_id])
             return
@@ -280,7 +278,7 @@ class VllmBackend:
         from actors.engine.vllm.connector.scheduler import RELEASE_KEY
 
         self.counters["released"] += 1
-        await self.llm.notify_kv_transfer_request_rejected(f"{unread[0]}-release", {RELEASE_KEY: unread[0]})
+        await self.llm.notify_kv_transfer_request_rejected(f"{unread}-release", {RELEASE_KEY: unread})
 
     async def drop_engine(self, engine_id: str) -> None:
         # The next request to that engine fetches fresh payloads; workers replace
@@ -289,10 +287,10 @@ class VllmBackend:
 
     async def stats(self) -> BackendStats:
         """Counters plus the scheduler's view as of its last step (vLLM reports per step); held
-        leases are the prefills whose blocks still wait for their reader (until read or expired)."""
+        leases are the prefills whose blocks still wait for their reader (until the engine reports
+        the lease read, expired or released, or its TTL passed here)."""
         u = self._usage
         total = int(u["num_blocks"])
-        self._forget_expired_unread()
         return BackendStats("vllm", num_blocks=total, free_blocks=round((1.0 - float(u["kv_cache_usage"])) * total),
                             held_leases=len(self._unread), child_pids=tuple(child_pids()),
                             counters={**self.counters, "engine_running": u["running"],

@@ -8,6 +8,14 @@ names it). `kv_connector_extra_config` is validated once, here, into a
 `ConnectorExtraConfig` (actors.engine.vllm.extra_config: the engine id, the
 handshake folder, the model id, and the deployment's `TransferConfig`); both
 halves get the typed object.
+
+How a lease ended reaches the EngineActor through what vLLM already carries:
+each worker's `build_connector_worker_meta` (leases expired or released in its
+step) goes to the scheduler half with the step's finished_sending; the
+scheduler half's `get_kv_connector_stats` (leases finished on every rank, by
+how) goes to the client with the step's scheduler stats
+(`actors.engine.vllm.leases`). `build_kv_connector_stats` lets vLLM's own
+logging stat logger read the same payload.
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
-from actors.engine.vllm.connector.metadata import RankHandshakeMetadata, RayNixlMetadata
+from actors.engine.vllm.connector.metadata import LeaseEndStats, RankHandshakeMetadata, RayNixlMetadata
 from actors.engine.vllm.connector.scheduler import ConnectorScheduler
 from actors.engine.vllm.connector.worker import ConnectorWorker, check_supported
 from actors.engine.vllm.extra_config import ConnectorExtraConfig
@@ -78,6 +87,9 @@ class RayNixlConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.worker_meta() if self._worker is not None else None
+
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         payload = self._worker.handshake() if self._worker else None
         return RankHandshakeMetadata(payload) if payload else None
@@ -102,6 +114,13 @@ class RayNixlConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def get_kv_connector_stats(self) -> LeaseEndStats | None:
+        return self._scheduler.lease_ends() if self._scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LeaseEndStats:
+        return LeaseEndStats(dict(data or {}))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

@@ -7,6 +7,17 @@ Scheduler -> worker, once per engine step (`RayNixlMetadata`):
            the worker tells their producers so they free at once;
   release  prefill: held requests nobody will read; the worker drops their
            leases in this step, so vLLM frees the blocks.
+
+Worker -> scheduler, with a step's results (`LeaseEnds`, vLLM's worker metadata:
+its aggregator unites the ranks'): the leases this rank let expire or dropped
+for the release list in the step. Every other lease a rank reports in
+finished_sending ended by its readers' notices.
+
+Scheduler -> the EngineActor, once per engine step (`LeaseEndStats`, vLLM's
+connector stats): the leases vLLM heard were finished sending on every rank, by
+how they ended. vLLM carries them to the process that holds the AsyncLLM client
+in the step's `SchedulerStats.kv_connector_stats`, where the actor's stat logger
+reads them (`actors.engine.vllm.leases`).
 """
 
 from __future__ import annotations
@@ -16,8 +27,11 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from actors.engine.vllm.leases import LEASE_ENDS
 from actors.transfer_params import TransferParams
 
 
@@ -49,3 +63,41 @@ class RankHandshakeMetadata(KVConnectorHandshakeMetadata):
     """A worker's encoded handshake payload (vLLM passes it to the scheduler side)."""
 
     payload: bytes
+
+
+@dataclass
+class LeaseEnds(KVConnectorWorkerMetadata):
+    """What one step of a rank says of how its leases ended, besides readers' notices (vLLM ids)."""
+
+    expired: frozenset[str] = frozenset()  # no reader finished within the TTL
+    released: frozenset[str] = frozenset()  # dropped for the release list (nobody will read it)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "LeaseEnds":
+        if not isinstance(other, LeaseEnds):
+            return self
+        return LeaseEnds(self.expired | other.expired, self.released | other.released)
+
+
+@dataclass
+class LeaseEndStats(KVConnectorStats):
+    """Leases finished sending on every rank since the last step's stats: `data` maps each way a
+    lease ends (`LEASE_ENDS`: read, expired, released) to vLLM's ids of the requests (lists:
+    vLLM serializes the payload to the client with msgpack)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, how: str, req_id: str) -> None:
+        self.data.setdefault(how, []).append(req_id)
+
+    def aggregate(self, other: KVConnectorStats) -> "LeaseEndStats":
+        merged = {k: list(v) for k, v in self.data.items()}
+        for how, ids in (other.data or {}).items():
+            merged.setdefault(how, []).extend(ids)
+        return LeaseEndStats(merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"leases_{how}": len(self.data.get(how) or ()) for how in LEASE_ENDS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(how) for how in LEASE_ENDS)

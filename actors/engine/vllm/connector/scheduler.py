@@ -13,7 +13,12 @@ Life cycle of a request as this half sees it:
                          the next step's release list, the workers drop the
                          lease in that step;
     worker finished_sending   the readers notified, the lease expired or was
-                         released -> vLLM frees the blocks.
+                         released -> vLLM frees the blocks; once vLLM reports it
+                         finished on every rank, `update_connector_output`
+                         names how it ended (expired or released when a rank's
+                         `LeaseEnds` said so, else read: the readers' notices)
+                         and the step's connector stats (`lease_ends`) carry
+                         that to the EngineActor, whose held leases end then.
   decode engine (params has do_remote_prefill)
     get_num_new_matched_tokens   the remote prompt tokens count as external
                          (never the last token: vLLM needs one token to
@@ -42,7 +47,14 @@ import math
 import time
 from typing import Any
 
-from actors.engine.vllm.connector.metadata import RayNixlMetadata, RecvSpec, SendSpec
+from actors.engine.vllm.connector.metadata import (
+    LeaseEnds,
+    LeaseEndStats,
+    RayNixlMetadata,
+    RecvSpec,
+    SendSpec,
+)
+from actors.engine.vllm.leases import EXPIRED, READ, RELEASED
 from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.connector")
@@ -72,8 +84,13 @@ class ConnectorScheduler:
         # sync loads until their request finishes: the request and the blocks the workers fill
         self._sync: dict[str, tuple[Any, frozenset[int]]] = {}
         self._meta = RayNixlMetadata()
+        # leases some rank let expire / dropped for the release list, until vLLM reports them finished
+        self._expired: set[str] = set()
+        self._dropped: set[str] = set()
+        self._ended = LeaseEndStats()  # leases finished on every rank since the last step's stats
         self.stats = {"held": 0, "loads": 0, "sync_loads": 0, "async_loads": 0, "sync_failures": 0,
-                      "bad_params": 0, "abandoned": 0, "released": 0}
+                      "bad_params": 0, "abandoned": 0, "released": 0,
+                      "leases_read": 0, "leases_expired": 0, "leases_released": 0}
 
     # ---------------------------------------------------------------- decode
     def _params(self, request: Any) -> TransferParams | None:
@@ -137,8 +154,10 @@ class ConnectorScheduler:
         self.stats["sync_loads" if sync else "async_loads"] += 1
 
     def update_connector_output(self, output: Any) -> None:
-        """A sync load that failed (its blocks invalid): vLLM recomputes it as a running request,
-        whose prefill stats were set at admission; say it pulled nothing past its local hit."""
+        """How the leases vLLM now frees ended; a sync load that failed (its blocks invalid): vLLM
+        recomputes it as a running request, whose prefill stats were set at admission; say it
+        pulled nothing past its local hit."""
+        self._leases_ended(output)
         invalid = getattr(output, "invalid_block_ids", None)
         if not invalid or not self._sync:
             return
@@ -150,6 +169,28 @@ class ConnectorScheduler:
                 if stats is not None:
                     local = min(int(request.num_computed_tokens), stats.num_prompt_tokens)
                     stats.set(stats.num_prompt_tokens, local, 0)
+
+    def _leases_ended(self, output: Any) -> None:
+        """finished_sending is merged over the ranks (vLLM reports a lease once every rank ended
+        it); a rank's `LeaseEnds` comes with its own report, so never after the merged one."""
+        ranks = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(ranks, LeaseEnds):
+            self._expired |= ranks.expired
+            self._dropped |= ranks.released
+        for req_id in getattr(output, "finished_sending", None) or ():
+            how = EXPIRED if req_id in self._expired else RELEASED if req_id in self._dropped else READ
+            self._expired.discard(req_id)
+            self._dropped.discard(req_id)
+            self._ended.add(how, req_id)
+            self.stats[f"leases_{how}"] += 1
+
+    def lease_ends(self) -> LeaseEndStats | None:
+        """The leases finished since the last call, by how they ended (vLLM asks once per step, after
+        `update_connector_output`, and carries them to the EngineActor in the step's stats)."""
+        if self._ended.is_empty():
+            return None
+        ended, self._ended = self._ended, LeaseEndStats()
+        return ended
 
     # --------------------------------------------------------------- prefill
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:

@@ -26,7 +26,11 @@ the synthetic engine drives:
                        released and expired leases. Peers' READs of this
                        rank's KV do not wait for it: NIXL's progress thread
                        (asleep on UCX's fd, `actors.kv.nixl_binding`) serves
-                       them while this process computes a step.
+                       them while this process computes a step;
+  worker_meta          what the step says of how leases ended besides the
+                       readers' notices (`LeaseEnds`: expired, dropped for the
+                       release list), for the scheduler half, which tells the
+                       EngineActor (vLLM's `build_connector_worker_meta`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from typing import Any
 
 import torch
 
-from actors.engine.vllm.connector.metadata import RayNixlMetadata, RecvSpec
+from actors.engine.vllm.connector.metadata import LeaseEnds, RayNixlMetadata, RecvSpec
 from actors.engine.vllm.extra_config import ConnectorExtraConfig
 from actors.kv.errors import HandshakeError, LayoutError, TopologyError
 from actors.kv.faults import FaultPolicy
@@ -195,6 +199,8 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         self._stepped: list[StepResult] = []  # what a sync wait stepped, reported by the next results
         self._sync_ids: set[str] = set()  # sync loads: never reported finished or failed
+        self._expired: set[str] = set()  # leases that ended without their readers, until `worker_meta`
+        self._dropped: set[str] = set()  # leases freed for the release list, likewise
         # test knob (transfer.fault_rate): this fraction of pulls fails on purpose
         self.faults = FaultPolicy(rate=self.transfer.fault_rate, seed=settings.fault_seed)
 
@@ -258,7 +264,8 @@ class ConnectorWorker:
         for req_id, send in meta.send.items():
             self.xfer.hold(req_id, send.block_ids, send.ttl_s)
         for req_id in meta.release:  # unread prefills: freed now, reported sent by this step's results
-            self.xfer.release(req_id)
+            if self.xfer.release(req_id):  # nothing when the lease had already ended (read or expired)
+                self._dropped.add(req_id)
         for req_id, recv in meta.recv.items():
             self._start(req_id, recv)
         sync = {req_id: recv.local_block_ids for req_id, recv in meta.recv.items() if recv.sync}
@@ -315,9 +322,18 @@ class ConnectorWorker:
             self._load_errors.update(step.invalid_block_ids.get(req_id, ()))
         if step.expired:
             logger.warning("raypd: leases expired without readers: %s", list(step.expired))
+            self._expired.update(step.expired)
         sync = self._sync_ids & step.finished_recving
         self._sync_ids -= sync  # each pull ends once
         return step.finished_sending, step.finished_recving - sync, set(step.failed) - sync
+
+    def worker_meta(self) -> LeaseEnds | None:
+        """The leases this rank let expire or dropped since the last call (None: all by notices)."""
+        if not (self._expired or self._dropped):
+            return None
+        ends = LeaseEnds(frozenset(self._expired), frozenset(self._dropped))
+        self._expired, self._dropped = set(), set()
+        return ends
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
