@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """raypd P/D against colocated vLLM, vLLM's NixlConnector P/D and Ray Serve LLM's P/D, one run, one client.
 
-  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py                   # groups A,B,E,AP, ~38 min
-  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --profile anchors  # + C,DC,D (1 round), ~59
-  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --quick            # development, ~7 min
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py                   # groups A,B,E,E0,AP, ~49 min
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --profile anchors  # + C,DC,D (1 round), ~70
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --quick            # development, ~9 min
   .venv/bin/python benchmarks/pd_vs_vllm.py [--quick] --plan   # the planned duration; starts nothing
 
 Set-ups (benchmarks/pdbench/setups.py; all SmolLM2-135M-Instruct, float32, block
@@ -15,6 +15,7 @@ engine; vLLM's own set-ups max_num_seqs 128, max_num_batched_tokens 2048):
   (b)  `raypd up`: 1 prefill (core 0) + 1 decode (core 1), placement disaggregate group B
   (e)  `raypd up` as shipped: 2 engines of role both (cores 0, 1), placement slo  group E
        (raypd picks these engines' max_num_batched_tokens; the table prints what they run)
+  (e0) (e) with placement that never disaggregates (pdbench/colocated.py): the stack's cost    group E0
   (c)  vLLM NixlConnector P/D: two vLLM OpenAI servers + vLLM's documented proxy logic  group C
   (d)  Ray Serve LLM `build_pd_openai_app` (NixlConnector), as shipped; (dc) its twin `build_openai_app`
 Every request goes through the official `openai` client, streaming over HTTP
@@ -25,7 +26,9 @@ Per group and round: start, confine each vLLM worker to its core, warm up, an
 idle CPU window, the low-load requests, then the open-loop Poisson load (rates
 ascending in odd rounds, descending in even ones). Every phase records the
 host's load average before/after and the CPU used by processes outside the
-set-up. Results: --out JSON (+ .txt table) and --plot PNG, written only here (defaults: OUTPUTS;
+set-up; for raypd's set-ups also the front's fault counters (pdbench/faults.py): no fault is
+injected, so a hang kill in any phase fails the run (exit status 3, after the results are
+written). Results: --out JSON (+ .txt table) and --plot PNG, written only here (defaults: OUTPUTS;
 --plan prints the schedule and planned duration and starts nothing).
 """
 
@@ -48,21 +51,22 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 from serving.bench.provenance import git_state  # noqa: E402
-from pdbench import budget, client, plot, procs, report, setups, summary  # noqa: E402
+from pdbench import client, faults, plot, procs, report, setups, summary  # noqa: E402
+from pdbench.schedule import LOAD_SETUP, LOW_SETUP, make_schedule, plan, plan_line  # noqa: E402,F401
 
-LOW_SETUP = {"A": "a", "AP": "ap", "B": "b", "E": "e", "C": "c", "D": "d", "DC": "dc"}
-LOAD_SETUP = {"A": "a2", "AP": "ap", "B": "b", "E": "e", "C": "c", "D": "d"}
+CHECK_FAILED = 3  # exit status: the benchmark's own check failed (a hang kill with no fault injected)
 _FULL = dict(lengths="128,512,2048", reps=8, rounds=2, low_max_tokens=8, rates="0.3,0.6,0.9",
              load_requests=20, load_max_tokens=64, drain_s=60.0, idle_s=10.0, settle_s=4.0,
              mix="128:0.5,512:0.3,2048:0.2", one_round_groups="C,DC,D")
 PROFILES = {
-    # issues 18 and 19: colocated (a)/(a2)/(a'), raypd 1P+1D (b) and raypd's default (e)
-    "full": dict(_FULL, groups="A,B,E,AP", setups="a,a2,ap,b,e"),
+    # issues 18, 19 and 30: colocated (a)/(a2)/(a'), raypd 1P+1D (b), raypd's default (e), its colocated-only (e0)
+    "full": dict(_FULL, groups="A,B,E,E0,AP", setups="a,a2,ap,b,e,e0"),
     # the same + the slow (c)/(d)/(dc) anchors, one round of them
-    "anchors": dict(_FULL, groups="A,B,E,AP,C,DC,D", setups="a,a2,ap,b,e,c,d,dc"),
+    "anchors": dict(_FULL, groups="A,B,E,E0,AP,C,DC,D", setups="a,a2,ap,b,e,e0,c,d,dc"),
     "quick": dict(lengths="128,512", reps=2, rounds=1, low_max_tokens=8, rates="0.3,0.8",
                   load_requests=4, load_max_tokens=16, drain_s=30.0, idle_s=3.0, settle_s=2.0,
-                  mix="128:0.6,512:0.4", groups="A,B,E,AP", setups="a,a2,ap,b,e", one_round_groups="C,DC,D"),
+                  mix="128:0.6,512:0.4", groups="A,B,E,E0,AP", setups="a,a2,ap,b,e,e0",
+                  one_round_groups="C,DC,D"),
 }
 # a --quick run never overwrites a committed result (benchmarks/out/ is git-ignored)
 OUTPUTS = {"full": dict(out="benchmarks/results/pd_vs_vllm.json", plot="benchmarks/results/pd_vs_vllm.png"),
@@ -89,6 +93,7 @@ class Run:
         self.rates = [float(x) for x in args.rates.split(",")]
         self.mix = {int(k): float(v) for k, v in (kv.split(":") for kv in args.mix.split(","))}
         self.group: setups.Group | None = None
+        self.trail: faults.FaultTrail | None = None  # the raypd group's fault counters, per phase
         self.run_dir = Path(args.run_dir or f"/tmp/pdbench-{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         res["run_dir"] = str(self.run_dir)
@@ -128,8 +133,16 @@ class Run:
         self.phase(rnd, key, "start", key, g.start)
         self.res["startup_s"].setdefault(key, []).append(round(time.monotonic() - t0, 1))
         self.res["seen_pids"] += g.all_pids()
+        if isinstance(g, setups.RaypdUp):
+            self.trail = faults.FaultTrail(self.res["faults"].setdefault(g.setup, []))
+            self.read_faults(rnd, "start")
 
     def stop_group(self) -> None:
+        if self.trail is not None:  # a kill decided after the last phase still counts
+            if self.trail.last_phase_missed():
+                time.sleep(faults.KILL_VERDICT_S)
+            self.read_faults(self.trail.round, "after the last phase")
+            self.trail = None
         g, self.group = self.group, None
         if g is None:
             return
@@ -140,6 +153,13 @@ class Run:
         if left:
             self.res["leftover_pids"] += left
             log(f"  {g.key}: STILL ALIVE after stop: {left}")
+
+    def read_faults(self, rnd: int, phase: str) -> None:
+        """The raypd front's fault counters now, as the end of `phase` (pdbench/faults.py)."""
+        if self.trail is not None and isinstance(self.group, setups.RaypdUp):
+            e = self.trail.record(rnd, phase, self.group.fault_counters())
+            if e["counts"].get(faults.KILLS) or e["counts"].get(faults.MISSES) or e["errors"]:
+                log(f"  faults in {phase}: {e['counts']} {e['errors'][-1:]}")
 
     def pin(self, key: str, when: str) -> None:
         pinned = self.group.pin()
@@ -183,7 +203,8 @@ class Run:
                                         self.args.low_max_tokens, self.vocab)
         before = self.decisions()
         recs = self.phase(rnd, key, "low", setup, lambda: asyncio.run(client.low_load(
-            self.group.endpoints[setup], self.settings["served_model_name"], reqs, self.args.request_timeout_s)))
+            self.group.endpoints[setup], self.settings["served_model_name"], reqs, self.args.request_timeout_s,
+            lambda rec: self.read_faults(rnd, f"low {rec.length}"))))
         if before is not None:
             self.res["low_decisions"].setdefault(setup, []).append(self.decisions_since(before))
         store = self.res["low"].setdefault(setup, {})
@@ -204,6 +225,7 @@ class Run:
                 self.group.endpoints[setup], self.settings["served_model_name"], reqs,
                 self.args.request_timeout_s, self.args.drain_s)), cpu_out=cpu)
             cpu["tokens"] = sum(r.completion_tokens or 0 for r in recs if r.ok)
+            self.read_faults(rnd, f"load {rate}")
             run = {"round": rnd, "duration_s": duration, "cpu": cpu, "records": [r.to_json() for r in recs]}
             if before is not None:
                 run["decisions"] = self.decisions_since(before)
@@ -243,48 +265,21 @@ class Run:
             self.phase(rnd, key, "warm-up", key, lambda: self.warm_up(key))
             self.pin(key, f"round {rnd} after warm-up")
             self.idle(rnd, key)
+            self.read_faults(rnd, "warm-up, idle")
             self.low_load(rnd, key)
             self.load(rnd, key)
             self.pin(key, f"round {rnd} after the requests")  # records affinities at the end
         self.stop_group()
 
 
-def make_schedule(args: argparse.Namespace) -> list[tuple[int, str]]:
-    """(round, group) in run order: --groups, reversed every other round; the groups of
-    --one-round-groups only in round 1."""
-    groups = [g for g in args.groups.split(",") if g]
-    once = {g for g in (args.one_round_groups or "").split(",") if g}
-    return [(r, g) for r in range(1, args.rounds + 1) for g in (groups if r % 2 else list(reversed(groups)))
-            if r == 1 or g not in once]
-
-
-def plan(args: argparse.Namespace, schedule: list[tuple[int, str]], vocab: int) -> dict:
-    """The planned seconds per part (pdbench.budget) of this schedule; the load streams are the
-    run's own (their arrival times do not depend on `vocab`, only their prompts' tokens do)."""
-    lengths = [int(x) for x in args.lengths.split(",")]
-    rates = [float(x) for x in args.rates.split(",")]
-    mix = {int(k): float(v) for k, v in (kv.split(":") for kv in args.mix.split(","))}
-    streams = {(rnd, rate): client.poisson_requests(args.seed, rnd, rate, args.load_requests, mix,
-                                                    args.load_max_tokens, vocab)
-               for rnd in range(1, args.rounds + 1) for rate in rates}
-    return budget.plan(schedule, LOW_SETUP, LOAD_SETUP, set(args.setups.split(",")), lengths=lengths, reps=args.reps,
-                       low_max_tokens=args.low_max_tokens, streams=streams, load_max_tokens=args.load_max_tokens,
-                       drain_s=args.drain_s, settle_s=args.settle_s, idle_s=args.idle_s)
-
-
-def plan_line(p: dict, schedule: list[tuple[int, str]]) -> str:
-    return (f"planned: {p['total'] / 60:.0f} min ({p['start'] / 60:.1f} start/stop, {p['low'] / 60:.1f} low load, "
-            f"{p['load'] / 60:.1f} load, {p['other'] / 60:.1f} warm-up/idle) for {' '.join(g for _, g in schedule)}")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="full",
-                   help="full: groups A,B,E,AP (issues 18 and 19, ~40 min); anchors: + C,DC,D in round 1; quick")
+                   help="full: groups A,B,E,E0,AP (issues 18, 19, 30; ~49 min); anchors: + C,DC,D in round 1; quick")
     p.add_argument("--quick", action="store_true", help="= --profile quick (small sizes for development)")
-    p.add_argument("--groups", default=None, help="set-up groups, in round-1 order (A, AP, B, E, C, DC, D)")
-    p.add_argument("--setups", default=None, help="which set-ups of those groups to measure (a,a2,ap,b,e,c,d,dc)")
+    p.add_argument("--groups", default=None, help="set-up groups, in round-1 order (A, AP, B, E, E0, C, DC, D)")
+    p.add_argument("--setups", default=None, help="which set-ups of those groups to measure (a,a2,ap,b,e,e0,c,d,dc)")
     p.add_argument("--one-round-groups", default=None, help="groups that run in round 1 only (the slow anchors)")
     p.add_argument("--lengths", default=None, help="low-load prompt lengths (tokens)")
     p.add_argument("--reps", type=int, default=None, help="low-load requests per length per round")
@@ -335,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report.header(res) + report.table(res))
         if args.plot:
             plot.plot(res, args.plot)
-        return 0
+        return CHECK_FAILED if faults.failed(res["summary"]["checks"]) else 0
     started = time.monotonic()
     signal.signal(signal.SIGTERM, on_sigterm)
     res: dict = {
@@ -346,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                  "before": procs.host_state()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
         "phases": [], "startup_s": {}, "pinning": {}, "engine_configs": {}, "raypd_engines": {}, "idle": {},
-        "low": {}, "low_decisions": {}, "load": {},
+        "low": {}, "low_decisions": {}, "load": {}, "faults": {},
         "seen_pids": [], "leftover_pids": [],
     }
     run = Run(args, res)
@@ -379,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot.plot(res, args.plot)
         log(f"plot written to {args.plot}")
+    if faults.failed(res["summary"]["checks"]):
+        log("FAILED: a hang kill with no fault injected (FAULT COUNTERS in the table)")
+        rc = rc or CHECK_FAILED
     return rc
 
 

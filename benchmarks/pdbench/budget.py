@@ -10,8 +10,9 @@ half speed (vLLM's NixlConnector thread shares their engine's core). Good to ~15
 
 from __future__ import annotations
 
-START_S = {"A": 30.0, "AP": 30.0, "B": 60.0, "E": 60.0, "C": 60.0, "D": 100.0, "DC": 70.0}
-STOP_S = {"A": 5.0, "AP": 4.0, "B": 20.0, "E": 20.0, "C": 8.0, "D": 25.0, "DC": 20.0}
+START_S = {"A": 30.0, "AP": 30.0, "B": 60.0, "E": 60.0, "E0": 60.0, "C": 60.0, "D": 100.0, "DC": 70.0}
+STOP_S = {"A": 5.0, "AP": 4.0, "B": 20.0, "E": 20.0, "E0": 20.0, "C": 8.0, "D": 25.0, "DC": 20.0}
+RAYPD_GROUPS = ("B", "E", "E0")  # + the bare idle actors' start and stop
 SPEED = {"c": 2.2, "d": 2.4, "ap": 0.6}  # compute time against one plain vLLM engine on one core
 PREFILL_TOKENS_PER_S = 330.0
 STEP_S = 0.055
@@ -50,7 +51,7 @@ def plan(schedule: list[tuple[int, str]], low_setup: dict, load_setup: dict, set
         if key != prev:
             parts["start"] += START_S.get(key, 60.0) + (STOP_S.get(prev, 10.0) if prev else 0.0)
         prev = key
-        parts["other"] += WARM_UP_S + settle_s + idle_s + (5.0 if key in ("B", "E") else 0.0)
+        parts["other"] += WARM_UP_S + settle_s + idle_s + (5.0 if key in RAYPD_GROUPS else 0.0)
         s = low_setup.get(key)
         if s in setups:
             parts["low"] += low_load_s(s, lengths, reps, low_max_tokens)

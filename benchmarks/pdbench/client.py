@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -153,7 +154,10 @@ async def send(client: AsyncOpenAI, model: str, req: Request, phase_t0: float) -
     return rec
 
 
-async def low_load(base_url: str, model: str, requests: list[Request], timeout_s: float) -> list[Record]:
+async def low_load(base_url: str, model: str, requests: list[Request], timeout_s: float,
+                   after_each: Callable[[Record], None] | None = None) -> list[Record]:
+    """One request at a time; `after_each(record)` runs once a request has ended, before the next is
+    sent (raypd's fault counters are read there, so the read never overlaps a request)."""
     client = make_client(base_url, timeout_s)
     try:
         t0 = time.perf_counter()
@@ -161,6 +165,8 @@ async def low_load(base_url: str, model: str, requests: list[Request], timeout_s
         for req in requests:
             req.at_s = time.perf_counter() - t0
             out.append(await send(client, model, req, t0))
+            if after_each is not None:
+                after_each(out[-1])
         return out
     finally:
         await client.close()

@@ -1,4 +1,5 @@
-"""The text table of a pd_vs_vllm run: run facts, low load, load, issue 18's goals, placement decisions.
+"""The text table of a pd_vs_vllm run: run facts, low load, load, issue 18's goals, placement decisions,
+issue 30's goals and raypd's fault counters with the benchmark's own check (`pdbench.report_checks`).
 
 The later sections (token gaps, CPU per token, the first-token path, idle, phases) are
 `pdbench.report_detail`'s; the plot is `pdbench.plot`'s. Everything is printed from the
@@ -10,8 +11,8 @@ from __future__ import annotations
 import math
 import re
 
-from pdbench import goals, report_detail
-from pdbench.summary import NAMES, ORDER, RAYPD
+from pdbench import goals, report_checks, report_detail
+from pdbench.summary import GROUP_SETUP, NAMES, ORDER, RAYPD
 from serving.bench.provenance import header_line
 
 
@@ -111,7 +112,7 @@ def table(res: dict) -> str:
                 out.append(f"{'':>6} ({s}) vs others: " + "; ".join(
                     f"{k} {v[0]:.2f}/{v[1]:.2f} = {f_x(v[2])}" if "goodput" in k
                     else f"{k} {v[0]:.0f}/{v[1]:.0f} ms = {f_x(v[2])}" for k, v in h.items()))
-    out += _per_rate_p99(sm, rates) + _goals(sm) + _decisions(sm)
+    out += _per_rate_p99(sm, rates) + _goals(sm) + _decisions(sm) + report_checks.sections(sm)
     return "\n".join(out + report_detail.sections(res, lengths, rates))
 
 
@@ -124,7 +125,7 @@ def _raypd_engines(res: dict) -> list[str]:
            "max_num_seqs 1 on prefill-only engines; every vLLM set-up runs max_num_seqs 128 and "
            "max_num_batched_tokens 2048):"]
     for key, lines in rows.items():
-        out += [f"  ({'b' if key == 'B' else 'e' if key == 'E' else key}) {ln}" for ln in lines]
+        out += [f"  ({GROUP_SETUP.get(key, key)}) {ln}" for ln in lines]
     return out
 
 

@@ -54,7 +54,9 @@ def _cpu(sm: dict) -> list[str]:
         if "all" in rows:
             out.append("      top: " + ", ".join(f"{n} {ms:.2f}" for n, ms in rows["all"]["top"]))
     a2 = cpt.get("a2", {}).get("all")
-    for s in RAYPD:
+    # issue 19's goal line ((b), (e): raypd's rest against vLLM's API servers); (e0)'s is issue 30's, where
+    # outside the engines is front + rest on both sides (ISSUE 30 GOALS)
+    for s in ("b", "e"):
         x = cpt.get(s, {}).get("all")
         if x and a2 and a2["front"]:
             out.append(f"  goal: ({s}) outside the engines / (a2) vLLM API servers = {x['rest']:.2f} / {a2['front']:.2f} "
@@ -70,7 +72,7 @@ def _hops(sm: dict) -> list[str]:
             continue
         out += ["", f"FIRST TOKEN PATH of ({s}), per hop (ms p50/p90/max; X-Raypd-Trace stamps, CLOCK_MONOTONIC of "
                 "this host" + ("; colocated requests have no separate prefill engine: the same hops on the decode "
-                               "engine" if s == "e" else "") + ")"]
+                               "engine" if s in ("e", "e0") else "") + ")"]
         cols = [(f"low {n}", h) for n, h in hops.get("low", {}).items()] + \
                [(f"load {r}/s", h) for r, h in hops.get("load", {}).items()]
         out.append(f"  {'hop':<52}" + "".join(f"{c:>20}" for c, _ in cols))

@@ -6,6 +6,7 @@
                    CPU twin of one TP-2 engine, the colocated baseline of DistServe-style comparisons
   RaypdUp     (b)  `raypd up` with one prefill (core 0) and one decode (core 1) engine, its real front;
               (e)  `raypd up` as shipped: two role-flexible engines (cores 0, 1), SLO-aware placement
+              (e0) (e) with placement that never disaggregates (pdbench/colocated.py)
   VllmNixlPD  (c)  two vLLM OpenAI servers with NixlConnector (prefill core 0, decode core 1) and a proxy
                    doing what vLLM's documented disaggregated proxy does
   ServeLLM    (d)  Ray Serve LLM's `build_pd_openai_app` (NixlConnector), as shipped;
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from pdbench import procs
+from pdbench import colocated, faults, procs
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -227,9 +228,10 @@ SERVE_TEMP = "/tmp/raypd-bench-serve"
 
 
 class RaypdUp(Group):
-    """`raypd up --config <config>`: (b) with benchmarks/configs/pd_1p1d.yaml, (e) with pd_default.yaml."""
+    """`raypd up --config <config>`: (b) with benchmarks/configs/pd_1p1d.yaml, (e) with pd_default.yaml,
+    (e0) with pd_default.yaml made colocated-only (written to the run directory at start)."""
 
-    CONFIGS = {"B": ("b", "raypd_config"), "E": ("e", "raypd_default_config")}
+    CONFIGS = {"B": ("b", "raypd_config"), "E": ("e", "raypd_default_config"), "E0": ("e0", "raypd_default_config")}
 
     def __init__(self, settings: dict, model_path: str, run_dir: Path, key: str = "B"):
         super().__init__(settings, model_path, run_dir)
@@ -242,6 +244,8 @@ class RaypdUp(Group):
     def start(self) -> None:
         port = free_port()
         cfg = ROOT / self.s[self.config_key]
+        if self.key == "E0":
+            cfg = colocated.write_config(cfg, self.run_dir / "e0-config.yaml")
         self.spawn("raypd-up", [sys.executable, "-c", "import sys; from serving.cli.main import main; sys.exit(main())",
                                 "up", "--config", str(cfg), "--port", str(port), "--temp-dir", RAYPD_TEMP])
         url = f"http://127.0.0.1:{port}"
@@ -270,6 +274,16 @@ class RaypdUp(Group):
             return decisions_of(httpx.get(self.url + "/metrics", timeout=15).text)
         except httpx.HTTPError as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def fault_counters(self) -> faults.Snapshot:
+        """This front's fault counters now (pdbench/faults.py: deadline misses, migrations, hang kills)."""
+        try:
+            r = httpx.get(self.url + "/metrics", timeout=15)
+            if r.status_code != 200:
+                return faults.Snapshot(error=f"/metrics answered {r.status_code}")
+            return faults.parse(r.text)
+        except (httpx.HTTPError, ValueError) as exc:  # ValueError: not a Prometheus exposition
+            return faults.Snapshot(error=f"{type(exc).__name__}: {exc}")
 
     def engine_settings(self) -> list[str]:
         """The vLLM settings each engine runs with, as `raypd up` read them back from its VllmConfig
@@ -356,7 +370,7 @@ class ServeLLM(Group):
 def make_group(key: str, settings: dict, model_path: str, run_dir: Path) -> Group:
     if key == "A":
         return PlainVllm(settings, model_path, run_dir)
-    if key in ("B", "E"):
+    if key in RaypdUp.CONFIGS:
         return RaypdUp(settings, model_path, run_dir, key)
     if key == "AP":
         return WideVllm(settings, model_path, run_dir)

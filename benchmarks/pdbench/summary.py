@@ -1,24 +1,28 @@
 """From a pd_vs_vllm results JSON to its summary: per set-up statistics, ratios, idle rows, CPU per token.
 
 Everything here is computed from the JSON alone (`--render` re-runs it on an earlier run);
-`pdbench.goals` turns the summary into issue 18's goals, `pdbench.report` prints it.
+`pdbench.goals` turns the summary into issue 18's goals, `pdbench.stack_goals` into issue 30's,
+`pdbench.faults` checks raypd's fault counters per phase; `pdbench.report` prints it all.
 """
 
 from __future__ import annotations
 
-from pdbench import goals, stats
+from pdbench import faults, goals, stack_goals, stats
 
 NAMES = {"a": "(a) vLLM colocated, 1 engine", "a2": "(a2) vLLM colocated x2 + balancer",
          "ap": "(a') vLLM 1 engine on 2 cores", "b": "(b) raypd 1P+1D (raypd up)",
-         "e": "(e) raypd default (2x both, slo)", "c": "(c) vLLM NixlConnector P/D + proxy",
-         "d": "(d) Ray Serve LLM P/D", "dc": "(dc) Ray Serve LLM colocated"}
-ORDER = ["a", "a2", "ap", "b", "e", "c", "d", "dc"]
-RAYPD = ("b", "e")  # the set-ups that answer X-Raypd-Trace and count placement decisions
+         "e": "(e) raypd default (2x both, slo)", "e0": "(e0) raypd 2x both, never disagg",
+         "c": "(c) vLLM NixlConnector P/D + proxy", "d": "(d) Ray Serve LLM P/D", "dc": "(dc) Ray Serve LLM colocated"}
+ORDER = ["a", "a2", "ap", "b", "e", "e0", "c", "d", "dc"]
+RAYPD = ("b", "e", "e0")  # the set-ups that answer X-Raypd-Trace and count placement decisions and faults
+GROUP_SETUP = {"B": "b", "E": "e", "E0": "e0"}  # raypd's groups -> their one set-up
 GROUP_NAMES = {"A": "(a)/(a2) plain vLLM", "AP": "(a') vLLM on 2 cores", "B": "(b) raypd up 1P+1D",
-               "E": "(e) raypd up default", "C": "(c) vLLM NixlConnector", "D": "(d) Serve LLM P/D",
-               "DC": "(dc) Serve LLM colocated"}
+               "E": "(e) raypd up default", "E0": "(e0) raypd up colocated-only", "C": "(c) vLLM NixlConnector",
+               "D": "(d) Serve LLM P/D", "DC": "(dc) Serve LLM colocated"}
+ENGINE_CORE = "compute: VLLM::EngineCore"  # vLLM's engine core processes in procs.cpu_seconds_by_kind's labels
 RAYPD_ACTORS = ("ray::EngineActor", "ray::Coordinator", "ray::SyntheticRankActor")
-TTFT_RATIOS = (("b", "a"), ("e", "a"), ("ap", "a"), ("c", "a"), ("d", "a"), ("dc", "a"), ("b", "c"), ("b", "d"))
+TTFT_RATIOS = (("b", "a"), ("e", "a"), ("e0", "a"), ("ap", "a"), ("c", "a"), ("d", "a"), ("dc", "a"), ("b", "c"),
+               ("b", "d"))
 
 
 def _low(res: dict, setup: str, n: int) -> list[dict]:
@@ -56,8 +60,12 @@ def summarize(res: dict) -> dict:
                        "load": {r: stats.hop_stats(_load_records(res, s, r)) for r in rates
                                 if _load_records(res, s, r)}} for s in RAYPD},
           "decisions": decisions(res, rates),
+          "faults": {s: faults.per_phase(res["faults"][s]) for s in RAYPD if res.get("faults", {}).get(s)},
           "flagged_phases": [p for p in res["phases"] if p["load_above_cores"]]}
     sm["goals"] = goals.issue18(sm, lengths, rates)
+    sm["goals30"] = stack_goals.issue30(sm, lengths, rates)
+    # the benchmark's own check: no hang kill in any phase of a raypd set-up (no fault is injected)
+    sm["checks"] = [faults.kill_check(s, res["faults"][s]) for s in RAYPD if res.get("faults", {}).get(s)]
     return sm
 
 
@@ -65,7 +73,7 @@ def headline(load: dict, rates: list[float]) -> dict:
     """Per rate, raypd's set-ups against the others: [raypd's, the other's, ratio] per figure."""
     out: dict = {}
     for r in rates:
-        for s, others in (("e", ("a2", "ap", "b")), ("b", ("a2", "c", "d"))):
+        for s, others in (("e", ("a2", "ap", "b")), ("e0", ("a2", "e")), ("b", ("a2", "c", "d"))):
             x = load.get(s, {}).get(r)
             if not x:
                 continue
@@ -112,7 +120,8 @@ def _sum(counts: list[dict]) -> dict:
 
 def cpu_per_token(res: dict) -> dict:
     """Per set-up and rate: ms of CPU per streamed token by kind (procs.cpu_seconds_by_kind), pooled
-    over rounds; and per set-up over every rate."""
+    over rounds; and per set-up over every rate ("all"), with vLLM's engine cores alone (`engine_core`,
+    part of `compute`)."""
     out: dict = {}
     for s, by_rate in res.get("load", {}).items():
         pooled = {"compute": 0.0, "front": 0.0, "rest": 0.0, "tokens": 0, "by_process": {}}
@@ -130,8 +139,9 @@ def cpu_per_token(res: dict) -> dict:
                 rows[rate] = {k: 1e3 * acc[k] / acc["tokens"] for k in ("compute", "front", "rest")} | \
                     {"tokens": acc["tokens"]}
         if pooled["tokens"]:
+            core = sum(sec for name, sec in pooled["by_process"].items() if name.startswith(ENGINE_CORE))
             rows["all"] = {k: 1e3 * pooled[k] / pooled["tokens"] for k in ("compute", "front", "rest")} | {
-                "tokens": pooled["tokens"],
+                "tokens": pooled["tokens"], "engine_core": 1e3 * core / pooled["tokens"],
                 "top": sorted(((n, 1e3 * v / pooled["tokens"]) for n, v in pooled["by_process"].items()),
                               key=lambda kv: -kv[1])[:8]}
         out[s] = rows

@@ -63,9 +63,18 @@ def _rec(rng: random.Random, idx: int, n: int, rnd: int, ttft: float, itl: float
     return r
 
 
-def _fake_run(setups=("a", "a2", "ap", "b", "e"), rates=(0.3, 0.6), lengths=(128, 512), rounds=2) -> dict:
+def _faults(kills: int = 0) -> list[dict]:
+    """One raypd set-up's fault counters per phase (pdbench.faults.FaultTrail's entries)."""
+    return [{"round": 1, "phase": phase, "reads": 1, "errors": [], "missing": [], "reset": False,
+             "includes_unread": [], "series": {"hang_kills{engine=raypd-both-1}": kills} if kills and i == 3 else {},
+             "counts": {"deadline_misses": 1 if i == 3 else 0, "deadline_extensions": 2, "migrations": 0,
+                        "hang_kills": kills if i == 3 else 0, "aborts": 0}}
+            for i, phase in enumerate(("start", "warm-up, idle", "low 128", "load 0.3", "after the last phase"))]
+
+
+def _fake_run(setups=("a", "a2", "ap", "b", "e", "e0"), rates=(0.3, 0.6), lengths=(128, 512), rounds=2) -> dict:
     rng = random.Random(1)
-    speed = {"a": 1.0, "a2": 1.0, "ap": 0.8, "b": 1.1, "e": 0.95}
+    speed = {"a": 1.0, "a2": 1.0, "ap": 0.8, "b": 1.1, "e": 0.95, "e0": 1.0}
     res = {"date": "2026-12-01T00:00:00", "command": "pd_vs_vllm.py", "git": {"commit": "0" * 40, "branch": "x",
                                                                               "dirty_files": 0},
            "host": {"cpus": 2, "platform": "linux", "before": {"loadavg": [0.1, 0, 0]}},
@@ -82,19 +91,21 @@ def _fake_run(setups=("a", "a2", "ap", "b", "e"), rates=(0.3, 0.6), lengths=(128
                {"pid": 1, "ppid": 0, "name": "ray::EngineActor", "bind": "0", "cpu_pct": 0.3},
                {"pid": 2, "ppid": 1, "name": "VLLM::EngineCore", "bind": None, "cpu_pct": 0.5},
                {"pid": 3, "ppid": 0, "name": "ray::BareAsyncActor", "bind": None, "cpu_pct": 0.2}]}]},
-           "low": {}, "low_decisions": {"e": [{"local/idle": 4}]}, "load": {}, "seen_pids": [], "leftover_pids": []}
+           "low": {}, "low_decisions": {"e": [{"local/idle": 4}], "e0": [{"local/ttft": 4}]}, "load": {},
+           "faults": {"b": _faults(), "e": _faults(), "e0": _faults()}, "seen_pids": [], "leftover_pids": []}
     for s in setups:
         for n in lengths if s != "a2" else ():
             res["low"].setdefault(s, {})[str(n)] = [_rec(rng, i, n, rnd, (0.04 + n / 330) * speed[s], 0.055, 8,
-                                                         s in ("b", "e")) for rnd in (1, 2) for i in range(2)]
+                                                         s in ("b", "e", "e0")) for rnd in (1, 2) for i in range(2)]
         for rate in rates if s != "a" else ():
             res["load"].setdefault(s, {})[str(rate)] = [
                 {"round": rnd, "duration_s": 10 / rate + 5,
                  "cpu": {"compute": 30.0, "front": 2.0, "rest": 1.0, "tokens": 160, "by_process": {"x": 1.0}},
                  "records": [_rec(rng, i, n, rnd, (0.04 + n / 330) * speed[s] * (1 + 3 * rate * rng.random()),
-                                  0.055 * (1 + rate), 16, s in ("b", "e"))
+                                  0.055 * (1 + rate), 16, s in ("b", "e", "e0"))
                              for i, n in enumerate(rng.choice(lengths) for _ in range(10))],
-                 **({"decisions": {"local/fits": 6, "remote/ttft": 4}} if s in ("b", "e") else {})}
+                 **({"decisions": {"local/fits": 6, "remote/ttft": 4}} if s in ("b", "e") else {}),
+                 **({"decisions": {"local/ttft": 10}} if s == "e0" else {})}
                 for rnd in (1, 2)]
     return res
 
@@ -105,7 +116,9 @@ def test_the_whole_report_renders_from_synthetic_records(tmp_path, capsys):
     text = report.header(res) + report.table(res)
     for section in ("LOW LOAD", "UNDER LOAD", "PER RATE, every set-up", "ISSUE 18 GOALS", "PLACEMENT DECISIONS",
                     "TOKEN GAPS UNDER 1 MS", "CPU PER STREAMED TOKEN", "FIRST TOKEN PATH of (e)", "IDLE:", "PHASES",
-                    "(e) vs others: goodput e/a2", "goodput e/b", "max_num_batched_tokens=512"):
+                    "(e) vs others: goodput e/a2", "goodput e/b", "max_num_batched_tokens=512",
+                    "ISSUE 30 GOALS", "FAULT COUNTERS per phase", "(e0) raypd 2x both, never disagg",
+                    "FIRST TOKEN PATH of (e0)", "(e0) vs others: goodput e0/a2"):
         assert section in text, section
     assert "(e) 0.3/s 20 requests: 12 colocated, 8 disaggregated" in " ".join(text.split())
     goal_rows = res["summary"]["goals"]
@@ -119,8 +132,37 @@ def test_the_whole_report_renders_from_synthetic_records(tmp_path, capsys):
     assert "ISSUE 18 GOALS" in capsys.readouterr().out
 
 
+def test_the_report_prints_issue_30_goals_and_fault_counters_and_a_kill_fails_the_run(tmp_path, capsys):
+    res = _fake_run()
+    res["summary"] = summary.summarize(res)
+    text = report.table(res)
+    flat = " ".join(text.split())
+    goals30 = {r["goal"]: r for r in res["summary"]["goals30"]}
+    assert goals30["throughput (e0) >= 0.95x (a2) at 0.3/s"]["met"] in (True, False)
+    assert goals30["CPU per token, everything (e0) runs <= 1.05x (a2)'s"]["value"] == "206.25 vs 206.25 ms = 1.00x"
+    assert goals30["(e0) never disaggregates (placement decisions: 0 remote)"]["met"] is True
+    assert "low-load ITL p50 (e) <= 1.05x (a) at 512" in goals30
+    # per phase, summed over rounds: misses, extended, migrations, kills
+    assert "load 0.3 1 2 0 0" in flat
+    assert "no hang kill in any phase without an injected fault (e0) 0 kills in 5 phases; 1 deadline misses" in flat
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(res, indent=1, default=str))
+    assert pd_vs_vllm.main(["--render", str(path), "--plot", ""]) == 0
+    # a hang kill in a phase without an injected fault: FAILED, and a non-zero exit status
+    res["faults"]["e"] = _faults(kills=1)
+    res["summary"] = summary.summarize(res)
+    flat = " ".join(report.table(res).split())
+    assert "(e) 1 kills in 5 phases (r1 load 0.3); 1 deadline misses, 0 migrations FAILED" in flat
+    assert "hang_kills{engine=raypd-both-1} 1" in flat
+    path.write_text(json.dumps(res, indent=1, default=str))
+    capsys.readouterr()
+    assert pd_vs_vllm.main(["--render", str(path), "--plot", ""]) == pd_vs_vllm.CHECK_FAILED
+    assert "FAILED" in capsys.readouterr().out
+
+
 def test_plan_starts_nothing_and_the_full_profile_fits_the_issue():
-    for profile, most_min in (("full", 40), ("quick", 10)):
+    # issue 30 added (e0) to every profile: ~49 min full, ~9 quick (the issue 18 run planned 38)
+    for profile, most_min in (("full", 50), ("quick", 10)):
         args = pd_vs_vllm.parse_args(["--profile", profile])
         schedule = pd_vs_vllm.make_schedule(args)
         p = pd_vs_vllm.plan(args, schedule, pd_vs_vllm.SMOLLM2_VOCAB)
@@ -130,4 +172,4 @@ def test_plan_starts_nothing_and_the_full_profile_fits_the_issue():
     assert full.load_requests * full.rounds >= 40  # p99 from at least 40 samples per rate
     assert pd_vs_vllm.parse_args(["--quick"]).out.startswith("benchmarks/out/")  # never a committed result
     assert [g for r, g in pd_vs_vllm.make_schedule(pd_vs_vllm.parse_args(["--profile", "anchors"])) if r == 2] == \
-        ["AP", "E", "B", "A"]
+        ["AP", "E0", "E", "B", "A"]
