@@ -67,7 +67,9 @@ def issue30(sm: dict, lengths: list[int], rates: list[float]) -> list[dict]:
                              y.get("throughput_rps"), THROUGHPUT, "req/s"))
         out.append(_at_most(f"TTFT p50 (e0) <= {TTFT_P50:.2f}x (a2) at {r}/s", x["ttft_p50"], y.get("ttft_p50"),
                             TTFT_P50))
-        out.append(_at_most(f"ITL p50 (e0) <= {ITL_P50:.2f}x (a2) at {r}/s", x["itl_p50"], y.get("itl_p50"), ITL_P50))
+        # each request's mean ITL, not the gaps: a stream that reaches the client in bursts has gap p50 0
+        out.append(_at_most(f"ITL p50 (e0) <= {ITL_P50:.2f}x (a2) at {r}/s (requests' mean ITL)", x["mean_itl_p50"],
+                            y.get("mean_itl_p50"), ITL_P50))
     # 2. CPU per streamed token, pooled over every load phase
     cpu = sm.get("cpu_per_token", {})
     x, y = cpu.get("e0", {}).get("all"), cpu.get("a2", {}).get("all")
@@ -86,8 +88,8 @@ def issue30(sm: dict, lengths: list[int], rates: list[float]) -> list[dict]:
     if "e" in low:
         for n in lengths:
             ex, ax = low["e"].get(n), low.get("a", {}).get(n)
-            out.append(_at_most(f"low-load ITL p50 (e) <= {LOW_ITL_P50:.2f}x (a) at {n}",
-                                ex["itl_p50"] if ex else None, ax["itl_p50"] if ax else None, LOW_ITL_P50))
+            out.append(_at_most(f"low-load ITL p50 (e) <= {LOW_ITL_P50:.2f}x (a) at {n} (requests' mean ITL)",
+                                ex["mean_itl_p50"] if ex else None, ax["mean_itl_p50"] if ax else None, LOW_ITL_P50))
     # 4. the headline
     e = load.get("e", {})
     for r in rates:

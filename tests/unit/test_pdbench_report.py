@@ -141,7 +141,7 @@ def test_the_report_prints_issue_30_goals_and_fault_counters_and_a_kill_fails_th
     assert goals30["throughput (e0) >= 0.95x (a2) at 0.3/s"]["met"] in (True, False)
     assert goals30["CPU per token, everything (e0) runs <= 1.05x (a2)'s"]["value"] == "206.25 vs 206.25 ms = 1.00x"
     assert goals30["(e0) never disaggregates (placement decisions: 0 remote)"]["met"] is True
-    assert "low-load ITL p50 (e) <= 1.05x (a) at 512" in goals30
+    assert "low-load ITL p50 (e) <= 1.05x (a) at 512 (requests' mean ITL)" in goals30
     # per phase, summed over rounds: misses, extended, migrations, kills
     assert "load 0.3 1 2 0 0" in flat
     assert "no hang kill in any phase without an injected fault (e0) 0 kills in 5 phases; 1 deadline misses" in flat
