@@ -246,8 +246,10 @@ def test_the_backend_wires_the_lease_ends_into_held_leases():
         assert backend.counters["leases_released_by_notice"] == backend.counters["leases_expired"] == 0
         backend._unread.remember("r1", "r1-v", TTL_S)
         assert asyncio.run(backend.stats()).held_leases == 1
+        # raypd's own two sinks (vLLM's Prometheus logger joins them when Ray is initialized in this
+        # process, as after the integration tests in one pytest run; it needs a whole VllmConfig)
         loggers = [factory(SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=8)), 0)
-                   for factory in backend._stat_loggers()]
+                   for factory in backend._stat_loggers()[:2]]
         for logger in loggers:
             logger.record(SimpleNamespace(kv_connector_stats={"read": ["r1-v"]}, kv_cache_usage=0.0,
                                           num_running_reqs=0, num_waiting_reqs=0), None)
