@@ -311,7 +311,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lengths = {int(x) for x in args.lengths.split(",")}
     if not {int(kv.split(":")[0]) for kv in args.mix.split(",")} <= lengths:
         p.error(f"--mix lengths must be low-load lengths ({args.lengths}): the goodput SLO is per length")
+    missing = serve_llm_missing(args)
+    if missing and not args.plan and not args.render:
+        p.error(f"set-ups (d)/(dc) (Ray Serve LLM) import {', '.join(missing)}: run `make bench-setup` first "
+                "(an anchors run once found it missing only when it reached them, half an hour in)")
     return args
+
+
+def serve_llm_missing(args: argparse.Namespace) -> list[str]:
+    """The packages `ray.serve.llm` imports that this environment lacks, when (d) or (dc) will run."""
+    import importlib.util
+
+    if not {"d", "dc"} & set(args.setups.split(",")) or not {"D", "DC"} & set(args.groups.split(",")):
+        return []
+    return [m for m in ("pyarrow", "jsonref") if importlib.util.find_spec(m) is None]
 
 
 def on_sigterm(signum: int, _frame) -> None:
