@@ -311,10 +311,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lengths = {int(x) for x in args.lengths.split(",")}
     if not {int(kv.split(":")[0]) for kv in args.mix.split(",")} <= lengths:
         p.error(f"--mix lengths must be low-load lengths ({args.lengths}): the goodput SLO is per length")
-    missing = serve_llm_missing(args)
-    if missing and not args.plan and not args.render:
-        p.error(f"set-ups (d)/(dc) (Ray Serve LLM) import {', '.join(missing)}: run `make bench-setup` first "
-                "(an anchors run once found it missing only when it reached them, half an hour in)")
     return args
 
 
@@ -344,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot.plot(res, args.plot)
         return CHECK_FAILED if faults.failed(res["summary"]["checks"]) else 0
+    missing = serve_llm_missing(args)
+    if missing:  # before anything starts: an anchors run once found out only when it reached (dc)
+        print(f"pd_vs_vllm: set-ups (d)/(dc) (Ray Serve LLM) import {', '.join(missing)}: run `make bench-setup` "
+              "first", file=sys.stderr)
+        return 2
     started = time.monotonic()
     signal.signal(signal.SIGTERM, on_sigterm)
     res: dict = {
