@@ -3,6 +3,7 @@
     flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/control_plane.py \
         --out benchmarks/results/control_plane.json
     # options: --engines 16,64,256 --handoff-rate 20000 --kv-rate 800 --measure-s 4 --requests 2000
+    #          --short-share 0.25 --streams-per-decode 8 --faulty-decodes 2 --breaker-cooldown-s 1
 
 Per engine count (half prefill, half decode engines, one rank each), on one local Ray cluster:
 
@@ -15,14 +16,22 @@ Per engine count (half prefill, half decode engines, one rank each), on one loca
      completed (its own counters) and the CPU time of its process (psutil: every thread);
   3. KV events: every engine publishes `--kv-rate` events/s the way `KVEventsRelay` sends them
      (one call in flight, at most one per `--kv-interval-ms`); measured the same way;
-  4. routing: a real `Router` (EnginePool, planner, PrefixCacheView synced from the coordinator,
-     a real RayDirectory) over simulated engine clients; the fleet's engines hold real vLLM
-     block hashes of 32 shared 384-token system prompts (4 per engine); `--requests` 512-token
-     requests arrive at `--route-rate`/s, first with the router alone, then again while every
-     engine's KV events flow at the goal's rate (the coordinator and the fleet then share the
-     host's cores with the router; the CPU the router spends keeping its index copy is
-     measured); routing time = arrival -> the first engine call; coordinator calls awaited by
-     a request's own task are counted;
+  4. routing: a real `Router` (EnginePool, planner with the default `slo` placement,
+     PrefixCacheView synced from the coordinator, a real RayDirectory) over simulated engine
+     clients that answer at once and publish no rates (the router predicts them with the
+     priors of `router.slo`); the fleet's engines hold real vLLM block hashes of 32 shared
+     384-token system prompts (4 per engine). The router first opens `--streams-per-decode`
+     streams per decode engine and keeps them open; then `--requests` requests (long turns of
+     512 tokens, `--short-share` short ones of 416: `cpbench.mix`) arrive at `--route-rate`/s,
+     first with the router alone, then again while every engine's KV events flow at the goal's
+     rate (the coordinator and the fleet then share the host's cores with the router; the CPU
+     the router spends keeping its index copy is measured). The first prefill engine's pairs
+     with `--faulty-decodes` decode engines fail every prefill, and the coordinator's breakers
+     cool down in `--breaker-cooldown-s`, so pairs open, half-open and are probed during the runs.
+     Routing time = arrival -> the first engine call; the decision mix (the planner's
+     decisions, each request's path, retries, probes awaited and granted, `pick_prefill`
+     calls, breakers opened) is reported beside it; coordinator calls awaited by a request's
+     own task are counted;
   5. restart: `ray.kill(coordinator, no_restart=False)`; the warm router's first route, a cold
      router's first successful route, and when the warm router's view is the new incarnation's
      with every engine registered again;
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -58,17 +68,28 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), *filter(None, 
 import psutil  # noqa: E402
 import ray  # noqa: E402
 
-from actors.control.coordinator import NAMESPACE, start_coordinator  # noqa: E402
+from actors.control.coordinator_actor import NAMESPACE, start_coordinator  # noqa: E402
+from actors.control.ledger import BreakerConfig  # noqa: E402
 from actors.engine.ledger_reporter import DEFAULT_MAX_DELAY_S  # noqa: E402
 from serving.bench.provenance import git_state  # noqa: E402
 from cpbench import report  # noqa: E402
 from cpbench.fleet import BLOCK_SIZE, NEW_BLOCKS, RESIDENT, SimFleet  # noqa: E402
 from cpbench.memory import index_memory  # noqa: E402
-from cpbench.routing import Marks, after_restart, breaker_change, build_router, measure  # noqa: E402
+from cpbench.mix import LONG_OWN_TOKENS, SHORT_OWN_TOKENS, FaultyPairs, faulty_decodes  # noqa: E402
+from cpbench.routing import (  # noqa: E402
+    Marks,
+    after_restart,
+    breaker_change,
+    build_router,
+    hold_streams,
+    measure,
+    repair_pairs,
+)
 from serving.config import RouterConfig  # noqa: E402
 
 NAME = "raypd-cpbench-coordinator"
 SYSTEM_PROMPTS, SYSTEM_LEN, PER_ENGINE = 32, 384, 4
+BREAKER_THRESHOLD = 3  # consecutive failures that open a pair (the product's default)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -83,6 +104,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--measure-s", type=float, default=4.0)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--route-rate", type=float, default=500.0)
+    p.add_argument("--short-share", type=float, default=0.25, help="share of short turns among routed requests")
+    p.add_argument("--streams-per-decode", type=int, default=8, help="streams held open per decode engine")
+    p.add_argument("--faulty-decodes", type=int, default=2,
+                   help="decode engines whose pair with the first prefill engine fails every prefill")
+    p.add_argument("--breaker-cooldown-s", type=float, default=1.0, help="the coordinator's breaker cooldown")
+    p.add_argument("--probe-window-s", type=float, default=1.0, help="the coordinator's breaker probe window")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -102,7 +129,9 @@ def windowed(coordinator, proc: psutil.Process, warmup_s: float, measure_s: floa
 
 
 def run_size(n: int, args: argparse.Namespace) -> dict:
-    coordinator = start_coordinator(name=NAME, max_restarts=5, hang_check_s=3600.0)
+    breaker = {"failure_threshold": BREAKER_THRESHOLD, "cooldown_s": args.breaker_cooldown_s,
+               "probe_window_s": args.probe_window_s}
+    coordinator = start_coordinator(name=NAME, max_restarts=5, hang_check_s=3600.0, breaker=breaker)
     ray.get(coordinator.ping.remote(), timeout=60)
     engines = [(f"p{i}", "prefill") for i in range(n // 2)] + [(f"d{i}", "decode") for i in range(n - n // 2)]
     fleet = ray.remote(SimFleet).options(num_cpus=0, max_concurrency=100_000).remote(NAME, NAMESPACE, engines)
@@ -163,7 +192,8 @@ async def routing_and_restart(coordinator, fleet, engines: list[tuple[str, str]]
     decodes = [e for e, r in engines if r == "decode"]
     config = RouterConfig(migration_wait_s=0.0)
     marks = Marks()
-    router, directory = build_router(coordinator, NAME, prefills, decodes, marks, config)
+    faults = FaultyPairs(faulty_decodes(decodes, args.faulty_decodes), prefills[0])
+    router, directory = build_router(coordinator, NAME, prefills, decodes, marks, config, faults)
     await router.routes()  # the router's start: its first view (not a request)
     await router.planner.view.refresh()
     pauses: list[float] = []
@@ -176,18 +206,21 @@ async def routing_and_restart(coordinator, fleet, engines: list[tuple[str, str]]
             pauses.append((time.perf_counter() - started.pop()) * 1e3)
 
     gc.freeze()  # as the front's lifespan does at start-up (serving/front/app.py)
+    # the decode engines' streams, opened through the router before the measured requests (not measured)
+    streams = await hold_streams(router, prompts, args.streams_per_decode * len(decodes))
     builds0 = (await coordinator.control_stats.remote()).route_builds
     gc.callbacks.append(gc_watch)
     try:
         # the router alone (this benchmark's other processes idle), then with every engine's KV events
         # flowing at the goal's rate: the coordinator and the fleet then share this host's 2 cores with it
-        quiet = await measure(router, directory, marks, prompts, args.requests, args.route_rate, tag="a")
+        run = dict(n=args.requests, rate=args.route_rate, short_share=args.short_share, faults=faults)
+        quiet = await measure(router, directory, marks, prompts, tag="a", seed=1, **run)
         upkeep0 = router.planner.view.upkeep_s  # the router's time keeping its index copy current
         goal_rate = report.GOAL_KV_EVENTS / 256  # events/s per engine while routing: the goal's rate
         span = args.requests / args.route_rate + 1.0
         kv = fleet.run_kv.remote(goal_rate, span, args.kv_interval_ms / 1e3)
         t0 = time.perf_counter()
-        busy = await measure(router, directory, marks, prompts, args.requests, args.route_rate, tag="b")
+        busy = await measure(router, directory, marks, prompts, tag="b", seed=2, **run)
         await kv
         upkeep = (router.planner.view.upkeep_s - upkeep0) / (time.perf_counter() - t0)
     finally:
@@ -198,15 +231,38 @@ async def routing_and_restart(coordinator, fleet, engines: list[tuple[str, str]]
         ms = res.routing_ms
         return {"requests": res.requests, "rate": args.route_rate, "p50_ms": report.pct(ms, 50),
                 "p90_ms": report.pct(ms, 90), "p99_ms": report.pct(ms, 99), "max_ms": max(ms),
-                "awaited": res.awaited, "errors": res.errors}
+                "awaited": res.awaited, "errors": res.errors, "mix": dataclasses.asdict(res.mix)}
 
     routing = {**summary(quiet), "with_kv_load": summary(busy), "index_upkeep_core": upkeep,
                "decisions": busy.decisions, "view_waits": router.view.waits, "gc_pauses": len(pauses),
                "gc_max_ms": max(pauses, default=0.0), "route_builds": stats.route_builds - builds0,
-               "route_unchanged": stats.route_unchanged}
-    change = await breaker_change(coordinator, router, directory, decodes[0], prefills[0])
+               "route_unchanged": stats.route_unchanged, "streams_held": len(streams),
+               "faulty_pairs": sorted(f"{p}->{d}" for d, p in faults.pairs)}
+    for s in streams:
+        s.close()
+    await router.drain()
+    await repair_pairs(coordinator, router, faults)
+    # a pair that is not faulty (closed until now): its breaker opens by the decode engine's reports
+    change = await breaker_change(coordinator, router, directory, decodes[-1], prefills[-1], BREAKER_THRESHOLD)
     restart = await after_restart(coordinator, NAME, router, directory, marks, prefills, decodes, prompts, config)
     return {"routing": routing, "breaker_change": change, "restart": restart}
+
+
+def routing_assumptions(args: argparse.Namespace) -> str:
+    """What the routing phase's decision mix rests on (the results file states it beside the times)."""
+    slo = RouterConfig().slo
+    return (f"default router config (placement slo, no_prefill_fallback decode_local); the simulated engines answer "
+            f"at once and publish no rates, so the SLO model predicts them with router.slo's priors "
+            f"({slo.prior_prefill_tokens_per_s:.0f} prompt tokens/s, a {slo.prior_step_s * 1e3:.0f} ms step + "
+            f"{slo.prior_step_per_stream_s * 1e3:.0f} ms per stream; ITL target {slo.itl_target_s * 1e3:.0f} ms); "
+            f"the router first opens {args.streams_per_decode} streams per decode engine and keeps them open, so a "
+            f"long turn ({SYSTEM_LEN} + {LONG_OWN_TOKENS} tokens) prefilled on its decode engine would stall them "
+            f"past the ITL target and the model sends it to a prefill engine; short turns ({SYSTEM_LEN} + "
+            f"{SHORT_OWN_TOKENS}, {args.short_share:.0%} of the requests) it may keep colocated. Faults: the first "
+            f"prefill engine's pairs with {args.faulty_decodes} decode engines fail every prefill (retried on another "
+            f"prefill engine, reported to the ledger); breakers open after {BREAKER_THRESHOLD} failures and cool down "
+            f"in {args.breaker_cooldown_s:g} s (the product's default: {BreakerConfig().cooldown_s:g} s), probe "
+            f"window {args.probe_window_s:g} s, so pairs open, half-open and are probed within a run")
 
 
 def main(argv: list[str]) -> int:
@@ -219,8 +275,9 @@ def main(argv: list[str]) -> int:
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
         "assumptions": {
             "workload": (f"SmolLM2-135M cache shape (30 layers, 3 KV heads, head 64, fp32), block size {BLOCK_SIZE}; "
-                         f"512-token prompts = one of {SYSTEM_PROMPTS} shared {SYSTEM_LEN}-token system prompts + 128 "
-                         f"tokens of their own; {args.units} per-rank outcome units per handoff"),
+                         f"routed prompts = one of {SYSTEM_PROMPTS} shared {SYSTEM_LEN}-token system prompts + "
+                         f"{LONG_OWN_TOKENS} tokens of their own (long turns) or {SHORT_OWN_TOKENS} (short turns); "
+                         f"{args.units} per-rank outcome units per handoff"),
             "kv_derivation": (f"vLLM's block pool emits one BlockStored per request step with the blocks that became "
                               f"full and one BlockRemoved per evicted block; a 512-token prompt at block size "
                               f"{BLOCK_SIZE} whose {SYSTEM_LEN}-token prefix is cached stores {NEW_BLOCKS} new blocks "
@@ -234,6 +291,7 @@ def main(argv: list[str]) -> int:
                         f"{args.kv_rate:,.0f} KV events/s per engine (one kv_events call per engine per "
                         f"{args.kv_interval_ms:.0f} ms at most); {args.requests} routed requests at {args.route_rate:.0f}/s, "
                         f"router alone, then again with KV events at the goal rate meanwhile"),
+            "routing": routing_assumptions(args),
         },
         "args": vars(args),
         "sizes": [],
