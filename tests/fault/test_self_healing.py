@@ -6,6 +6,10 @@ command from the test), the dead engine's pairs open in the ledger and earn thei
 with a probe, and the clients see no error at all: prefills are retried on the other prefill
 engine, pulls from the dead producer are recomputed (`recompute` policy), streams on the dead
 decode engine migrate. Every answer equals the colocated reference; nothing is held at the end.
+The coordinator's death is the coordinator-loss class of docs/failure-semantics.md ("Terminal outcome
+per fault class"): every request overlapping its absence ends within the class's bound
+(terminal_bounds.coordinator_bound_s: the request's fault-free time, the coordinator being on no
+request's path).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from chaos_helpers import (
 )
 from engine_calls import collect, request
 from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port, wait_blocks_at_baseline
+from terminal_bounds import coordinator_bound_s, late
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +72,7 @@ def service(coordinator):
     want = asyncio.run(references())
     with UvicornThread(create_app(cfg, router), port):
         yield {"url": f"http://127.0.0.1:{port}", "dep": dep, "router": router, "want": want,
-               "baseline": baseline, "pgs": deployment_placement_groups(NAME)}
+               "baseline": baseline, "pgs": deployment_placement_groups(NAME), "cfg": cfg}
     try:
         after = wait_blocks_at_baseline(dep, baseline, timeout_s=30)
         for eid, s in after.items():  # nothing held once the load is over, restarts included
@@ -185,10 +190,23 @@ def test_coordinator_killed_under_load(service, coordinator):
         await asyncio.sleep(2.0)
         after = {p: (await h.stats.remote()).requests for p, h in dep.prefills.items()}
         answers = await steady.stop()
-        return back_s, registered, gens, before, after, answers
+        return t0, back_s, registered, gens, before, after, answers
 
-    back_s, registered, gens, before, after, answers = asyncio.run(go())
+    t0, back_s, registered, gens, before, after, answers = asyncio.run(go())
     print(f"all engines re-registered {back_s:.1f}s after the coordinator was killed; {len(answers)} answers")
     assert registered >= set(dep.engines)
     assert all(after[p] > before[p] for p in dep.prefills)  # P/D is used again, on both prefill engines
-    check_answers(service, answers)
+    check_answers(service, answers)  # every answer completed ([DONE], never cut), equal to its reference
+    # A terminal outcome within the coordinator-loss bound for every request overlapping its absence (from
+    # the kill until every engine was registered again), measured from the kill or, for one sent later,
+    # from its start: its fault-free time (the slowest answer of the same load before the kill) and at most
+    # the longest coordinator call a request may wait for.
+    fault_free = [a.ended - a.started for a in answers if a.ended < t0]
+    assert fault_free, "no answer before the kill to measure the load's fault-free time with"
+    bound_s = coordinator_bound_s(service["cfg"], max(fault_free))
+    affected = {i: a for i, a in enumerate(answers) if a.ended >= t0 and a.started <= t0 + back_s}
+    print(f"{len(affected)} answers overlapped the coordinator's absence; bound {bound_s:.1f} s "
+          f"(slowest fault-free answer {max(fault_free):.2f} s)")
+    assert affected, "no request overlapped the coordinator's absence"
+    assert late({i: a.ended for i, a in affected.items()},
+                {i: max(a.started, t0) for i, a in affected.items()}, bound_s) == {}, bound_s

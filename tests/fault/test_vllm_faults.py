@@ -7,9 +7,11 @@ two decode engines):
 - 30 requests vLLM refuses (out-of-vocabulary ids, longer than the context): all 400, never
   retried, every breaker still closed, P/D still used afterwards;
 - migration: 20 concurrent greedy streams through the router, one decode engine killed (-9, actor
-  and engine core) mid-stream: every stream completes without an error and is its uninterrupted
-  reference's greedy continuation (the other decode engine recomputed prompt + streamed tokens),
-  and the killed engine rejoins by itself;
+  and engine core) mid-stream: every stream completes without an error, within the crash class's
+  terminal-outcome bound of the kill (token_timeout_s + deadline_margin x the references' time:
+  terminal_bounds.crash_bound_s, docs/failure-semantics.md), and is its uninterrupted reference's
+  greedy continuation (the other decode engine recomputed prompt + streamed tokens), and the killed
+  engine rejoins by itself;
 - a hung decode engine: the same 20 streams, one decode engine frozen (SIGSTOP of its actor and
   vLLM processes) mid-stream: every stream completes by migration, a greedy continuation of its
   uninterrupted reference; the coordinator kills the frozen engine and it rejoins as a new incarnation.
@@ -38,6 +40,7 @@ from serving.routing.errors import InvalidRequest
 from chaos_helpers import freeze_tree, generation, kill_tree, pair_states, wait_generation
 from engine_calls import request
 from greedy import divergence, greedy_request, logprobs_of
+from terminal_bounds import crash_bound_s, late
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -125,13 +128,20 @@ def test_engine_side_rejections_are_400_and_open_no_breaker(service, coordinator
 
 
 def test_twenty_greedy_streams_survive_a_decode_engine_kill(service, coordinator):
-    victim_id, reference, answers, back_s = twenty_streams_and_a_fault(service, coordinator, "kill")
+    victim_id, reference, answers, back_s, timing = twenty_streams_and_a_fault(service, coordinator, "kill")
     check_every_stream_migrated_as_a_greedy_continuation(victim_id, reference, answers, back_s)
+    # a terminal outcome (here: the whole answer) for every stream within the crash class's bound of the
+    # kill (the wait in twenty_streams_and_a_fault fails the test on a stream still open at the bound)
+    bound_s = timing["bound_s"]
+    print(f"references took {timing['reference_s']:.1f} s; every stream ended "
+          f"{max(timing['ends'].values()) - timing['t0']:.1f} s after the kill (bound {bound_s:.1f} s)")
+    assert all(last.finished and last.finish_reason == "length" for _, last, _, _ in answers)  # none cut
+    assert late(timing["ends"], timing["t0"], bound_s) == {}, bound_s
 
 
 def test_twenty_greedy_streams_survive_a_hung_decode_engine(service, coordinator):
     router = service["router"]
-    victim_id, reference, answers, back_s = twenty_streams_and_a_fault(service, coordinator, "freeze")
+    victim_id, reference, answers, back_s, _ = twenty_streams_and_a_fault(service, coordinator, "freeze")
     check_every_stream_migrated_as_a_greedy_continuation(victim_id, reference, answers, back_s)
     assert router.pool.migrations["engine_hung"] >= 1  # found hung by its deadline, not dead
     events = [e for e in ray.get(coordinator.recent_events.remote(1000)) if e["engine_id"] == victim_id]
@@ -141,21 +151,29 @@ def test_twenty_greedy_streams_survive_a_hung_decode_engine(service, coordinator
 def twenty_streams_and_a_fault(service, coordinator, fault: str):
     """20 concurrent greedy streams, their uninterrupted references, and one decode engine killed
     (-9, actor and engine core) or frozen (SIGSTOP, the same tree) once a third of the tokens are
-    out; returns (victim, references, answers, seconds until the victim was back)."""
+    out; returns (victim, references, answers, seconds until the victim was back, timing: the
+    references' wall time, the fault's moment, when each stream ended and, for a kill, the crash
+    class's terminal-outcome bound, which the streams are waited for no longer than)."""
     dep, router = service["dep"], service["router"]
     prompts = [[rng.randrange(1000, 40000) for _ in range(20 + 3 * i)] for i in range(20)]
     max_tokens = 160  # long enough that the engine is still generating when it is killed
     frozen: list[int] = []
 
-    async def one(i: int, prompt: list[int]):
+    ends: dict[int, float] = {}  # stream -> when its last chunk came (the streams under the fault)
+
+    async def one(i: int, prompt: list[int], ended: dict[int, float] | None = None):
         stream = await router.open(greedy_request(f"mig{i}-{time.monotonic_ns()}", prompt, max_tokens))
         chunks = [c async for c in stream]
+        if ended is not None:
+            ended[i] = time.monotonic()
         return [t for c in chunks for t in c.token_ids], chunks[-1], stream.migrations, logprobs_of(chunks)
 
     async def go():
+        t_ref = time.monotonic()
         reference = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        timing = {"reference_s": time.monotonic() - t_ref, "ends": ends}  # the same 20 streams, no fault
         assert all(last.finish_reason == "length" for _, last, _, _ in reference)
-        streams = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+        streams = [asyncio.ensure_future(one(i, p, ends)) for i, p in enumerate(prompts)]
         victim_id = None
         deadline = time.monotonic() + 60
         while victim_id is None and time.monotonic() < deadline:  # mid-stream: a third of the tokens are out
@@ -168,20 +186,26 @@ def twenty_streams_and_a_fault(service, coordinator, fault: str):
         assert victim_id is not None, "the streams never got going"
         stats = await dep.decodes[victim_id].stats.remote()
         gen = await generation(coordinator, victim_id)
-        t0 = time.monotonic()
+        t0 = timing["t0"] = time.monotonic()
         if fault == "kill":
             kill_tree([stats.pid, *stats.backend.child_pids])
+            # every stream ends within the crash class's bound of the kill: one still open then fails the test
+            bound_s = timing["bound_s"] = crash_bound_s(service["cfg"], timing["reference_s"])
+            _, open_ = await asyncio.wait(streams, timeout=t0 + bound_s - time.monotonic())
+            for task in open_:
+                task.cancel()
+            assert not open_, f"{len(open_)} streams still open {bound_s:.0f} s after the kill"
         else:
             frozen.extend(freeze_tree([stats.pid]))  # the actor and every vLLM process under it
         answers = await asyncio.gather(*streams)
         await wait_generation(coordinator, victim_id, gen, timeout_s=300)  # it rejoins by itself
-        return reference, answers, victim_id, time.monotonic() - t0
+        return reference, answers, victim_id, time.monotonic() - t0, timing
 
     try:
-        reference, answers, victim_id, back_s = asyncio.run(go())
+        reference, answers, victim_id, back_s, timing = asyncio.run(go())
     finally:
         kill_tree(frozen, signal.SIGCONT)  # (killed by the coordinator by now)
-    return victim_id, reference, answers, back_s
+    return victim_id, reference, answers, back_s, timing
 
 
 def check_every_stream_migrated_as_a_greedy_continuation(victim_id, reference, answers, back_s):
