@@ -142,7 +142,7 @@ def test_the_only_decode_engine_hung_errors_cleanly_refuses_at_once_and_heals(co
     name = "hang-one"
     # a synthetic engine is back ~5 s after the kill, within the default migration_wait_s (its
     # streams would complete there); vLLM takes ~50 s (test_vllm_hang.py): wait 2 s, as if it did
-    cfg = deployment(name, 1, migration_wait_s=2.0)
+    cfg = deployment(name, 1, migration_wait_s=2.0, placement="disaggregate")  # the request at the freeze is P/D
     dep = launch(cfg)
     router = build_router(cfg, dep)
     (did, decode), = dep.decodes.items()

@@ -1,0 +1,134 @@
+"""The embedded default's token path through the real front: configs/local.yaml (two role-flexible `both`
+SmolLM2 engines on vLLM) as the Serve app in its default mode (Serve's HTTP proxy -> the ingress replica
+-> the engine actors), over HTTP, with the settings `make run` uses (only the name and the CPU
+reservation differ: the session cluster's CPUs are shared by the test modules).
+
+1. A streamed greedy completion is the engine's own greedy answer (the same prompt ids alone on the
+   engine's actor, batch 1), token for token or split at a near tie (tests/greedy.py), and ends with
+   [DONE].
+2. A client that disconnects mid-stream: the request is aborted on its engine (nothing runs there any
+   more), every block is free again (each engine's baseline), no lease is held, and the front counts
+   one abort (a client's act, never an engine failure).
+
+Mid-stream migration through the same front: tests/fault/test_vllm_hang_default.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import ray
+
+from serving.cluster.app import build_app
+from serving.cluster.clients import RayEngineClient
+from serving.cluster.launcher import shutdown_deployment
+from serving.cluster.names import NAMESPACE, actor_name_of
+from serving.config import load_config
+
+from greedy import divergence, greedy_request, logprobs_of
+from service_helpers import free_port, run_serve_app
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+NAME = "default-front"
+CONFIG = "configs/local.yaml"
+MODEL = load_config(CONFIG).served_model_name
+ENGINES = [f"{NAME}-both-0", f"{NAME}-both-1"]
+PROMPT = "Tell me a long story about a lighthouse keeper."
+MAX_TOKENS = 48
+SETTLE_S = 30.0  # an aborted request's blocks and leases are back well within this
+
+
+def engine(engine_id: str):
+    return ray.get_actor(actor_name_of(engine_id), namespace=NAMESPACE)
+
+
+def engine_stats() -> dict:
+    return {e: ray.get(engine(e).stats.remote()) for e in ENGINES}
+
+
+@pytest.fixture(scope="module")
+def front(coordinator):
+    from ray import serve
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    base = load_config(CONFIG).model_dump(mode="json", exclude_unset=True)
+    base["name"] = NAME
+    base["both"]["num_cpus"] = 0
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        run_serve_app(build_app(base), NAME, url)
+        baseline = {e: s.free_blocks for e, s in engine_stats().items()}  # vLLM keeps a null block
+        yield {"url": url, "baseline": baseline}
+    finally:
+        serve.shutdown()
+        shutdown_deployment(NAME, keep_coordinator=True)
+
+
+def stream(url: str, max_tokens: int, stop_after: int | None = None) -> dict:
+    """One greedy streamed completion; with `stop_after`, the client disconnects after that many tokens."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    out = {"prompt_ids": [], "ids": [], "done": False, "errors": []}
+    with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                out["done"] = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["errors"].append(event["error"])
+                    continue
+                choice = event["choices"][0]
+                out["prompt_ids"] = choice.get("prompt_token_ids") or out["prompt_ids"]
+                out["ids"] += choice.get("token_ids") or []
+                if stop_after is not None and len(out["ids"]) >= stop_after:
+                    break  # leaving the `with` closes the connection mid-stream
+    return out
+
+
+async def _reference(engine_id: str, prompt_ids: list[int], max_tokens: int):
+    client = RayEngineClient(engine_id, engine(engine_id))
+    req = greedy_request(f"ref-{time.monotonic_ns()}", prompt_ids, max_tokens, ignore_eos=True)
+    chunks = [c async for c in client.generate(req)]
+    return [t for c in chunks for t in c.token_ids], logprobs_of(chunks)
+
+
+def aborts(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("raypd_aborts_total"))
+
+
+def test_a_streamed_answer_through_the_serve_front_is_the_engines_greedy_answer(front):
+    import asyncio
+
+    answer = stream(front["url"], MAX_TOKENS)
+    ref, lps = asyncio.run(_reference(ENGINES[0], answer["prompt_ids"], MAX_TOKENS))
+    print(f"streamed {len(answer['ids'])} tokens, done={answer['done']}, errors={answer['errors']}")
+    assert (answer["done"], answer["errors"], len(answer["ids"])) == (True, [], MAX_TOKENS)
+    assert divergence(answer["ids"], ref, lps) is None
+
+
+def test_a_client_that_disconnects_mid_stream_is_aborted_and_frees_its_blocks(front):
+    before = aborts(front["url"])
+    cut = stream(front["url"], 2000, stop_after=4)  # far from done when the client leaves
+    left = time.monotonic()
+    while True:
+        stats = engine_stats()
+        settled = all(s.running == 0 and s.free_blocks == front["baseline"][e] and s.held_leases == 0
+                      for e, s in stats.items())
+        if settled or time.monotonic() - left > SETTLE_S:
+            break
+        time.sleep(0.1)
+    settle_s = time.monotonic() - left
+    print(f"client left after {len(cut['ids'])} tokens; engines settled in {settle_s:.2f} s: "
+          f"{ {e: (s.running, s.free_blocks, s.held_leases) for e, s in stats.items()} }")
+    assert len(cut["ids"]) >= 4 and not cut["done"]
+    assert {e: (s.running, s.free_blocks, s.held_leases) for e, s in stats.items()} == \
+        {e: (0, front["baseline"][e], 0) for e in ENGINES}
+    assert aborts(front["url"]) == before + 1
