@@ -7,7 +7,8 @@ Life cycle of a handoff at the desk:
             until (with one deadline for all, it never is while handoffs are open);
   reported  `TransferOutcomes` / `UnitDied` / `HandshakeFailure` records become
             verdicts in the ledger (they feed the pair breakers); a failed one is an
-            event; a handshake failure also lets the prefill engine go;
+            event with the verdict's reason (the reader's own, when its unit said
+            why); a handshake failure also lets the prefill engine go;
   aborted   `HandoffAborted`: closed, no breaker moves;
   expired   `run_expiry()` sleeps until the earliest deadline (nothing ticks); what
             is past it fails and the prefill engine is told to let go.
@@ -91,7 +92,7 @@ class HandoffDesk:
     def _verdicts(self, decode_id: str, verdicts: list[Verdict]) -> list[Verdict]:
         for v in verdicts:
             if not v.ok:
-                self.event("transfer_failed", decode_id, req_id=v.req_id, prefill_id=v.prefill_id)
+                self.event("transfer_failed", decode_id, req_id=v.req_id, prefill_id=v.prefill_id, reason=v.reason)
         return verdicts
 
     async def run_expiry(self) -> Any:

@@ -345,8 +345,9 @@ class TransferLedger:
             failed = req_id in merged.failed_recving
             if req_id not in self._handoffs:
                 continue  # aborted, expired or decided by a handshake failure: nothing left to decide
+            why = merged.failure_reasons.get(req_id) if failed else None
             verdicts.append(self._close(req_id, decode_id, not failed,
-                                        "KV pull failed" if failed else "",
+                                        (f"KV pull failed: {why}" if why else "KV pull failed") if failed else "",
                                         frozenset(merged.invalid_block_ids) if failed else frozenset(), source))
         return verdicts
 

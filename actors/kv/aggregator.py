@@ -14,7 +14,9 @@ Semantics follow vLLM's `KVOutputAggregator`:
 - invalid block ids are unioned;
 - a failed receive is held back until the same request finishes receiving on
   all ranks, then reported together with that finish (the scheduler decides
-  recompute vs. error only once no rank still writes into those blocks);
+  recompute vs. error only once no rank still writes into those blocks),
+  with why it failed when a rank said so (`failure_reasons`, raypd's: the
+  first rank's reason);
 - outputs of a rank that died mid-step can be stashed with
   `ft_defer_kv_connector_outputs` and are replayed by the next `aggregate`,
   so their transfer progress is not lost. This one is raypd's, for the
@@ -57,6 +59,8 @@ class KVConnectorOutput:
     # Opaque to the aggregator (prefix-cache events); the aggregate carries a
     # tuple of the live ranks' event objects, in rank order, or None.
     kv_cache_events: object | None = None
+    # why a failed receive failed (request -> reason), when the rank knows
+    failure_reasons: dict[str, str] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         """True when the output carries nothing the scheduler must act on."""
@@ -67,6 +71,7 @@ class KVConnectorOutput:
             or self.failed_recving
             or self.stats
             or self.kv_cache_events is not None
+            or self.failure_reasons
         )
 
 
@@ -106,6 +111,8 @@ def _check_output(index: int, output: object) -> None:
             raise AggregationError(f"output {index} {name} must be a set")
     _check_count(output.expected_finished_count, f"output {index} expected_finished_count",
                  allow_zero=True)
+    if not isinstance(output.failure_reasons, dict):
+        raise AggregationError(f"output {index} failure_reasons must be a dict")
     for key, value in output.stats.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             raise AggregationError(f"output {index} stat {key!r} is not a number: {value!r}")
@@ -125,6 +132,7 @@ class KVOutputAggregator:
         self._send_remaining: dict[str, int] = {}
         self._recv_remaining: dict[str, int] = {}
         self._failed_recving_pending: set[str] = set()
+        self._reasons: dict[str, str] = {}  # of pending failed receives
         self._salvaged: list[KVConnectorOutput] = []
 
     @classmethod
@@ -163,6 +171,9 @@ class KVOutputAggregator:
             self._count(output.finished_recving, self._recv_remaining, finished_recving)
             invalid_block_ids |= output.invalid_block_ids
             self._failed_recving_pending |= output.failed_recving
+            for req_id, reason in output.failure_reasons.items():
+                if req_id in self._failed_recving_pending:
+                    self._reasons.setdefault(req_id, reason)
             for key, value in output.stats.items():
                 stats[key] = stats.get(key, 0) + value
             if output.kv_cache_events is not None:
@@ -170,6 +181,7 @@ class KVOutputAggregator:
 
         failed_recving = self._failed_recving_pending & finished_recving
         self._failed_recving_pending -= failed_recving
+        reasons = {r: self._reasons.pop(r) for r in failed_recving if r in self._reasons}
 
         return KVConnectorOutput(
             finished_sending=finished_sending,
@@ -179,6 +191,7 @@ class KVOutputAggregator:
             expected_finished_count=self._expected,
             stats=stats,
             kv_cache_events=tuple(events) if events else None,
+            failure_reasons=reasons,
         )
 
     def ft_defer_kv_connector_outputs(self, kv_connector_outputs: Iterable[KVConnectorOutput | None]) -> None:
@@ -208,6 +221,7 @@ class KVOutputAggregator:
         if req_id in self._failed_recving_pending:
             self._failed_recving_pending.discard(req_id)
             found = True
+        self._reasons.pop(req_id, None)
         scrubbed: list[KVConnectorOutput] = []
         for output in self._salvaged:
             if req_id in output.finished_sending or req_id in output.finished_recving \

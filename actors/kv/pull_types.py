@@ -11,6 +11,22 @@ from typing import Sequence
 
 Shape = tuple[str, int, int, int]  # (remote engine id, tp, pp, dcp)
 
+# Why a pull failed: `StepResult.failed` reasons begin with one of these (`failure_kind` labels them)
+LEASE_ENDED = "the producer's lease had ended when the read was confirmed (its blocks may be reused)"
+NO_LEASE_RECORD = "no lease record at the producer within"
+INTEGRITY = "KV integrity check failed"
+FAILURE_KINDS = {LEASE_ENDED: "lease_ended", NO_LEASE_RECORD: "no_lease_record", INTEGRITY: "integrity"}
+
+
+def failure_kind(reason: str) -> str:
+    """A failed pull's reason as a short label for counters: lease_ended (the producer's lease board
+    said RELEASED after the data READ), no_lease_record, integrity, else transfer (READ errors,
+    bad block ids, handshakes, injected faults)."""
+    for prefix, kind in FAILURE_KINDS.items():
+        if reason.startswith(prefix):
+            return kind
+    return "transfer"
+
 
 @dataclass(frozen=True)
 class RankIdentity:

@@ -57,7 +57,8 @@ from actors.kv.notify import ReaderNotice
 from actors.kv.producer import LeaseKeeper, new_board
 from actors.kv.pull_plan import PeerPlan, PeerKey, StagePlan, build_stage
 from actors.kv.read_plan import plan_reads
-from actors.kv.pull_types import PullRequest, PullTiming, RankIdentity, Shape, StepResult
+from actors.kv.pull_types import (INTEGRITY, LEASE_ENDED, NO_LEASE_RECORD, PullRequest, PullTiming, RankIdentity,
+                                  Shape, StepResult)
 from actors.kv.topology import EngineTransferInfo, TransferTopology, rank_global_heads
 
 logger = logging.getLogger("raypd.transfer")
@@ -265,7 +266,7 @@ class RankTransfer:
         sources = self._read_sources(pull)
         state, modes = self.confirmer.outcome(sources, tag, int(pull.local_ids[0]))
         if state == EXPIRED:
-            return "the producer's lease had ended when the read was confirmed (its blocks may be reused)"
+            return LEASE_ENDED
         if state == MISSING:
             return MISSING
         confirmed = now
@@ -279,7 +280,7 @@ class RankTransfer:
         self.integrity["unverifiable"] += unverifiable
         if bad:
             self.integrity["mismatched_pulls"] += 1
-            return "KV integrity check failed: " + "; ".join(bad)
+            return f"{INTEGRITY}: " + "; ".join(bad)
         for stage in pull.plan.stages:
             for src in stage.reads:
                 self._send_quietly(src.key, self._notice(pull, req_id, stage.consumers, True))
@@ -311,7 +312,7 @@ class RankTransfer:
             elif outcome == MISSING and now - pull.started <= self.transport.read_timeout_s:
                 pull.retry_at, pull.retries = now + min(0.05, 0.001 * 2 ** pull.retries), pull.retries + 1
             elif outcome == MISSING:
-                failed[req_id] = f"no lease record at the producer within {self.transport.read_timeout_s:.1f}s"
+                failed[req_id] = f"{NO_LEASE_RECORD} {self.transport.read_timeout_s:.1f}s"
             else:
                 failed[req_id] = outcome
         failed.update(polled.failed)

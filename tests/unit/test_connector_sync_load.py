@@ -33,7 +33,7 @@ class FakeTransfer:
 def worker(script):
     w = ConnectorWorker.__new__(ConnectorWorker)
     w.transfer, w._load_errors, w._stepped, w._sync_ids = TransferConfig(read_timeout_s=5), set(), [], set()
-    w._expired, w._dropped = set(), set()
+    w._expired, w._dropped, w._failed = set(), set(), {}
     w.xfer = FakeTransfer(script)
     w._start = lambda req_id, recv: w.xfer.start_pull(req_id, None, None)
     return w
@@ -54,6 +54,7 @@ def test_sync_loads_are_waited_for_and_never_reported():
     sending, recving, failed = w.get_transfer_results()
     assert sending == {"p-1"} and recving == {"a-1"} and failed == set()
     assert w.get_block_ids_with_load_errors() == {7, 8}  # the failed sync load: recomputed or failed by vLLM
+    assert w.worker_meta().failed_pulls == (("s-bad", "boom"),)  # why, for the EngineActor (connector stats)
     assert w._sync_ids == set()
 
 

@@ -172,7 +172,7 @@ class FakeXfer:
 
 def rank(step: StepResult, holding=()) -> ConnectorWorker:
     w = ConnectorWorker.__new__(ConnectorWorker)
-    w._load_errors, w._stepped, w._sync_ids, w._expired, w._dropped = set(), [], set(), set(), set()
+    w._load_errors, w._stepped, w._sync_ids, w._expired, w._dropped, w._failed = set(), [], set(), set(), set(), {}
     w.xfer = FakeXfer(step, set(holding))
     return w
 
@@ -199,7 +199,7 @@ def test_lease_end_stats_aggregate_and_reduce_for_vllms_logging_stat_logger():
 
     stats = RayNixlConnector.build_kv_connector_stats({"read": ["a"]})
     merged = stats.aggregate(LeaseEndStats({"read": ["b"], "expired": ["c"]}))
-    assert merged.reduce() == {"leases_read": 2, "leases_expired": 1, "leases_released": 0}
+    assert merged.reduce() == {"leases_read": 2, "leases_expired": 1, "leases_released": 0, "pulls_failed": 0}
     assert LeaseEndStats().is_empty() and LeaseEndStats({"read": []}).is_empty() and not merged.is_empty()
 
 
@@ -257,3 +257,70 @@ def test_the_backend_wires_the_lease_ends_into_held_leases():
         assert stats.held_leases == 0 and stats.counters["leases_released_by_notice"] == 1
     finally:
         shutil.rmtree(backend.handshake_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ failed pulls, with the ranks' reasons
+def test_a_failed_pulls_reason_reaches_the_actor_counted_by_kind_and_kept_for_the_request():
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from actors.kv.pull_types import LEASE_ENDED, NO_LEASE_RECORD
+
+    unread, counters = held()
+    logger = lease_ends_logger(unread.ended)(SimpleNamespace(), 0)
+    sched = ConnectorScheduler("D", tp_size=2, pp_size=1, dcp_size=1, block_size=16, lease_ttl_s=TTL_S)
+    aggregator = KVOutputAggregator(2)
+    late = "late-d-0123abcd"  # vLLM's id: the request's plus a random suffix
+    ranks = [rank(StepResult(failed={late: LEASE_ENDED}, invalid_block_ids={late: (3, 4)})),
+             rank(StepResult(failed={late: LEASE_ENDED, "slow-9f8e7d6c": f"{NO_LEASE_RECORD} 10.0s"}))]
+    for w in ranks:
+        w.get_transfer_results()
+    assert ranks[0].get_block_ids_with_load_errors() == {3, 4}
+    assert ranks[0].worker_meta() == LeaseEnds(failed_pulls=((late, LEASE_ENDED),))
+    ranks[0]._failed = {late: LEASE_ENDED}  # as before the call: both ranks report in one step
+    outs = [ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
+        invalid_block_ids={3, 4}, kv_connector_worker_meta=w.worker_meta())) for w in ranks]
+    sched.update_connector_output(aggregator.aggregate(outs).kv_connector_output)
+    ends = sched.lease_ends()
+    assert ends.reduce()["pulls_failed"] == 2  # one per request, though both ranks failed the late one
+    wire = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=SchedulerStats(kv_connector_stats=ends.to_dict())))
+    logger.record(MsgpackDecoder(EngineCoreOutputs).decode(wire).scheduler_stats, None)
+    assert counters["pull_failures_lease_ended"] == 1 and counters["pull_failures_no_lease_record"] == 1
+    assert counters["pull_failures_integrity"] == counters["pull_failures_transfer"] == 0
+    assert unread.pull_failures.reason("late-d") == LEASE_ENDED  # by the caller's id, as the decode path asks
+    assert unread.pull_failures.reason("slow").startswith(NO_LEASE_RECORD)
+    assert unread.pull_failures.reason("other") is None and sched.lease_ends() is None
+
+
+def test_failed_pulls_are_exported_by_kind_as_a_prometheus_counter():
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from actors.engine.vllm.connector.connector import RayNixlConnector
+    from actors.kv.pull_types import LEASE_ENDED
+
+    class FakeCounter:
+        made: list = []
+
+        def __init__(self, name, documentation="", labelnames=None):
+            self.name, self.labelnames, self.values, self.n = name, labelnames, None, 0
+            FakeCounter.made.append(self)
+
+        def labels(self, *values):
+            child = FakeCounter(self.name, labelnames=self.labelnames)
+            child.values = values
+            return child
+
+        def inc(self, n=1):
+            self.n += n
+
+    prom = RayNixlConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None),
+                                               {Gauge: None, Counter: FakeCounter, Histogram: None},
+                                               ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe({"read": ["x"], "pull_failed": [["late-d-0123abcd", LEASE_ENDED], ["b-1", "boom"]]}, 0)
+    counts = {c.values[-1]: c.n for c in FakeCounter.made if c.values}
+    assert FakeCounter.made[0].name == "vllm:raypd_kv_pull_failures"
+    assert FakeCounter.made[0].labelnames == ["model_name", "engine", "reason"]
+    assert counts == {"lease_ended": 1, "no_lease_record": 0, "integrity": 0, "transfer": 1}

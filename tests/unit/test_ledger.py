@@ -139,3 +139,19 @@ def test_engine_leaving_drops_its_breakers():
     led.open("a", "P", "D")
     assert [h.req_id for h in led.engine_left("P")] == ["a"]
     assert led.pair_states() == ()
+
+
+def test_a_failed_pulls_reason_names_the_verdict_across_the_wire_and_the_desk():
+    from actors.control.handoff_desk import HandoffDesk
+    from actors.control.ledger_records import LedgerBatch, TransferOutcomes, UnitOutcome
+
+    led, events = ledger(), []
+    desk = HandoffDesk(led, lambda *_: None, lambda kind, engine, **f: events.append((kind, engine, f)))
+    led.open("late", "P", "D")
+    why = "the producer's lease had ended when the read was confirmed (its blocks may be reused)"
+    units = [out(done=["late"]), out(failed=["late"], invalid=[3])]
+    units[1].failure_reasons["late"] = why
+    wire = TransferOutcomes(tuple(UnitOutcome.of(o) for o in units))  # as the decode engine sends them
+    desk.apply(LedgerBatch("D", (wire,)))
+    assert events == [("transfer_failed", "D", {"req_id": "late", "prefill_id": "P", "reason": f"KV pull failed: {why}"})]
+    assert state(led).last_reason == f"KV pull failed: {why}"

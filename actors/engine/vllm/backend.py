@@ -189,6 +189,11 @@ class VllmBackend:
         if self.llm is not None:
             await self.llm.is_sleeping()
 
+    def steps(self) -> int:
+        """Engine-core steps whose outputs reached this process so far (progress evidence: a core
+        that is slow to answer a probe but still steps is busy, not stuck)."""
+        return self._usage.get("core_outputs", 0)
+
     def kv_events_source(self) -> KVEventsSource | None:
         """Where the engine core publishes its KV events and how it hashes blocks (as vLLM resolved it)."""
         cache = self.llm.vllm_config.cache_config
@@ -256,13 +261,15 @@ class VllmBackend:
             self.ledger.handshake_failed(prefill_id, reason, req_id)
 
     def _report(self, req_id: str, failed: bool) -> None:
-        """One outcome per pulled request to the coordinator's ledger (vLLM merged its ranks)."""
+        """One outcome per pulled request to the coordinator's ledger (vLLM merged its ranks), a failed
+        one with why, when the connector said so (it did with the step's stats, before any output)."""
         if self.ledger is None:
             return
         from actors.kv.aggregator import KVConnectorOutput
 
+        why = self._unread.pull_failures.reason(req_id) if failed else None
         out = KVConnectorOutput(finished_recving={req_id}, failed_recving={req_id} if failed else set(),
-                                expected_finished_count=1)
+                                expected_finished_count=1, failure_reasons={req_id: why} if why else {})
         self.ledger.outcomes([out])
 
     async def abort(self, req_id: str) -> None:

@@ -21,14 +21,24 @@ Life cycle of one held prefill, as the actor sees it (`UnreadLeases`):
 
 The counters count the engine's reports, whichever way the entry ended here
 (an expiry report that comes after the entry timed out still counts).
+
+The same step stats carry a decode engine's failed pulls with the reader
+ranks' reasons (`PULL_FAILED`); `PullFailures` counts them by kind
+(`pull_failures_lease_ended`: the producer's lease board said the lease had
+ended after the data READ) and keeps each request's reason for its ledger
+verdict. They reach this process before the outputs of any later step, so
+before the request's first token.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+from actors.kv.pull_types import FAILURE_KINDS, failure_kind
 
 logger = logging.getLogger("raypd.vllm")
 
@@ -36,6 +46,36 @@ logger = logging.getLogger("raypd.vllm")
 READ, EXPIRED, RELEASED = "read", "expired", "released"
 LEASE_ENDS = (READ, EXPIRED, RELEASED)
 COUNTERS = {READ: "leases_released_by_notice", EXPIRED: "leases_expired"}
+PULL_FAILED = "pull_failed"  # the key of a step's failed pulls: [vLLM's id, why] each
+
+
+class PullFailures:
+    """Why this engine's pulls failed, as its reader ranks said: counted by kind in `counters`
+    (`pull_failures_<kind>`, `actors.kv.pull_types.failure_kind`) and kept by request (the last
+    `keep`) for the ledger's verdict."""
+
+    KINDS = (*FAILURE_KINDS.values(), "transfer")
+
+    def __init__(self, counters: dict[str, Any], keep: int = 1024):
+        self.counters, self.keep = counters, keep
+        for kind in self.KINDS:
+            counters.setdefault(f"pull_failures_{kind}", 0)
+        self._why: OrderedDict[str, str] = OrderedDict()
+
+    def add(self, failed: Iterable[Sequence[str]]) -> None:
+        """One step's [vLLM's id, why] entries (vLLM's id is the request's plus a random suffix)."""
+        for vllm_id, reason in failed:
+            self.counters[f"pull_failures_{failure_kind(reason)}"] += 1
+            head, _, suffix = vllm_id.rpartition("-")
+            for key in {vllm_id, head if head and len(suffix) == 8 else vllm_id}:
+                self._why[key] = reason
+                self._why.move_to_end(key)
+        while len(self._why) > self.keep:
+            self._why.popitem(last=False)
+
+    def reason(self, req_id: str) -> str | None:
+        """Why the request's pull failed (None: no failure reported, or long forgotten)."""
+        return self._why.get(req_id)
 
 
 class UnreadLeases:
@@ -45,6 +85,7 @@ class UnreadLeases:
         self.counters = counters
         for name in COUNTERS.values():
             counters.setdefault(name, 0)
+        self.pull_failures = PullFailures(counters)  # the same stats carry them (a decode engine's)
         self._clock = clock
         self._by_req: dict[str, tuple[str, float]] = {}  # request id -> (vLLM id, expiry)
         self._by_vllm: dict[str, str] = {}  # vLLM id -> request id
@@ -63,8 +104,10 @@ class UnreadLeases:
         self._by_vllm.pop(entry[0], None)
         return entry[0]
 
-    def ended(self, report: Mapping[str, Iterable[str]]) -> None:
-        """The engine's report of one step: vLLM ids of ended leases, by how they ended."""
+    def ended(self, report: Mapping[str, Iterable[Any]]) -> None:
+        """The engine's report of one step: vLLM ids of ended leases, by how they ended (and the
+        failed pulls, handed to `pull_failures`)."""
+        self.pull_failures.add(report.get(PULL_FAILED) or ())
         for how in LEASE_ENDS:
             for vllm_id in report.get(how) or ():
                 if how in COUNTERS:
@@ -96,7 +139,7 @@ def lease_ends_logger(ended: Callable[[Mapping[str, Iterable[str]]], None]):
                    engine_idx: int = 0) -> None:
             report = getattr(scheduler_stats, "kv_connector_stats", None)
             try:
-                if isinstance(report, Mapping) and any(report.get(how) for how in LEASE_ENDS):
+                if isinstance(report, Mapping) and any(report.get(how) for how in (*LEASE_ENDS, PULL_FAILED)):
                     ended(report)
             except Exception:  # noqa: BLE001 - raising here would end AsyncLLM's output handler
                 logger.exception("lease ends not applied: %r", report)

@@ -15,7 +15,9 @@ step) goes to the scheduler half with the step's finished_sending; the
 scheduler half's `get_kv_connector_stats` (leases finished on every rank, by
 how) goes to the client with the step's scheduler stats
 (`actors.engine.vllm.leases`). `build_kv_connector_stats` lets vLLM's own
-logging stat logger read the same payload.
+logging stat logger read the same payload; `build_prom_metrics` exports its
+failed pulls by kind (`vllm:raypd_kv_pull_failures{reason}`; through Ray's
+metrics agent, tagged with the engine: `actors.engine.vllm.metrics`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,33 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from actors.engine.vllm.connector.metadata import LeaseEndStats, RankHandshakeMetadata, RayNixlMetadata
 from actors.engine.vllm.connector.scheduler import ConnectorScheduler
 from actors.engine.vllm.connector.worker import ConnectorWorker, check_supported
 from actors.engine.vllm.extra_config import ConnectorExtraConfig
+from actors.engine.vllm.leases import PULL_FAILED, PullFailures
+from actors.kv.pull_types import failure_kind
+
+
+class PullFailureMetrics(KVConnectorPromMetrics):
+    """`vllm:raypd_kv_pull_failures{reason}`: a decode engine's failed pulls by kind
+    (`actors.kv.pull_types.failure_kind`; lease_ended: the producer's lease board refused the read)."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter = self._counter_cls(name="vllm:raypd_kv_pull_failures", labelnames=[*labelnames, "reason"],
+                                    documentation="KV pulls that failed, by why (raypd's connector)")
+        self._by = {(idx, kind): counter.labels(*values, kind)
+                    for idx, values in per_engine_labelvalues.items() for kind in PullFailures.KINDS}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for _req_id, reason in transfer_stats_data.get(PULL_FAILED) or ():
+            child = self._by.get((engine_idx, failure_kind(str(reason))))
+            if child is not None:  # (raising here would end vLLM's output handler)
+                child.inc()
 
 
 class RayNixlConnector(KVConnectorBase_V1):
@@ -121,6 +145,11 @@ class RayNixlConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LeaseEndStats:
         return LeaseEndStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> PullFailureMetrics:
+        return PullFailureMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

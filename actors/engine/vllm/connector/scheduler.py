@@ -34,6 +34,9 @@ Life cycle of a request as this half sees it:
                          request), and `update_connector_output` marks its
                          prefill stats as not pulled, so the first delta's
                          `num_cached_tokens` tells the engine what happened;
+    either: failed       the ranks' reasons (their `LeaseEnds`) go to the
+                         EngineActor with the step's connector stats, once per
+                         request, before any output of a later step;
     request_finished     aborted before loading -> abandon (producer freed).
 
 Malformed params never reach the worker: they are logged and the request is
@@ -90,7 +93,7 @@ class ConnectorScheduler:
         self._ended = LeaseEndStats()  # leases finished on every rank since the last step's stats
         self.stats = {"held": 0, "loads": 0, "sync_loads": 0, "async_loads": 0, "sync_failures": 0,
                       "bad_params": 0, "abandoned": 0, "released": 0,
-                      "leases_read": 0, "leases_expired": 0, "leases_released": 0}
+                      "leases_read": 0, "leases_expired": 0, "leases_released": 0, "pulls_failed": 0}
 
     # ---------------------------------------------------------------- decode
     def _params(self, request: Any) -> TransferParams | None:
@@ -177,6 +180,12 @@ class ConnectorScheduler:
         if isinstance(ranks, LeaseEnds):
             self._expired |= ranks.expired
             self._dropped |= ranks.released
+            failed: dict[str, str] = {}
+            for req_id, reason in ranks.failed_pulls:  # one per request: the first rank's reason
+                failed.setdefault(req_id, reason)
+            for req_id, reason in failed.items():
+                self._ended.pull_failed(req_id, reason)
+                self.stats["pulls_failed"] += 1
         for req_id in getattr(output, "finished_sending", None) or ():
             how = EXPIRED if req_id in self._expired else RELEASED if req_id in self._dropped else READ
             self._expired.discard(req_id)

@@ -29,8 +29,10 @@ the synthetic engine drives:
                        them while this process computes a step;
   worker_meta          what the step says of how leases ended besides the
                        readers' notices (`LeaseEnds`: expired, dropped for the
-                       release list), for the scheduler half, which tells the
-                       EngineActor (vLLM's `build_connector_worker_meta`).
+                       release list) and of the pulls that failed (with
+                       `RankTransfer`'s reason: sync loads too), for the
+                       scheduler half, which tells the EngineActor (vLLM's
+                       `build_connector_worker_meta`).
 """
 
 from __future__ import annotations
@@ -201,6 +203,7 @@ class ConnectorWorker:
         self._sync_ids: set[str] = set()  # sync loads: never reported finished or failed
         self._expired: set[str] = set()  # leases that ended without their readers, until `worker_meta`
         self._dropped: set[str] = set()  # leases freed for the release list, likewise
+        self._failed: dict[str, str] = {}  # pulls that failed (request -> why), likewise
         # test knob (transfer.fault_rate): this fraction of pulls fails on purpose
         self.faults = FaultPolicy(rate=self.transfer.fault_rate, seed=settings.fault_seed)
 
@@ -306,6 +309,7 @@ class ConnectorWorker:
                 logger.error("raypd: sync KV loads %s did not end; their blocks are invalid", sorted(pending))
                 for req_id in pending:
                     self._load_errors.update(req_ids[req_id])
+                    self._failed[req_id] = "the sync KV load did not end within the read timeout"
                     self.xfer.cancel(req_id)
                 return
             if pending:
@@ -320,6 +324,7 @@ class ConnectorWorker:
         for req_id, reason in step.failed.items():
             logger.warning("raypd: KV pull of %s failed: %s", req_id, reason)
             self._load_errors.update(step.invalid_block_ids.get(req_id, ()))
+            self._failed[req_id] = reason
         if step.expired:
             logger.warning("raypd: leases expired without readers: %s", list(step.expired))
             self._expired.update(step.expired)
@@ -328,11 +333,12 @@ class ConnectorWorker:
         return step.finished_sending, step.finished_recving - sync, set(step.failed) - sync
 
     def worker_meta(self) -> LeaseEnds | None:
-        """The leases this rank let expire or dropped since the last call (None: all by notices)."""
-        if not (self._expired or self._dropped):
+        """The leases this rank let expire or dropped and the pulls that failed since the last call
+        (None: every lease ended by notices, no pull failed)."""
+        if not (self._expired or self._dropped or self._failed):
             return None
-        ends = LeaseEnds(frozenset(self._expired), frozenset(self._dropped))
-        self._expired, self._dropped = set(), set()
+        ends = LeaseEnds(frozenset(self._expired), frozenset(self._dropped), tuple(self._failed.items()))
+        self._expired, self._dropped, self._failed = set(), set(), {}
         return ends
 
     def get_block_ids_with_load_errors(self) -> set[int]:
