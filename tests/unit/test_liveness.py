@@ -1,13 +1,17 @@
 """The coordinator's liveness probes without Ray (actors/control/liveness.py): a router's hang report is
-probed, a probe that times out evicts the incarnation (breakers open) and kills it for a restart; an
-engine that answers is left alone; the sweep finds hangs nobody reported (after two failed probes in a
-row: one slow answer does not kill a healthy engine); one probe per incarnation."""
+probed, `failure_threshold` probes in a row that time out evict the incarnation (breakers open) and kill
+it for a restart; an engine that answers is left alone; the sweep finds hangs nobody reported (the same
+threshold: one slow answer does not kill a healthy engine); one judgement per incarnation; a probe that
+times out while the engine calls the coordinator found a busy engine, not a hung one; an engine actor
+whose core is slow but stepping answers "pong" (actors/engine/core_probe.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
 from actors.control.coordinator import Coordinator
+from actors.control.ledger_records import LedgerBatch
+from actors.engine.core_probe import PONG, core_answer
 from tests.unit.test_handshake import payload
 
 
@@ -74,10 +78,11 @@ def test_a_reported_hang_is_probed_evicted_with_open_breakers_and_killed_once():
 
     verdicts, routes, events, h, c = asyncio.run(go())
     assert verdicts == ["hung"] * 3
-    assert h["D"].calls.count("ping") == 1  # three reports, one probe
+    assert h["D"].calls.count("ping") == 2  # three reports, one judgement: two failed probes in a row
     assert h["D"].killed == 1 and h["P"].killed == 0  # killed so that Ray restarts it
     assert "D" not in routes.decodes and routes.hangs == {"D": 1}
-    assert events[0]["reason"].startswith("hung: no answer to a ping in 0 s (reported: missed its token deadline")
+    assert events[0]["reason"].startswith(
+        "hung: no answer to a ping in 0 s (2 probes in a row; reported: missed its token deadline")
     assert {b.pair: b for b in routes.breakers}["P->D"].state == "open"  # its pairs record the failure
 
 
@@ -148,4 +153,48 @@ def test_a_report_during_a_sweeps_probe_is_decided_by_that_probe():
 
     verdict, found, h = asyncio.run(go())
     assert verdict == "hung" and found == ["D"]
-    assert h["D"].calls.count("ping") == 1 and h["D"].killed == 1
+    # the sweep's failed probe is the first strike; the report probes again at once for the second
+    assert h["D"].calls.count("ping") == 2 and h["D"].killed == 1
+
+
+def test_a_reported_engine_that_calls_the_coordinator_while_its_probe_times_out_is_busy_not_hung():
+    async def go():
+        c, h = await pair(timeout_s=0.3)
+        h["D"].frozen = True  # its pings go unanswered (a starved actor loop) ...
+        gen = {e.engine_id: e.generation for e in await c.engines()}["D"]
+        verdict = asyncio.ensure_future(c.engine_hung("D", gen, "missed its token deadline"))
+        while "ping" not in h["D"].calls:
+            await asyncio.sleep(0)
+        await c.report_batch(LedgerBatch("D", ()))  # ... but it reports its ledger records meanwhile
+        out = await verdict
+        stats = await c.control_stats()
+        routes = await c.routes()
+        stop(c)
+        return out, stats, routes, h
+
+    verdict, stats, routes, h = asyncio.run(go())
+    assert verdict is None and h["D"].killed == 0
+    assert (stats.probe_failures, stats.probes_busy) == (0, 1)
+    assert "D" in routes.decodes and routes.hangs == {}
+
+
+class SlowCore:
+    """A backend whose core answers a probe after `answer_s`, stepping `steps_meanwhile` times first."""
+
+    def __init__(self, answer_s: float, steps_meanwhile: int):
+        self.answer_s, self.steps_meanwhile, self.n = answer_s, steps_meanwhile, 0
+
+    async def probe(self):
+        for _ in range(self.steps_meanwhile):
+            await asyncio.sleep(0.01)
+            self.n += 1
+        await asyncio.sleep(self.answer_s)
+
+    def steps(self) -> int:
+        return self.n
+
+
+def test_an_engine_core_slow_to_answer_but_stepping_is_busy_and_a_silent_one_is_stuck():
+    busy = asyncio.run(core_answer(SlowCore(answer_s=5.0, steps_meanwhile=3), "E", probe_s=0.2))
+    stuck = asyncio.run(core_answer(SlowCore(answer_s=5.0, steps_meanwhile=0), "E", probe_s=0.2))
+    assert (busy, stuck) == (PONG, "the engine core did not answer in 0 s")

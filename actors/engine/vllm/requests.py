@@ -105,7 +105,7 @@ def usage_sink(sink: dict):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     for key in ("prompt_tokens", "prompt_tokens_computed", "prompt_tokens_pulled", "prompt_tokens_cached",
-                "compute_steps", "compute_steps_ctx_tokens", "compute_steps_gen_tokens"):
+                "compute_steps", "compute_steps_ctx_tokens", "compute_steps_gen_tokens", "core_outputs"):
         sink.setdefault(key, 0)
 
     class KVUsageLogger(StatLoggerBase):
@@ -115,6 +115,7 @@ def usage_sink(sink: dict):
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
+                sink["core_outputs"] += 1  # one per engine-core step seen here: the liveness probe's progress
                 sink["kv_cache_usage"] = scheduler_stats.kv_cache_usage
                 sink["running"] = scheduler_stats.num_running_reqs
                 sink["waiting"] = scheduler_stats.num_waiting_reqs
