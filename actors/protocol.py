@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
+from actors.rates import EngineRates
 from actors.transfer_params import TransferParams
 
 
@@ -252,12 +253,13 @@ class LoadSnapshot:
     outstanding_tokens_avg: float
     prefill_latency_p90_s: float | None
     itl_p90_s: float | None
-    # what the engine measured of itself (moving averages; None before any sample), for scaling
-    prefill_tokens_per_s: float | None = None  # prompt tokens per second of its prefills' wall time
-    step_s: float | None = None  # its decode streams' per-token gaps
+    # what the engine measured of itself (its rate model, `rates`; None before any sample), for scaling
+    prefill_tokens_per_s: float | None = None  # prompt tokens per second its prefills computed
+    step_s: float | None = None  # one decode step at its recent batch
     arrivals_per_s: float = 0.0  # decode requests started per second, recently
     prompt_tokens_avg: float | None = None  # of the requests it decoded
     output_tokens_avg: float | None = None
+    rates: EngineRates | None = None  # its one rate model and queues, as it publishes them (`actors.rates`)
 
 
 @dataclass(frozen=True)
@@ -333,6 +335,7 @@ class EngineInfo:
     backend: str = "synthetic"
     model: str = ""
     pid: int = 0
+    node_id: str = ""  # the Ray node its process runs on (a hung one is killed there too: `liveness`)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The directory the coordinator serves routers: usable prefill engines per decode engine and every
-pair's breaker (`RouteTable`, versioned; `RouteDelta`: the breaker moves since a version).
+"""The directory the coordinator serves routers: usable prefill engines per decode engine, every
+pair's breaker and every engine's own rates (`RouteTable`, versioned; `RouteDelta`: the breaker and
+rate moves since a version).
 
 Built by `actors.control.route_book.RouteBook`, read by `serving.routing` (the router's view) and
 shown by `/metrics` and `raypd status`.
@@ -8,6 +9,8 @@ shown by `/metrics` and `raypd status`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from actors.rates import EngineRates
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,14 @@ class RouteTable:
     epoch: str = ""
     version: int = 0
     hangs: dict[str, int] = field(default_factory=dict)  # engine -> incarnations judged hung (and killed)
+    # engine -> its rates and queues as it measured them itself (`actors.rates`): one model, every router
+    rates: dict[str, EngineRates] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class RouteDelta:
     """What changed in the coordinator's `RouteTable` since version `base` of the same epoch: breaker
-    moves only (a registration, removal or draining always sends the whole table). O(changes)."""
+    and rate moves only (a registration, removal or draining always sends the whole table). O(changes)."""
 
     epoch: str
     base: int
@@ -65,6 +70,7 @@ class RouteDelta:
     decodes: dict[str, tuple[PrefillRoute, ...]]  # decode engines whose usable prefill engines changed
     breakers: tuple[PairState, ...]  # pairs whose breaker moved (as they are now)
     settling: bool = False
+    rates: dict[str, EngineRates] = field(default_factory=dict)  # engines whose rates moved (as they are now)
 
     def apply(self, table: RouteTable) -> RouteTable:
         """`table` (version `base`) brought to `version`; `table` itself is left as it was."""
@@ -72,4 +78,4 @@ class RouteDelta:
         breakers = tuple(moved.pop((b.prefill_id, b.decode_id), b) for b in table.breakers) + tuple(moved.values())
         decodes = {**table.decodes, **{d: ps for d, ps in self.decodes.items() if d in table.decodes}}
         return RouteTable(decodes, breakers, table.generations, self.settling, self.epoch, self.version,
-                          table.hangs)
+                          table.hangs, {**table.rates, **self.rates} if self.rates else table.rates)

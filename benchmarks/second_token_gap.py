@@ -31,7 +31,7 @@ import ray
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from actors.control.coordinator import COORDINATOR_NAME, start_coordinator  # noqa: E402
+from actors.control.coordinator_actor import COORDINATOR_NAME, start_coordinator  # noqa: E402
 from actors.engine.actor import EngineActor
 from actors.engine.options import engine_actor_options  # noqa: E402
 from actors.engine.config import EngineConfig  # noqa: E402

@@ -44,6 +44,7 @@ from actors.engine.config import (
     Backend,
     DType,
     EngineConfig,
+    RateModelConfig,
     SyntheticModelConfig,
     lift_owned_kwargs,
 )
@@ -106,16 +107,16 @@ class RouterConfig(_Strict):
     # restarted one); past it the stream ends with an error event
     migration_wait_s: float = Field(15.0, ge=0)
     # Deadlines of the engine calls a client waits for (formulas: serving/routing/deadlines.py):
-    # a prefill call or a stream's first chunk gets floor + margin x tokens / the engine's measured
-    # prefill rate (+ transfer.read_timeout_s when the decode engine pulls KV first); every later
-    # chunk max(token_timeout_s, margin x the engine's measured gap between chunks). A wait past its
+    # a prefill call or a stream's first chunk gets floor + margin x the prefill's predicted time at
+    # the engine's own published rates and queue (the priors of `slo` until it measured them; +
+    # transfer.read_timeout_s when the decode engine pulls KV first); every later chunk
+    # max(token_timeout_s, margin x the engine's step at its published batch). A wait past its
     # deadline goes on while the engine answers other calls (silent < token_timeout_s), up to margin x
     # its deadline: busy is not hung. An engine that misses one is treated as hung: its streams
     # migrate, the coordinator is told (it probes, evicts and restarts the engine), and this router
     # gives it no work meanwhile.
     deadline_floor_s: float = Field(10.0, gt=0)
     deadline_margin: float = Field(3.0, ge=1.0)
-    initial_prefill_tokens_per_s: float = Field(500.0, gt=0)  # until the engine's rate is measured
     token_timeout_s: float = Field(10.0, gt=0)  # per-token inactivity of a stream (floor)
     # a suspected engine gets no new work from this router this long, unless the directory lists a
     # new incarnation of it sooner (the coordinator's probe decides within restarts.probe_timeout_s)
@@ -125,11 +126,11 @@ class RouterConfig(_Strict):
 class RestartConfig(_Strict):
     """Ray restarts crashed engines, their rank actors (synthetic engines), the coordinator and the
     autoscaler, each at most `max_restarts` times. A hung engine is restarted too: the coordinator
-    pings every engine each `probe_interval_s` (and at once when a router reports a missed
-    deadline); one that does not answer within `probe_timeout_s` (its actor, or vLLM's engine core
-    behind it), when a router reported it or at `probe_failure_threshold` sweeps in a row (one slow
-    answer on busy cores is not a hang), is evicted and killed, and Ray restarts it as a new
-    incarnation. A restarted engine that has not registered again within `startup_deadline_s`
+    pings every engine each `probe_interval_s` (and at once, then again after each failure, when
+    a router reports a missed deadline); one that fails `probe_failure_threshold` probes in a row
+    (no answer within `probe_timeout_s` while it calls the coordinator for nothing else, or vLLM's
+    engine core behind it neither answering nor stepping: one slow answer on busy cores is not a
+    hang) is evicted and killed, and Ray restarts it as a new incarnation. A restarted engine that has not registered again within `startup_deadline_s`
     (unset: the launcher's engine start timeout) is killed and restarted again (a restart that hangs
     while it starts cannot be probed)."""
 
@@ -284,6 +285,17 @@ class DeploymentConfig(_Strict):
         budget = self.chunk_budget_of(role, measured)
         return budget.tokens if budget is not None else None
 
+    def rate_model(self, measured: MeasuredRates | None = None) -> RateModelConfig:
+        """How an engine fits its own rates: from `router.slo`'s priors and half-life, or, started beside
+        engines of its role that `measured` theirs, from those (a new engine starts from the others)."""
+        slo = self.router.slo
+        return RateModelConfig(
+            prior_prefill_tokens_per_s=measured.prefill_tokens_per_s if measured else slo.prior_prefill_tokens_per_s,
+            prior_step_s=measured.step_s if measured else slo.prior_step_s,
+            prior_step_per_stream_s=slo.prior_step_per_stream_s, half_life_s=slo.rate_half_life_s,
+            prior_weight=slo.prior_weight, min_history_weight=slo.min_history_weight,
+            busy_window_s=slo.prefill_busy_window_s)
+
     def engine_config(self, role: str, index: int = 0, engine_id: str | None = None,
                       measured: MeasuredRates | None = None) -> EngineConfig:
         """Engine `index` of `role`; `measured`: the rates the role's live engines measured, when it
@@ -312,6 +324,7 @@ class DeploymentConfig(_Strict):
             resources=group.resources, max_restarts=self.restarts.max_restarts,
             cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,
             compute_nice=group.compute_nice, shm_busy_loop_s=group.shm_busy_loop_s,
+            rates=self.rate_model(measured),
         )
 
     @property

@@ -108,11 +108,10 @@ class ChunkBudget:
 
 @dataclass(frozen=True)
 class MeasuredRates:
-    """What the live engines of one role measured of themselves (their load meters, read through
-    `EngineActor.load()`): prompt tokens per second of their prefills' wall time (the queue
-    included, so it errs slow) and seconds per decoded token of their streams (the step at the
-    batch they ran, local prefill chunks included, so it errs long); both err toward a smaller,
-    safer budget."""
+    """What the live engines of one role measured of themselves (their one rate model, `actors.rates`,
+    read through `EngineActor.load()`): the prefill rate they fitted (prompt tokens per second, the
+    tokens queued ahead of each prefill counted as work) and one decode step at their recent batch
+    (so it errs long under load, toward a smaller, safer budget)."""
 
     prefill_tokens_per_s: float
     step_s: float

@@ -25,7 +25,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def coordinator(ray_cluster):
-    from actors.control.coordinator import start_coordinator
+    from actors.control.coordinator_actor import start_coordinator
 
     handle = start_coordinator(max_restarts=5)
     ray_cluster.get(handle.ping.remote())

@@ -66,7 +66,7 @@ from actors.control.route_book import RouteBook
 from actors.control.ledger_records import ControlStats, LedgerBatch
 from actors.protocol import EngineInfo, EngineSummary
 from actors.ray_names import COORDINATOR_NAME, NAMESPACE
-from actors.routes import RouteDelta, RouteTable
+from actors.routes import EngineRates, RouteDelta, RouteTable
 from actors.prefix_wire import IndexCursor, IndexUpdate, KVEventsBatch
 from actors.control.prefix_index import PrefixIndex
 from actors.control.registry import ROLES, EngineEntry, Registration, RegistrationError, decode_registration
@@ -242,11 +242,17 @@ class Coordinator:
         """A half-open pair's probe is admitted once, cluster-wide."""
         return self.ledger.admit_probe(decode_id, prefill_id)
 
+    async def report_rates(self, engine_id: str, generation: int | None, rates: EngineRates) -> bool:
+        """An engine's own rates and queues (`actors.engine.rates_publisher`), for every router's table."""
+        self.liveness.heard(engine_id)
+        return self.book.report_rates(engine_id, generation, rates, self._engines)
+
     # ------------------------------------------------------- prefix index
     async def kv_events(self, engine_id: str, batch: KVEventsBatch) -> bool:
         """A registered engine's KV cache events (in its order); False: not registered, ignored."""
         if engine_id not in self._engines:
             return False
+        self.liveness.heard(engine_id)
         self.prefix_index.apply(engine_id, batch)
         c = self.counters
         c["kv_calls"] += 1
@@ -277,6 +283,7 @@ class Coordinator:
     async def report_batch(self, batch: LedgerBatch) -> int:
         """A decode engine's coalesced ledger records, applied in its order; returns how many."""
         self._ensure_timers()
+        self.liveness.heard(batch.decode_id)
         return self.desk.apply(batch)
 
     async def open_handoff(self, req_id: str, prefill_id: str, decode_id: str) -> None:
@@ -289,6 +296,7 @@ class Coordinator:
 
     async def report_outcomes(self, decode_id: str, outputs: list[KVConnectorOutput | None]) -> list[Verdict]:
         """Per-unit transfer outcomes of a decode engine -> verdicts (they feed the breakers)."""
+        self.liveness.heard(decode_id)
         return self.desk.report(decode_id, outputs)
 
     async def unit_died(self, decode_id: str, collected: list[KVConnectorOutput | None]) -> list[Verdict]:
@@ -342,7 +350,8 @@ class Coordinator:
                             dict(self.ledger.verdicts), self.desk.batches, self.desk.records, c["kv_calls"],
                             c["kv_events"], c["kv_blocks"], sum(self.prefix_index.engines().values()),
                             self.book.builds, c["route_calls"], c["route_unchanged"],
-                            dict(self.startups.timeouts), self.startups.pending())
+                            dict(self.startups.timeouts), self.startups.pending(),
+                            self.liveness.probe_failures, self.liveness.busy_timeouts)
 
     async def recent_events(self, limit: int = 100) -> list[dict]:
         return self.events[-limit:]
@@ -390,29 +399,3 @@ def _reconstructed() -> bool:
         return ray.is_initialized() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # noqa: BLE001 - not inside an actor
         return False
-
-
-def coordinator_options(name: str = COORDINATOR_NAME, detached: bool = False, on_head_node: bool = False,
-                        max_restarts: int = 5) -> dict[str, Any]:
-    """Ray options of the coordinator: a waiting actor (no CPU) that Ray restarts (bounded);
-    its calls are retried on the new incarnation unless they say otherwise (`watch*`)."""
-    options: dict[str, Any] = dict(
-        name=name, namespace=NAMESPACE, num_cpus=0, get_if_exists=True, max_concurrency=10_000,
-        max_restarts=max_restarts, max_task_retries=3 if max_restarts else 0,
-    )
-    if detached:
-        options["lifetime"] = "detached"
-    if on_head_node:  # Ray's marker resource of the head node: the directory lives as long as the cluster
-        options["resources"] = {"node:__internal_head__": 0.001}
-    return options
-
-
-def start_coordinator(detached: bool = False, on_head_node: bool = False, name: str = COORDINATOR_NAME,
-                      max_restarts: int = 5, **kwargs: Any) -> Any:
-    """Get or create the cluster's coordinator actor (on the head node if asked)."""
-    options = coordinator_options(name, detached, on_head_node, max_restarts)
-    return ray.remote(Coordinator).options(**options).remote(**kwargs)
-
-
-def get_coordinator() -> Any:
-    return ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)

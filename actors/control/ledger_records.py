@@ -44,15 +44,17 @@ class UnitOutcome(NamedTuple):
     failed: tuple[str, ...] = ()  # finished, but the pull failed
     invalid_block_ids: tuple[int, ...] = ()
     expected: int = 0  # units that must report a request (0: no opinion)
+    reasons: tuple[tuple[str, str], ...] = ()  # (failed request, why) where the unit knows
 
     @classmethod
     def of(cls, out: KVConnectorOutput) -> "UnitOutcome":
         return cls(tuple(out.finished_recving), tuple(out.failed_recving), tuple(out.invalid_block_ids),
-                   out.expected_finished_count)
+                   out.expected_finished_count, tuple(out.failure_reasons.items()))
 
     def output(self) -> KVConnectorOutput:
         return KVConnectorOutput(finished_recving=set(self.finished), failed_recving=set(self.failed),
-                                 invalid_block_ids=set(self.invalid_block_ids), expected_finished_count=self.expected)
+                                 invalid_block_ids=set(self.invalid_block_ids), expected_finished_count=self.expected,
+                                 failure_reasons=dict(self.reasons))
 
 
 class TransferOutcomes(NamedTuple):
@@ -106,3 +108,5 @@ class ControlStats:
     startup_timeouts: dict[str, int] = field(default_factory=dict)  # engine -> start-up deadlines it missed
     # restarted engines not registered again yet -> seconds left to their start-up deadline (`startup_watch`)
     startups_awaited: dict[str, float] = field(default_factory=dict)
+    probe_failures: int = 0  # liveness probes unanswered (or a stuck core), hung or not in the end
+    probes_busy: int = 0  # probes unanswered while the engine called the coordinator: busy, not hung

@@ -6,16 +6,19 @@ Life cycle of the table:
             registered engines is judged once (`pair_problem`: compatible or the reason
             not); each routable pair gets its breaker in the ledger;
   dropped   `drop(engine_id)`: an engine's pairs go with it (O(its pairs));
+  rated     `set_rates(engine, rates)`: an engine's own rates and queues (`actors.rates`),
+            kept only when they moved materially from the kept ones (`EngineRates.moved_from`),
+            so every router at one version reads the same numbers; dropped with the engine;
   changed   a registration, a removal, draining (`changed()`), a visible breaker move
             (the ledger's `changes`), a move by time alone (`ledger.advance()`: a
-            cooldown or a probe window ended) or the end of the post-restart settling;
+            cooldown or a probe window ended), kept rates, or the end of the post-restart settling;
   built     `table(...)`: the cached table while nothing changed; on a change the next
-            version of this book's epoch: after breaker moves only the decode engines of
+            version of this book's epoch: after breaker or rate moves only the decode engines of
             the moved pairs are recomputed (O(their prefill engines)); after a directory
             change the whole table is rebuilt, O(pairs);
   polled    `since(epoch, version, ...)`: None while a router's copy is current (O(1),
-            nothing shipped); a `RouteDelta` (O(changes)) when only breakers moved since
-            that version and the change log still reaches back; else the whole table.
+            nothing shipped); a `RouteDelta` (O(changes)) when only breakers and rates moved
+            since that version and the change log still reaches back; else the whole table.
 
 Pure: no Ray; the coordinator owns one.
 """
@@ -30,6 +33,7 @@ from collections.abc import Mapping
 from actors.control.ledger import TransferLedger
 from actors.control.registry import EngineEntry
 from actors.kv.compat import pair_problem
+from actors.rates import EngineRates
 from actors.routes import PrefillRoute, RouteDelta, RouteTable
 
 logger = logging.getLogger("raypd.coordinator")
@@ -47,10 +51,14 @@ class RouteBook:
         self._changes = 0
         self._whole = True  # the directory changed: the next build is a whole one
         self._table: RouteTable | None = None
-        self._key: tuple[int, int, bool, int] | None = None
-        # per version built: (decode engines recomputed, pairs moved), or None for a whole build
-        self._log: deque[tuple[int, frozenset[str], frozenset[tuple[str, str]]] | tuple[int, None, None]] = \
-            deque(maxlen=log_versions)
+        self._key: tuple[int, int, bool, int, int] | None = None
+        self._rates: dict[str, EngineRates] = {}  # engine -> the rates it published, as kept
+        self._rated: set[str] = set()  # engines whose kept rates moved since the last build
+        self._rate_changes = 0
+        # per version built: (decode engines recomputed, pairs moved, engines whose rates moved), or
+        # None for a whole build
+        self._log: deque[tuple[int, frozenset[str], frozenset[tuple[str, str]], frozenset[str]]
+                         | tuple[int, None, None, None]] = deque(maxlen=log_versions)
 
     # --------------------------------------------------------------- pairs
     def add(self, entry: EngineEntry, engines: Mapping[str, EngineEntry]) -> dict[str, str]:
@@ -75,6 +83,7 @@ class RouteBook:
 
     def drop(self, engine_id: str) -> list[tuple[str, str]]:
         """Forget the engine's pairs; returns them as (decode, prefill)."""
+        self._rates.pop(engine_id, None)
         gone = [(d, engine_id) for d in self._decodes_of.pop(engine_id, ())]
         gone += [(engine_id, p) for p in self._prefills_of.pop(engine_id, {})]
         for d, p in gone:
@@ -91,6 +100,27 @@ class RouteBook:
                     for d in self._decodes_of.get(engine_id, ())})
         return out
 
+    def report_rates(self, engine_id: str, generation: int | None, rates: EngineRates,
+                     engines: Mapping[str, EngineEntry]) -> bool:
+        """An engine's report (`Coordinator.report_rates`): kept (`set_rates`) when it comes from the
+        registered incarnation; False: not registered as that incarnation, ignored."""
+        entry = engines.get(engine_id)
+        if entry is None or (generation is not None and entry.generation != generation):
+            return False
+        self.set_rates(engine_id, rates)
+        return True
+
+    def set_rates(self, engine_id: str, rates: EngineRates) -> bool:
+        """Keep a registered engine's own rates when they moved materially from the kept ones (the next
+        table is a new version); False: nothing kept (the same numbers stand for every router)."""
+        kept = self._rates.get(engine_id)
+        if kept is not None and not rates.moved_from(kept):
+            return False
+        self._rates[engine_id] = rates
+        self._rated.add(engine_id)
+        self._rate_changes += 1
+        return True
+
     def changed(self) -> None:
         """The directory changed (registration, removal, draining): the next table is a whole new one."""
         self._changes += 1
@@ -103,45 +133,48 @@ class RouteBook:
         `hangs`: engine -> incarnations judged hung (a judgement evicts, so it comes with a change)."""
         self.ledger.advance()
         hangs = dict(hangs or {})
-        key = (self._changes, self.ledger.changes, settling, sum(hangs.values()))
+        key = (self._changes, self.ledger.changes, settling, sum(hangs.values()), self._rate_changes)
         if self._key is not None and key[3] != self._key[3]:
             self._whole = True  # deltas carry breakers only: new hang counts travel in a whole table
         if self._table is None or key != self._key:
             self.version += 1
             self.builds += 1
             moved = self.ledger.take_moved()
+            rated, self._rated = frozenset(self._rated), set()
             if self._whole or self._table is None:
                 self._whole = False
                 decodes = {e.engine_id: self._usable(e.engine_id, engines) for e in engines.values()
                            if e.serves_decode and not e.draining}
-                self._log.append((self.version, None, None))
-            else:  # only breakers moved: recompute the decode engines they belong to
+                self._log.append((self.version, None, None, None))
+            else:  # only breakers or rates moved: recompute the decode engines of the moved pairs
                 redo = {d for d, _ in moved if d in self._table.decodes}
                 decodes = {**self._table.decodes, **{d: self._usable(d, engines) for d in redo}}
-                self._log.append((self.version, frozenset(redo), frozenset(moved)))
+                self._log.append((self.version, frozenset(redo), frozenset(moved), rated))
             self._table = RouteTable(decodes, self.ledger.pair_states(),
                                      {e.engine_id: e.generation for e in engines.values()}, settling,
-                                     self.epoch, self.version, hangs)
+                                     self.epoch, self.version, hangs,
+                                     {e: r for e, r in self._rates.items() if e in engines})
             self._key = key
         return self._table
 
     def since(self, epoch: str | None, version: int, engines: Mapping[str, EngineEntry],
               settling: bool, hangs: Mapping[str, int] | None = None) -> RouteTable | RouteDelta | None:
         """None when the caller's copy (`epoch`, `version`) is current; the changes since it when only
-        breakers moved (and the log reaches back); else the whole table."""
+        breakers and rates moved (and the log reaches back); else the whole table."""
         table = self.table(engines, settling, hangs)
         if (epoch, version) == (table.epoch, table.version):
             return None
         if epoch != self.epoch:
             return table
         after = [entry for entry in self._log if entry[0] > version]
-        if not after or after[0][0] != version + 1 or any(redo is None for _, redo, _ in after):
+        if not after or after[0][0] != version + 1 or any(redo is None for _, redo, _, _ in after):
             return table
-        decodes = set().union(*(redo for _, redo, _ in after))
-        pairs = set().union(*(moved for _, _, moved in after))
+        decodes = set().union(*(redo for _, redo, _, _ in after))
+        pairs = set().union(*(moved for _, _, moved, _ in after))
+        rated = set().union(*(r for _, _, _, r in after))
         states = [s for s in (self.ledger.state_of(d, p) for d, p in pairs) if s is not None]
         return RouteDelta(self.epoch, version, table.version, {d: table.decodes[d] for d in decodes},
-                          tuple(states), table.settling)
+                          tuple(states), table.settling, {e: table.rates[e] for e in rated if e in table.rates})
 
     def _usable(self, decode_id: str, engines: Mapping[str, EngineEntry]) -> tuple[PrefillRoute, ...]:
         """Compatible prefill engines, not draining, whose breaker with `decode_id` is not open."""

@@ -46,10 +46,12 @@ from typing import Any, AsyncIterator
 import ray
 
 from actors.engine.config import EngineConfig
+from actors.engine.core_probe import PONG, core_answer
 from actors.engine.ledger_reporter import LedgerReporter
 from actors.engine.vllm.kv_events import relay_for
 from actors.engine.vllm.trace import timer_for
 from actors.engine.load import EngineLoad, LoadMeter
+from actors.engine.rates_publisher import RatesPublisher
 from actors.protocol import (
     Backend,
     EngineRequest,
@@ -67,8 +69,6 @@ from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, P
 from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.engine")
-
-CORE_PROBE_S = 8.0  # the engine core's answer to a liveness probe: under restarts.probe_timeout_s
 
 
 def make_backend(cfg: EngineConfig, engine_id: str) -> Backend:
@@ -102,7 +102,8 @@ class EngineActor:
         self._timer: Any = None  # actors.engine.vllm.trace.RequestTimer: vLLM's queued/compute split per request
         # handoffs opened/aborted here and the backend's transfer outcomes, coalesced into report_batch calls
         self.ledger: LedgerReporter | None = None
-        self.meter = LoadMeter()  # queues and latencies for the autoscaler
+        self.meter = LoadMeter(rates=self.cfg.rates)  # queues, latencies and the one rate model
+        self.rates_publisher: RatesPublisher | None = None  # that model to the coordinator, for every router
         self._start_lock = asyncio.Lock()
         self._start_info: EngineStart | None = None
         self._watcher: asyncio.Task | None = None
@@ -152,6 +153,7 @@ class EngineActor:
         try:
             await self.backend.start(self._coordinator, on_new_incarnation=self._register, ledger=self.ledger)
             self._timer = timer_for(self.backend)
+            self.meter.budget_tokens = getattr(self.effective_config(), "max_num_batched_tokens", None)
             if self.cfg.backend == "vllm":
                 from actors.engine.vllm.compute_priority import lower_compute_priority
 
@@ -163,6 +165,10 @@ class EngineActor:
                 pairs = reg.pairs if reg is not None else {}
                 self.startup.reached(HANDSHAKE_PUBLISHED)
                 self._watcher = asyncio.get_running_loop().create_task(self._watch_coordinator())
+                r = self.cfg.rates
+                self.rates_publisher = RatesPublisher(self.engine_id, self.meter.rates, self._send_rates,
+                                                      r.publish_interval_s, r.republish_s)
+                self.rates_publisher.start()
         except Exception as exc:
             self.startup.failed(exc)
             raise
@@ -194,13 +200,19 @@ class EngineActor:
             reg = await self._coordinator.register_engine.remote(
                 self.engine_id, self.cfg.role, handshakes,
                 [ray.get_runtime_context().current_actor] + self.backend.liveness_handles(),
-                EngineInfo(self.cfg.backend, self.cfg.model, os.getpid()),
+                EngineInfo(self.cfg.backend, self.cfg.model, os.getpid(),
+                           ray.get_runtime_context().get_node_id()),
             )
             self._generation, self._handshakes = reg.generation, handshakes
+            if self.rates_publisher is not None:
+                self.rates_publisher.reset()  # the new registration has none of our rates yet
             return reg
 
     def _relay_kv_events(self, batch: Any) -> Any:
         return self._coordinator.kv_events.remote(self.engine_id, batch)
+
+    def _send_rates(self, rates: Any) -> Any:
+        return self._coordinator.report_rates.remote(self.engine_id, self._generation, rates)
 
     async def _watch_coordinator(self) -> None:
         """One pending call at the coordinator; re-register when it returns or fails."""
@@ -257,7 +269,7 @@ class EngineActor:
         entered = Stamps.now(Stamps.ENGINE_IN)
         self._check_role("prefill", "both")
         self.counters["requests"] += 1
-        started = self.meter.prefill_started(req)
+        started, out = self.meter.prefill_started(req), None
         try:
             out = await self.backend.prefill(req)
             return out.replace(stamps=out.stamps + self._engine_stamps(entered, req.request_id))
@@ -266,8 +278,8 @@ class EngineActor:
         except Exception as exc:
             self._check_alive(exc)
             raise
-        finally:
-            self.meter.prefill_done(started)
+        finally:  # a prefill that produced its token teaches the rate model
+            self.meter.prefill_done(started, out.num_cached_tokens if out is not None else None, ok=out is not None)
 
     def _engine_stamps(self, entered: tuple[str, float], request_id: str) -> tuple[tuple[str, float], ...]:
         """This engine's hops of a request's first token: entry, vLLM's queue and compute, exit."""
@@ -288,7 +300,7 @@ class EngineActor:
                 raise EngineRequestError(str(exc)) from None
         self.counters["requests"] += 1
         self._running[req_id] = time.monotonic()
-        track = self.meter.decode_started(req)
+        track = self.meter.decode_started(req, local_prefill=params is None)  # no KV to pull: prefilled here
         handoff = self.ledger is not None and params is not None
         if handoff:
             # the ledger watches this handoff until the transfer outcome is reported (coalesced, not awaited)
@@ -351,19 +363,12 @@ class EngineActor:
     @ray.method(max_task_retries=0)  # a probe judges the incarnation it was sent to, not the next one
     async def ping(self) -> str:
         """The coordinator's liveness probe (`actors.control.liveness`): "pong" once this actor's loop
-        and the engine core (a backend's `probe()`, within CORE_PROBE_S) answer, else what is stuck;
-        a frozen actor cannot answer (the caller's timeout decides); a dead backend exits the actor."""
+        and the engine core behind it answer, or the core stepped meanwhile (`core_probe`), else
+        what is stuck; a frozen actor cannot answer (the caller's timeout decides); a dead backend
+        exits the actor."""
         if self.started and self.backend.dead_reason() is not None:
             self._check_alive(RuntimeError("found at a ping"))
-        probe = getattr(self.backend, "probe", None)
-        if self.started and probe is not None:
-            try:
-                await asyncio.wait_for(probe(), CORE_PROBE_S)
-            except asyncio.TimeoutError:
-                return f"the engine core did not answer in {CORE_PROBE_S:.0f} s"
-            except Exception as exc:  # noqa: BLE001 - a dead core is found by dead_reason, above
-                logger.info("%s: core probe failed: %s", self.engine_id, exc)
-        return "pong"
+        return await core_answer(self.backend, self.engine_id) if self.started else PONG
 
     @ray.method(max_task_retries=0)
     async def watch(self) -> None:
@@ -389,6 +394,8 @@ class EngineActor:
             self._watcher.cancel()
         if self._kv_relay is not None:
             await self._kv_relay.stop()
+        if self.rates_publisher is not None:
+            await self.rates_publisher.stop()
         if self.ledger is not None:
             await self.ledger.flush(timeout_s=5.0)
         if self._coordinator is not None:

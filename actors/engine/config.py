@@ -92,6 +92,22 @@ class SyntheticModelConfig(_Strict):
         return self
 
 
+class RateModelConfig(_Strict):
+    """How the engine fits its own rates (`actors.engine.rate_model`) and publishes them: the priors
+    (the deployment's `router.slo` ones, or what the role's engines measured when the autoscaler
+    starts this one), how fast old samples fade, how often the coordinator hears of them."""
+
+    prior_prefill_tokens_per_s: float = Field(400.0, gt=0)
+    prior_step_s: float = Field(0.05, gt=0)  # a decode step's fixed part
+    prior_step_per_stream_s: float = Field(0.001, gt=0)  # ...and its growth per stream in the batch
+    half_life_s: float = Field(60.0, gt=0)
+    prior_weight: float = Field(1.0, gt=0)  # the priors count as this many average samples
+    min_history_weight: float = Field(4.0, ge=0)  # idle time never decays what was learned below this
+    busy_window_s: float = Field(10.0, gt=0)  # how far back the prompt tokens given per second reach
+    publish_interval_s: float = Field(0.5, gt=0)  # how often a material change may reach the coordinator
+    republish_s: float = Field(10.0, gt=0)  # sent again this often even unchanged (a restarted coordinator)
+
+
 class EngineConfig(_Strict):
     role: Role
     backend: Backend = "vllm"
@@ -137,6 +153,7 @@ class EngineConfig(_Strict):
     kv_events: bool = True
     # Ray restarts the engine's rank actors (synthetic backend) at most this often (restarts.max_restarts)
     max_restarts: int = Field(5, ge=0, le=1000)
+    rates: RateModelConfig = RateModelConfig()  # its own rate fit and its publication
 
     @model_validator(mode="before")
     @classmethod

@@ -12,7 +12,14 @@ Life cycle of what it tracks:
 Queues are reported now and as a time-weighted average (exponential, time
 constant `window_s`), so a control loop sampling every few seconds sees load
 that comes and goes between its samples; latencies as the p90 of the samples
-of the last `window_s`. Pure Python with an injectable clock.
+of the last `window_s`.
+
+It is also where the engine's one rate model learns (`actors.engine.rate_model`):
+a prefill's wall time, with the prompt tokens queued ahead of it and the decode
+streams beside it, and every inter-token gap while nothing prefills there (one
+step at the engine's batch). `rates()` is what the engine publishes to every
+router (`actors.engine.rates_publisher`) and what the autoscaler reads in
+`snapshot().rates`. Pure Python with an injectable clock.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from actors.engine.config import RateModelConfig
+from actors.engine.rate_model import EngineRateModel
 from actors.protocol import BackendStats, LoadSnapshot
+from actors.rates import EngineRates
 
 MAX_SAMPLES = 2048
 
@@ -62,9 +72,9 @@ class _Rate:
     def __init__(self, tau_s: float, now: float):
         self.tau_s, self.count, self.at = tau_s, 0.0, now
 
-    def add(self, now: float) -> None:
+    def add(self, now: float, amount: float = 1.0) -> None:
         self.per_s(now)
-        self.count += 1.0
+        self.count += amount
 
     def per_s(self, now: float) -> float:
         if now > self.at:
@@ -122,74 +132,125 @@ class _Ewma:
         self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
 
 
-class DecodeTrack:
-    """One decode request's debt to its engine."""
+@dataclass(frozen=True)
+class PrefillStart:
+    """A prompt the engine started to prefill: its tokens, when, and what it found there."""
 
-    def __init__(self, meter: "LoadMeter", owed: int):
+    tokens: int
+    at: float
+    ahead: int  # prompt tokens queued or prefilling there before it
+    streams: int  # streams decoding there meanwhile
+
+
+class DecodeTrack:
+    """One decode request's debt to its engine (and, prefilled here, its prompt in the queue)."""
+
+    def __init__(self, meter: "LoadMeter", owed: int, prefill: PrefillStart | None = None):
         self.meter, self.owed, self.asked = meter, owed, owed
         self.first = True  # the first chunk's wait is prefill or a KV pull, not an inter-token gap
+        self.prefill = prefill  # a local prefill (no KV to pull): queued until the first chunk
         self.last = meter.clock()
+        self.open = True
         meter._outstanding.add(owed, self.last)
+        meter._decoding.add(1, self.last)
 
     def observe(self, chunk: Any) -> None:
         n = len(chunk.token_ids)
         if not n:
             return
         now = self.meter.clock()
-        if not self.first:
-            self.meter._itl.add((now - self.last) / n, now)
-            self.meter._step.add((now - self.last) / n)
+        if self.first and self.prefill is not None:
+            self.meter.prefill_done(self.prefill, getattr(chunk, "num_cached_tokens", None))
+            self.prefill = None
+        elif not self.first:
+            self.meter._gap((now - self.last) / n, now)
         self.first, self.last = False, now
         paid = min(n, self.owed)
         self.owed -= paid
         self.meter._outstanding.add(-paid, now)
 
     def done(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        if self.prefill is not None:  # ended before its first token: its prompt leaves the queue, unlearned
+            self.meter.prefill_done(self.prefill, ok=False)
+            self.prefill = None
         self.meter._output.add(self.asked - self.owed)
+        now = self.meter.clock()
         if self.owed:
-            self.meter._outstanding.add(-self.owed, self.meter.clock())
+            self.meter._outstanding.add(-self.owed, now)
             self.owed = 0
+        self.meter._decoding.add(-1, now)
 
 
 class LoadMeter:
-    def __init__(self, window_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, window_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 rates: RateModelConfig | None = None):
         self.clock = clock
         now = clock()
+        self.model = EngineRateModel(rates, clock)  # the engine's one rate model
+        self.budget_tokens: int | None = None  # its chunked-prefill budget, once the backend says it
         self._queued = _Average(window_s, now)
         self._outstanding = _Average(window_s, now)
+        self._decoding = _Average(window_s, now)  # streams decoding here
         self._prefill_latency = _Latencies(window_s)
         self._itl = _Latencies(window_s)
-        self._prefill_rate, self._step = _Ewma(), _Ewma()  # tokens/s of prefills, s per decoded token
         self._prompt, self._output = _Ewma(), _Ewma()  # per decoded request
         self._arrivals = _Rate(window_s * 6, now)  # decode starts per second
+        self._given = _Rate(self.model.config.busy_window_s, now)  # prompt tokens given to prefill per second
 
-    def prefill_started(self, req: Any) -> tuple[int, float]:
+    def prefill_started(self, req: Any) -> PrefillStart:
         n = _estimate_prompt_tokens(req)
         now = self.clock()
+        started = PrefillStart(n, now, self._queued.value, self._decoding.value)
         self._queued.add(n, now)
-        return n, now
+        self._given.add(now, n)
+        return started
 
-    def prefill_done(self, started: tuple[int, float]) -> None:
-        n, t0 = started
+    def prefill_done(self, started: PrefillStart, cached_tokens: int | None = None, ok: bool = True) -> None:
+        """The prompt left the queue; once it produced its first token (`ok`), its wall time teaches
+        the rate model: the tokens queued ahead of it and its own computed ones (`cached_tokens`: what
+        the prefix cache held) beside the streams decoding here."""
         now = self.clock()
-        self._queued.add(-n, now)
-        self._prefill_latency.add(now - t0, now)
-        if now > t0:
-            self._prefill_rate.add(n / (now - t0))
+        self._queued.add(-started.tokens, now)
+        self._prefill_latency.add(now - started.at, now)
+        if ok and now > started.at:
+            computed = max(1, started.tokens - (cached_tokens or 0))
+            self.model.observe_prefill(started.ahead + computed, now - started.at, started.streams,
+                                       self.budget_tokens)
 
-    def decode_started(self, req: Any) -> DecodeTrack:
+    def decode_started(self, req: Any, local_prefill: bool = False) -> DecodeTrack:
+        """A stream starts; `local_prefill`: the engine prefills its prompt itself (no KV to pull)."""
         self._arrivals.add(self.clock())
         self._prompt.add(_estimate_prompt_tokens(req) - getattr(req, "num_resumed_tokens", 0))
-        return DecodeTrack(self, req.max_tokens)
+        return DecodeTrack(self, req.max_tokens, self.prefill_started(req) if local_prefill else None)
+
+    def _gap(self, per_token_s: float, now: float) -> None:
+        """A stream's gap per token: its ITL; one step at the batch when no prompt prefilled meanwhile
+        (a prompt's chunks ride in those steps: they teach the prefill rate instead)."""
+        self._itl.add(per_token_s, now)
+        batch = self._decoding.value
+        if not self._queued.value:
+            self.model.observe_gap(per_token_s, batch, weight=1.0 / max(1, batch))
+
+    def rates(self) -> EngineRates:
+        """The engine's rates and load now: the record it publishes."""
+        now = self.clock()
+        return self.model.rates(self._queued.value, self._decoding.value, self._given.per_s(now),
+                                self.budget_tokens)
 
     def snapshot(self) -> LoadSnapshot:
         now = self.clock()
+        rates = self.rates()
+        streams = round(self._decoding.read(now))
         return LoadSnapshot(
             queued_prompt_tokens=self._queued.value, queued_prompt_tokens_avg=round(self._queued.read(now), 1),
             outstanding_tokens=self._outstanding.value,
             outstanding_tokens_avg=round(self._outstanding.read(now), 1),
             prefill_latency_p90_s=self._prefill_latency.p90(now), itl_p90_s=self._itl.p90(now),
-            prefill_tokens_per_s=self._prefill_rate.value, step_s=self._step.value,
+            prefill_tokens_per_s=rates.prefill_tokens_per_s if rates.prefill_samples > 0 else None,
+            step_s=rates.decode_step_s(streams) if rates.measured else None,
             arrivals_per_s=round(self._arrivals.per_s(now), 4),
-            prompt_tokens_avg=self._prompt.value, output_tokens_avg=self._output.value,
+            prompt_tokens_avg=self._prompt.value, output_tokens_avg=self._output.value, rates=rates,
         )

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import ray
 
-from actors.control.coordinator import get_coordinator
+from actors.control.coordinator_actor import get_coordinator
 from actors.engine.load import EngineLoad
 from serving.cluster.autoscale_policy import PoolSignals, RolePolicy, ScaleDecision
 from serving.routing.placement import EngineEstimate
@@ -206,16 +206,18 @@ class Autoscaler:
         return MeasuredRates.of([x.meter.prefill_tokens_per_s for x in loads], [x.meter.step_s for x in loads])
 
     def _advice(self, loads: dict[str, list[EngineLoad]]) -> ScaleAdvice:
-        """The placement model's pool predictions, from what the engines measured of themselves."""
+        """The placement model's pool predictions, from what the engines measured of themselves (the
+        same rate model each engine publishes to the routers: `LoadSnapshot.rates`)."""
         slo = self.cfg.router.slo
         estimates = []
         for role, xs in loads.items():
             budget = self.cfg.chunk_budget(role) or slo.default_chunk_budget_tokens
             for x in xs:
-                m = x.meter
+                m, r = x.meter, x.meter.rates
                 estimates.append(EngineEstimate(
                     x.engine_id, role, m.prefill_tokens_per_s or slo.prior_prefill_tokens_per_s,
-                    m.step_s or slo.prior_step_s, budget, slo.prior_step_per_stream_s,
+                    m.step_s or slo.prior_step_s, (r.chunk_budget_tokens if r else None) or budget,
+                    r.step_per_stream_s if r and r.measured else slo.prior_step_per_stream_s,
                     queued_prefill_tokens=m.queued_prompt_tokens, decode_streams=x.running))
         deciding = [x for r in ("decode", "both") for x in loads.get(r, ())]
         prompts = [x.meter.prompt_tokens_avg for x in deciding if x.meter.prompt_tokens_avg is not None]

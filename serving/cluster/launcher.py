@@ -31,7 +31,7 @@ from typing import Any
 
 import ray
 
-from actors.control.coordinator import start_coordinator
+from actors.control.coordinator_actor import start_coordinator
 from actors.engine.startup import StartPhase
 from serving.cluster.autoscaler import Autoscaler, AutoscalerStatus
 from serving.cluster.engines import (

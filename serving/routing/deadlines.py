@@ -1,19 +1,20 @@
 """Deadlines on every engine call a client waits for, and the engines that missed one (suspected hung).
 
-Every wait is derived from the work it waits for (RouterConfig fields; rates are
-this router's own measurements, per engine):
+Every wait is derived from the work it waits for (RouterConfig fields), at the rates placement
+predicts with: the engine's own, as it published them to every router (`serving.routing.rates`;
+this router keeps no second estimate of them):
 
-  a prefill call          floor + margin x (queued + prompt tokens) x s_per_token(engine)
-  a stream's first chunk  floor + margin x tokens x s_per_token(engine)
+  a prefill call          floor + margin x prefill(engine, prompt tokens, queued)
+  a stream's first chunk  floor + margin x prefill(engine, tokens)
                           (+ transfer.read_timeout_s when the decode engine pulls the KV first;
                           tokens: the prompt, plus what was streamed for a migrated stream)
-  every later chunk       max(token_timeout_s, margin x gap(engine))
+  every later chunk       max(token_timeout_s, margin x step(engine))
 
   floor = deadline_floor_s, margin = deadline_margin;
-  s_per_token(engine): EWMA of the seconds per prompt token of this router's completed prefills on
-  that engine (remote prefills, and the first chunk of a local run; queueing included, so a
-  busy engine gets more time), 1 / initial_prefill_tokens_per_s before the first one;
-  gap(engine): EWMA of the time between two chunks of the engine's streams.
+  prefill(engine, tokens, queued): `RateEstimator.prefill_s`: the queue ahead (the larger of this
+  router's own and the engine's published one) and the tokens at the engine's prefill rate, its
+  chunked steps at its step time, plus this router's hop to it (its one local correction);
+  step(engine): one decode step at the batch the engine published.
 
 A deadline is missed only when the engine shows no progress (busy is not hung): when a wait's
 time is up but this router heard from the same incarnation (any call on it returned) within the
@@ -49,12 +50,11 @@ from typing import TypeVar
 
 from serving.config import RouterConfig
 from serving.routing.errors import EngineUnavailable
+from serving.routing.rates import RateEstimator
 
 logger = logging.getLogger("raypd.router")
 
 T = TypeVar("T")
-EWMA_ALPHA = 0.2
-MIN_RATE_TOKENS = 16  # prompts shorter than this say little about the rate (fixed costs dominate)
 
 
 class EngineHung(EngineUnavailable):
@@ -66,16 +66,6 @@ class EngineHung(EngineUnavailable):
         super().__init__(f"engine {engine_id} {why}: treated as hung", died=False)
         self.engine_id, self.call, self.seconds = engine_id, call, seconds
         self.hung = True
-
-
-class Ewma:
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value: float | None = None
-
-    def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + EWMA_ALPHA * (x - self.value)
 
 
 Report = Callable[[str, "int | None", str], None]
@@ -92,13 +82,13 @@ class _Wait:
 
 class EngineDeadlines:
     def __init__(self, config: RouterConfig | None = None, pull_timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, report: Report | None = None):
+                 clock: Callable[[], float] = time.monotonic, report: Report | None = None,
+                 rates: RateEstimator | None = None):
         self.config = config or RouterConfig()
         self.pull_timeout_s = pull_timeout_s  # the decode engine's own bound on a KV pull
         self.clock = clock
         self.report = report  # (engine, generation, reason): the router tells the coordinator
-        self._s_per_token: dict[str, Ewma] = {}
-        self._gap: dict[str, Ewma] = {}
+        self.rates = rates or RateEstimator(self.config.slo, clock)  # the one model placement reads too
         self._waits: dict[str, set[_Wait]] = {}  # the waits in progress, per engine
         self._heard: dict[str, tuple[int | None, float]] = {}  # engine -> (incarnation, loop time): a call returned
         self.suspects: dict[str, tuple[int | None, float]] = {}  # engine -> (incarnation, since)
@@ -106,13 +96,9 @@ class EngineDeadlines:
         self.extended: Counter[tuple[str, str]] = Counter()  # (engine, call) -> waits let run on: busy
 
     # ------------------------------------------------------------ formulas
-    def s_per_token(self, engine_id: str) -> float:
-        m = self._s_per_token.get(engine_id)
-        return m.value if m is not None and m.value is not None else 1.0 / self.config.initial_prefill_tokens_per_s
-
     def prefill_s(self, engine_id: str, tokens: int, queued: int = 0) -> float:
         c = self.config
-        return c.deadline_floor_s + c.deadline_margin * (queued + tokens) * self.s_per_token(engine_id)
+        return c.deadline_floor_s + c.deadline_margin * self.rates.prefill_s(engine_id, tokens, queued)
 
     def first_chunk_s(self, engine_id: str, tokens: int, pulls: bool) -> float:
         """The first chunk of a stream: a local prefill of `tokens` (also what a failed pull
@@ -120,17 +106,7 @@ class EngineDeadlines:
         return self.prefill_s(engine_id, tokens) + (self.pull_timeout_s if pulls else 0.0)
 
     def token_s(self, engine_id: str) -> float:
-        gap = self._gap.get(engine_id)
-        measured = self.config.deadline_margin * gap.value if gap is not None and gap.value is not None else 0.0
-        return max(self.config.token_timeout_s, measured)
-
-    # ---------------------------------------------------------- measurements
-    def observed_prefill(self, engine_id: str, tokens: int, seconds: float) -> None:
-        if tokens >= MIN_RATE_TOKENS and seconds > 0:
-            self._s_per_token.setdefault(engine_id, Ewma()).add(seconds / tokens)
-
-    def observed_gap(self, engine_id: str, seconds: float) -> None:
-        self._gap.setdefault(engine_id, Ewma()).add(seconds)
+        return max(self.config.token_timeout_s, self.config.deadline_margin * self.rates.step_s(engine_id))
 
     # ------------------------------------------------------------------ waits
     async def within(self, engine_id: str, generation: int | None, call: str, seconds: float,

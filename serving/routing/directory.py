@@ -106,7 +106,8 @@ class DirectoryView:
             if fresh.settling and self.table is not None:
                 kept = {d: ps for d, ps in self.table.decodes.items() if d not in fresh.decodes}
                 fresh = replace(fresh, decodes={**kept, **fresh.decodes},
-                                generations={**self.table.generations, **fresh.generations})
+                                generations={**self.table.generations, **fresh.generations},
+                                rates={**self.table.rates, **fresh.rates})
             self.table, self.error = fresh, None
             if self.on_refresh is not None:
                 self.on_refresh(fresh)

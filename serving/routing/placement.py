@@ -8,12 +8,13 @@ Options. Colocated on X (role decode or both); disaggregated: prefill on Y
 Per engine E (`EngineEstimate`): r = prefill tokens/s, s = step time of its
 current decode batch (a prefill-only engine: its bare step), B = chunked-prefill
 budget (vLLM's max_num_batched_tokens), q = prompt tokens queued or prefilling,
-n = streams decoding, c = this prompt's prefix E holds. Prompt of P tokens.
+n = streams decoding, c = this prompt's prefix E holds, h = the caller's own hop
+to E (the router's local correction; 0 when unknown). Prompt of P tokens.
 For an option whose prefilling engine is E (Y, or X when colocated):
 
   u          = max(1, P - c_E)               (vLLM recomputes at least the last token)
   steps      = ceil((q + u) / B)              every step carries at most B prompt tokens
-  TTFT       = (q + u) / r + steps * s [+ remote_first_token_overhead_s]
+  TTFT       = (q + u) / r + steps * s + h [+ remote_first_token_overhead_s]
                (the first token streams from E: the KV pull is not in TTFT)
   stall gap  = s + min(q + u, B) / r          what each of E's n streams waits per step,
                for ceil(u / B) steps of this request
@@ -95,10 +96,11 @@ class EngineEstimate:
     queued_prefill_tokens: int = 0  # prompt tokens waiting or being prefilled there
     decode_streams: int = 0  # streams decoding there now
     prefill_busy: float = 0.0  # share of its recent time spent prefilling (0..1)
+    hop_s: float = 0.0  # the caller's own delay to it beyond its compute (a router's local correction)
 
     def __post_init__(self) -> None:
         if (self.prefill_tokens_per_s <= 0 or self.decode_step_s < 0 or self.step_per_stream_s < 0
-                or self.chunk_budget_tokens < 1):
+                or self.chunk_budget_tokens < 1 or self.hop_s < 0):
             raise ValueError(f"engine {self.engine_id}: rates must be positive and the budget >= 1")
 
     def prefill_work_s(self, tokens: float) -> float:
@@ -227,6 +229,7 @@ def _prefill_side(e: EngineEstimate, prompt_tokens: int, config: PlacementConfig
     q, r, b, s = e.queued_prefill_tokens, e.prefill_tokens_per_s, e.chunk_budget_tokens, e.decode_step_s
     done = (q + u) / r + math.ceil((q + u) / b) * s
     wait = min(done, q / r + (q // b) * s)
+    done += e.hop_s
     streams, steps = e.decode_streams, math.ceil(u / b)
     stall_gap = s + min(q + u, b) / r if streams else 0.0
     return _PrefillSide(u, wait, done, streams, steps, stall_gap,

@@ -57,8 +57,8 @@ def decode_candidates(pool: EnginePool, live: list[str], cached: dict[str, int])
 
 
 class EngineEstimates:
-    """Engines as the SLO model sees them: learned rates, what this router has in flight there,
-    and each role's chunked-prefill budget (as the engines were started with)."""
+    """Engines as the SLO model sees them: their own published rates and queues, what this router has
+    in flight there, and each role's chunked-prefill budget (as configured; an engine's own wins)."""
 
     def __init__(self, slo: PlacementConfig, chunk_budgets: dict[str, int] | None = None):
         self.slo = slo

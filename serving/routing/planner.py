@@ -13,7 +13,7 @@ Per request (`RoutePlanner.plan`, called once by `Router.open`):
      chosen once, by `placer_for`, when the planner is built):
        slo          (default, `SloPlacer`) `serving.routing.placement` predicts every
                     allowed option's TTFT and the stall it imposes (queued prefill work
-                    at each engine's learned rate, its decode streams, the chunked-
+                    at each engine's own published rate, its decode streams, the chunked-
                     prefill budget, the pair's pull) and picks the one that keeps
                     TTFT and ITL within their targets at the least cost;
        disaggregate (`DisaggregatePlacer`) every request is prefilled on a prefill
@@ -71,7 +71,7 @@ class RoutePlanner:
         return plan
 
     def estimate(self, pool: EnginePool, engine_id: str, cached_tokens: int = 0) -> EngineEstimate:
-        """One engine as the SLO model sees it: learned rates, what this router has in flight there."""
+        """One engine as the SLO model sees it: its own published rates and queues, and this router's load there."""
         return self.estimates.of(pool, engine_id, cached_tokens)
 
     def steps_for(self, pool: EnginePool, engine_id: str, tokens: int) -> int:

@@ -14,8 +14,10 @@ and prefill failures) and the engines' last stats. Everything else reads it:
   charges     `charge_decode` opens a `DecodeCharge` (paid back as tokens stream);
               `prefilling` counts a prefill's prompt tokens on the engine running it
               (a prefill engine's, or a decode engine's own local prefill);
-  rates       `rates` learns each engine's prefill rate and step time and each
-              pair's pull from what the router observes (`serving.routing.rates`);
+  rates       `rates` reads each engine's prefill rate, step time and queues as the
+              engine published them (every router the same: adopted with each table in
+              `sync`), and keeps what only this router sees: its hop to each engine and
+              each pair's pull (`serving.routing.rates`); the deadlines read the same;
   cleanup     `abort_decode`, `abort_prefill`, `close_gen` run in the background
               (safe from a cancelled task); `drain()` waits for them.
 """
@@ -124,7 +126,7 @@ class EnginePool:
                  rates: RateEstimator | None = None, deadlines: EngineDeadlines | None = None):
         self.prefills, self.decodes = dict(prefills), dict(decodes)
         # every engine call's deadline, the engines' measured rates, the incarnations suspected hung
-        self.deadlines = deadlines or EngineDeadlines()
+        self.deadlines = deadlines or EngineDeadlines(rates=rates)
         # engines the directory lists that the pool has no client for yet (scaled up, restarted)
         self.resolve_engine = resolve_engine
         self.decode_load: dict[str, Load] = {d: Load() for d in self.decodes}
@@ -135,7 +137,7 @@ class EnginePool:
         self.transfer_failures: Counter[tuple[str, str]] = Counter()  # (decode, prefill), as observed
         self.prefill_failures: Counter[str] = Counter()  # prefill id
         self.engine_stats: dict[str, EngineStatus] = {}
-        self.rates = rates or RateEstimator()
+        self.rates = rates or self.deadlines.rates  # one model: placement and the deadlines read the same
         self._given: dict[str, GivenRate] = {}  # prompt tokens given to each engine to prefill, recently
         self._tasks: set[asyncio.Task] = set()
         # per directory table: decode engine -> its listed prefill engines that this pool knows
@@ -146,6 +148,7 @@ class EnginePool:
         """Adopt the engines the directory lists; forget departed ones once nothing of ours runs there
         and their actor is gone (a dead engine that is still there stays, shown as down)."""
         self._routed = (None, {})  # membership may change below
+        self.rates.adopt(routes.rates)  # the engines' own rates, as this table has them
         if self.resolve_engine is None:
             return
         listed = {d: (self.decodes, self.decode_load) for d in routes.decodes}
@@ -219,11 +222,12 @@ class EnginePool:
             load.tokens -= tokens
 
     def prefill_busy(self, engine_id: str) -> float:
-        """The share of its recent time `engine_id` spent prefilling what this router gave it."""
+        """The share of its recent time `engine_id` spent prefilling: the prompt tokens given to it per
+        second (the larger of this router's and what the engine published) at its prefill rate."""
         given = self._given.get(engine_id)
-        if given is None:
-            return 0.0
-        return given.per_s(self.rates.clock()) / self.rates.rates(engine_id).prefill_tokens_per_s
+        rates = self.rates.rates(engine_id)
+        mine = given.per_s(self.rates.clock()) if given is not None else 0.0
+        return max(mine, rates.prompt_tokens_per_s) / rates.prefill_tokens_per_s
 
     # -------------------------------------------------------------- status
     async def refresh_stats(self, timeout_s: float = 2.0) -> dict[str, EngineStatus]:

@@ -72,7 +72,7 @@ from serving.routing.placers import RoutePlan
 from serving.routing.planner import RoutePlanner, planner_for
 from serving.routing.pool import DecodeCharge, EngineClient, EnginePool, EngineStatus
 from serving.routing.protocols import PoolStatusSource
-from serving.routing.rates import RateEstimator
+from serving.routing.rates import RateEstimator, hop_of
 from serving.routing.status import Readiness, RouterSnapshot
 from serving.routing.stream import Route, RoutedStream, no_more_chunks
 
@@ -82,7 +82,7 @@ logger = logging.getLogger("raypd.router")
 @dataclass
 class PrefillTiming:
     ok: bool = False  # the prefill produced its first token (only then does its time teach anything)
-    cached: int | None = None  # prompt tokens the engine found in its prefix cache (vLLM reports them)
+    stamps: tuple[tuple[str, float], ...] = ()  # the first token's hops (this router's and the engine's)
 
 
 class Router:
@@ -95,10 +95,11 @@ class Router:
         if not decodes:
             raise ValueError("a router needs at least one decode engine")
         self.config = config or RouterConfig()
+        # one rate model: the engines' own rates from the directory's table, this router's hops and pulls
+        rates = RateEstimator(self.config.slo, clock)
         # pull_timeout_s: the decode engines' bound on a KV pull (transfer.read_timeout_s)
-        self.deadlines = EngineDeadlines(self.config, pull_timeout_s, clock, report=self._report_hang)
-        self.pool = EnginePool(prefills, decodes, resolve_engine, RateEstimator(self.config.slo, clock),
-                               self.deadlines)
+        self.deadlines = EngineDeadlines(self.config, pull_timeout_s, clock, report=self._report_hang, rates=rates)
+        self.pool = EnginePool(prefills, decodes, resolve_engine, rates, self.deadlines)
         self.directory = directory
         self.view = DirectoryView(directory, directory_ttl_s, clock, on_refresh=self.pool.sync)
         self.clock = clock
@@ -213,8 +214,8 @@ class Router:
         d = route.decode_id
         with self._timed_prefill(d, req.num_prompt_tokens) as timing:  # its queue is visible to placement
             first = await self._first_chunk(route, engine_req, gen)
-            timing.ok, timing.cached = not first.failed_before_output, first.num_cached_tokens
-        first = first.replace(stamps=(routed, *first.stamps, Stamps.now(Stamps.ROUTER_IN)))
+            first = first.replace(stamps=(routed, *first.stamps, Stamps.now(Stamps.ROUTER_IN)))
+            timing.ok, timing.stamps = not first.failed_before_output, first.stamps
         if first.failed_before_output:  # a local run has no transfer to fail: the engine failed
             self.pool.close_gen(gen)
             raise EngineFailed(f"decode engine {route.decode_id} failed: {first.error}")
@@ -233,8 +234,9 @@ class Router:
                 routed = Stamps.now(Stamps.ROUTED)
                 out = await self.deadlines.within(p, self.view.generation_of(p), "prefill", seconds,
                                                   self.pool.prefills[p].prefill(req))
-                timing.ok, timing.cached = True, out.num_cached_tokens
-                return out.replace(stamps=(routed, *out.stamps, Stamps.now(Stamps.ROUTER_IN)))
+                out = out.replace(stamps=(routed, *out.stamps, Stamps.now(Stamps.ROUTER_IN)))
+                timing.ok, timing.stamps = True, out.stamps
+                return out
             except RequestRejected as exc:  # the client's mistake: no retry, no breaker
                 raise InvalidRequest(str(exc)) from None
             except asyncio.CancelledError:
@@ -252,20 +254,13 @@ class Router:
     @contextlib.contextmanager
     def _timed_prefill(self, engine_id: str, tokens: int) -> Iterator[PrefillTiming]:
         """A prefill on `engine_id` (counted there while it runs); once it produced its first token,
-        what it took teaches the engine's rates (the tokens queued ahead of it included)."""
+        its stamps give this router's hop to the engine (its local correction: the engine measures
+        and publishes its own rates, `serving.routing.rates`)."""
         timing = PrefillTiming()
-        ahead = self.pool.prefill_load.get(engine_id)
-        queued = ahead.tokens if ahead is not None else 0
-        streams = self.pool.decode_load[engine_id].requests if engine_id in self.pool.decode_load else 0
-        t0 = self.clock()
         with self.pool.prefilling(engine_id, tokens):
             yield timing
-        if not timing.ok:
-            return
-        self.deadlines.observed_prefill(engine_id, tokens, self.clock() - t0)  # the deadlines' own rate
-        computed = max(1, tokens - (timing.cached or 0))
-        self.pool.rates.observe_step(engine_id, self.clock() - t0, streams, queued + computed,
-                                     self.planner.steps_for(self.pool, engine_id, queued + computed))
+        if timing.ok:
+            self.pool.rates.observe_hop(engine_id, hop_of(timing.stamps))
 
     def _report_prefill_failure(self, decode_id: str, prefill_id: str, reason: str) -> None:
         try:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -100,7 +99,7 @@ class RoutedStream:
         self.num_generated = 0
         self.migrations = 0
         self._awaiting_transfer = awaiting_transfer  # the next decode chunk carries the transfer verdict
-        self._last_at: float | None = None  # when the previous chunk arrived (placement learns the gaps)
+        self._last_at: float | None = None  # when the previous chunk arrived (the pull after a prefill is learned)
         self._prefill_let_go = False
         self.finished = False
         self.closed = False
@@ -130,12 +129,9 @@ class RoutedStream:
             call, seconds = "first chunk", deadlines.first_chunk_s(decode_id, self.num_prompt_tokens, pulls=True)
         else:
             call, seconds = "token", deadlines.token_s(decode_id)
-        waited = time.monotonic()
         try:
             chunk = await deadlines.within(decode_id, self.route.decode_generation, call, seconds,
                                            self._gen.__anext__())
-            if not self._awaiting_transfer:
-                deadlines.observed_gap(decode_id, time.monotonic() - waited)
         except StopAsyncIteration:
             # the engine ended the stream without a final chunk: treat as finished
             chunk = TokenChunk(self.engine_request_id, finished=True, finish_reason="stop")
@@ -155,21 +151,17 @@ class RoutedStream:
         return chunk
 
     def _learn(self, chunk: TokenChunk) -> None:
-        """What this chunk's wait says about the engines: the first decode chunk after a prefill
-        is the pair's pull plus one step; later ones a step of the decode engine (placement's rates)."""
+        """What this chunk's wait says that only this router sees: the first decode chunk after a
+        prefill is the pair's pull plus one step (the decode engine measures its steps itself)."""
         now, last, self._last_at = self.pool.rates.clock(), self._last_at, self.pool.rates.clock()
-        n, d = len(chunk.token_ids), self.decode_id
-        if last is None or not n or chunk.failed:
+        d = self.decode_id
+        if last is None or not chunk.token_ids or chunk.failed or not self._awaiting_transfer:
             return
-        rates = self.pool.rates
-        batch = self.pool.decode_load[d].requests if d in self.pool.decode_load else 1
-        if self._awaiting_transfer:
-            if self.prefill_id is not None and not chunk.recomputed:
-                step = rates.rates(d).decode_step_s(batch)
-                rates.observe_transfer(self.prefill_id, d, self.num_prompt_tokens, now - last - step)
-        elif not (d in self.pool.prefill_load and self.pool.prefill_load[d].tokens):
-            # a step without a local prefill chunk (those stall it: they teach the prefill rate instead)
-            rates.observe_gap(d, (now - last) / n, batch, weight=1.0 / max(1, batch))
+        if self.prefill_id is not None and not chunk.recomputed:
+            rates = self.pool.rates
+            batch = self.pool.decode_load[d].requests if d in self.pool.decode_load else 1
+            step = rates.rates(d).decode_step_s(max(batch, rates.rates(d).decode_streams))
+            rates.observe_transfer(self.prefill_id, d, self.num_prompt_tokens, now - last - step)
 
     def _transfer_verdict(self, chunk: TokenChunk) -> None:
         """The first decode chunk after a prefill: counted as the router saw it (the ledger

@@ -8,7 +8,7 @@ import time
 
 import ray
 
-from actors.control.coordinator import start_coordinator
+from actors.control.coordinator_actor import start_coordinator
 from actors.engine.actor import EngineActor
 from actors.engine.config import EngineConfig
 from engine_calls import pd, request

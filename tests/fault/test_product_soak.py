@@ -5,7 +5,8 @@ Load: LOAD_WORKERS clients, one request after another, streaming and non-streami
 (greedy, `ignore_eos`, several lengths). Faults, one at a time on registered incarnations, in a loop:
 SIGKILL of an engine's process tree (the actor and vLLM's engine core), SIGSTOP of the other's for
 FREEZE_S then SIGCONT (the coordinator may kill it meanwhile: both ends are fine), clients that
-disconnect mid-stream, and NIXL READ errors on every KV pull with probability FAULT_RATE throughout
+disconnect mid-stream, each fault once the front routes to both engines again (one engine serves
+while the other is down: two down at once is an outage, not a soak), and NIXL READ errors on every KV pull with probability FAULT_RATE throughout
 (`transfer.fault_rate`: a pull that fails is recomputed, the default `recompute` policy).
 
 Bound: no wrong answer (every completed answer is its greedy reference, token for token or split at a
@@ -119,6 +120,17 @@ async def send(client: httpx.AsyncClient, url: str, prompt: str, n: int, stream:
     return out
 
 
+async def recovered(client: httpx.AsyncClient, url: str, timeout_s: float = 240.0) -> None:
+    """Until the front routes to both engines again (none held as hung, both listed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = (await client.get(url + "/health", timeout=10)).json()
+        if not health["hung"] and sorted(health["decode_engines"]) == ENGINES:
+            return
+        assert time.monotonic() < deadline, f"not recovered: {health}"
+        await asyncio.sleep(0.5)
+
+
 async def _reference(engine_id: str, prompt_ids: list[int], n: int):
     client = RayEngineClient(engine_id, engine(engine_id))
     req = greedy_request(f"ref-{time.monotonic_ns()}", prompt_ids, n, ignore_eos=True)
@@ -197,6 +209,7 @@ def test_the_default_serve_app_under_kills_freezes_read_errors_and_disconnects(c
                         faults.append("2 clients left mid-stream")
                         if k % 2 == 0:  # a kill: the incarnation comes back before the next fault
                             await wait_generation(coordinator, victim, gen, timeout_s=240)
+                        await recovered(client, url)  # one fault at a time: the other engine serves meanwhile
                         k += 1
 
             await asyncio.gather(chaos(), *(worker(i) for i in range(LOAD_WORKERS)))

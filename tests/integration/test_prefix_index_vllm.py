@@ -100,9 +100,12 @@ def test_events_index_matches_what_vllm_reuses(deployment, coordinator, block):
 
 
 class RecordedRates(RateEstimator):
-    """Every engine and pair at the config's priors: nothing this machine's timing says is learned."""
+    """Every engine and pair at the config's priors: nothing this machine's timing says is read or learned."""
 
-    def observe_step(self, *args, **kwargs) -> None:
+    def adopt(self, *args, **kwargs) -> None:
+        pass  # the engines' published rates are not read
+
+    def observe_hop(self, *args, **kwargs) -> None:
         pass
 
     def observe_transfer(self, *args, **kwargs) -> None:

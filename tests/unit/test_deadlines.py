@@ -9,32 +9,39 @@ import time
 
 import pytest
 
+from actors.rates import EngineRates
 from serving.config import RouterConfig
+from serving.placement_config import PlacementConfig
 from serving.ops.metrics import ServiceMetrics
 from serving.routing.deadlines import EngineDeadlines, EngineHung
 from serving.routing.errors import NoDecodeEngine
 from tests.unit.test_router import FakeClock, collect, make, req, texts
 
-FAST = dict(deadline_floor_s=0.2, token_timeout_s=0.2, deadline_margin=1.0, initial_prefill_tokens_per_s=1e6)
+# deadlines of about the floor: fast priors (no engine publishes its rates in these tests)
+FAST = dict(deadline_floor_s=0.2, token_timeout_s=0.2, deadline_margin=1.0,
+            slo=PlacementConfig(prior_prefill_tokens_per_s=1e6, prior_step_s=1e-5, prior_step_per_stream_s=1e-6))
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-def test_deadlines_follow_the_work_and_the_measured_rates():
-    cfg = RouterConfig(deadline_floor_s=10, deadline_margin=3, initial_prefill_tokens_per_s=500, token_timeout_s=10)
-    d = EngineDeadlines(cfg, pull_timeout_s=10)
-    assert d.prefill_s("p", 1000) == pytest.approx(10 + 3 * 1000 / 500)  # before any measurement
-    assert d.prefill_s("p", 1000, queued=1000) == pytest.approx(10 + 3 * 2000 / 500)  # queued work counts
-    d.observed_prefill("p", 1000, 0.5)  # 2000 tokens/s measured
-    assert d.prefill_s("p", 1000) == pytest.approx(10 + 3 * 0.5)
-    d.observed_prefill("p", 4, 10.0)  # a tiny prompt says nothing about the rate
-    assert d.prefill_s("p", 1000) == pytest.approx(10 + 3 * 0.5)
-    assert d.first_chunk_s("p", 1000, pulls=True) == pytest.approx(10 + 1.5 + 10)  # + the pull's own bound
+def test_deadlines_follow_the_work_and_the_engines_published_rates():
+    slo = PlacementConfig(prior_prefill_tokens_per_s=500, prior_step_s=0.05, prior_step_per_stream_s=0.001)
+    d = EngineDeadlines(RouterConfig(deadline_floor_s=10, deadline_margin=3, token_timeout_s=10, slo=slo),
+                        pull_timeout_s=10)
+    assert d.prefill_s("p", 1000) == pytest.approx(10 + 3 * (1000 / 500 + 0.05))  # the priors: nothing published
+    assert d.prefill_s("p", 1000, queued=1000) == pytest.approx(10 + 3 * (2000 / 500 + 0.05))  # our queue counts
+    # the engine published its own rates (2000 tokens/s, 10 ms steps) and every router's queue there
+    d.rates.adopt({"p": EngineRates(0.01, 0.001, 1 / 2000, samples=50, prefill_samples=20, queued_prompt_tokens=3000)})
+    assert d.prefill_s("p", 1000) == pytest.approx(10 + 3 * (4000 / 2000 + 2 * 0.01))  # 4000 tokens: 2 steps
+    assert d.prefill_s("p", 1000, queued=5000) == pytest.approx(10 + 3 * (6000 / 2000 + 3 * 0.01))  # the larger queue
+    d.rates.observe_hop("p", 0.5)  # this router's own delay to the engine: its one local correction
+    assert d.prefill_s("p", 1000) == pytest.approx(10 + 3 * (2.02 + 0.5))
+    assert d.first_chunk_s("p", 1000, pulls=True) == pytest.approx(10 + 3 * 2.52 + 10)  # + the pull's own bound
     assert d.token_s("d") == 10  # the floor
-    d.observed_gap("d", 5.0)  # a slow engine: 3 x its gap
-    assert d.token_s("d") == pytest.approx(15)
+    d.rates.adopt({"d": EngineRates(4.0, 0.25, 1 / 2000, samples=10, decode_streams=4)})  # a slow engine
+    assert d.token_s("d") == pytest.approx(3 * 5.0)  # 3 x its step at the batch it published
 
 
 def test_a_hung_prefill_engine_is_failed_over_within_its_deadline_and_reported():

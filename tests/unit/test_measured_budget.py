@@ -150,3 +150,14 @@ def test_create_engine_builds_the_engine_config_from_the_measured_rates(monkeypa
     engines.create_engine(cfg, "decode", 2, pg=None)
     budgets = [platform_defaults(e, is_cpu=True)["max_num_batched_tokens"] for e in created]
     assert budgets == [cfg.chunk_budget("decode", SLOW), cfg.chunk_budget("decode")]
+
+
+def test_an_engine_fits_its_own_rates_from_the_slo_priors_or_from_what_its_role_measured():
+    """The engine's one rate model (`EngineConfig.rates`) starts from `router.slo`'s priors, and an
+    engine the autoscaler starts beside measuring engines starts from their `MeasuredRates`."""
+    cfg = deployment(router={"slo": {"prior_prefill_tokens_per_s": 300.0, "rate_half_life_s": 30.0}})
+    plain, started = cfg.engine_config("decode"), cfg.engine_config("decode", measured=SLOW)
+    assert (plain.rates.prior_prefill_tokens_per_s, plain.rates.prior_step_s, plain.rates.half_life_s) == (
+        300.0, cfg.router.slo.prior_step_s, 30.0)
+    assert (started.rates.prior_prefill_tokens_per_s, started.rates.prior_step_s) == (SLOW.prefill_tokens_per_s,
+                                                                                     SLOW.step_s)

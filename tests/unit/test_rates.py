@@ -1,4 +1,5 @@
-"""Online rate estimates (pure, injected clock): priors first, then what the engines measure."""
+"""The one rate model (pure, injected clock): an engine's own fit from its priors to what it measures
+(`actors.engine.rate_model`), and the router's reading of what engines published (`serving.routing.rates`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import random
 
 import pytest
 
-from serving.placement_config import PlacementConfig
+from actors.engine.config import RateModelConfig
+from actors.engine.rate_model import EngineRateModel
+from actors.rates import EngineRates
 from serving.routing.placement import Option, place
 from serving.routing.rates import RateEstimator
 
@@ -23,63 +26,121 @@ class Clock:
         return self.t
 
 
-def feed(est: RateEstimator, clock: Clock, engine_id: str = "e", n: int = 200, a: float = A, b: float = B,
-         c: float = C, seed: int = 1) -> None:
-    """Inter-token gaps and prefill times of one engine, as its stats would report them."""
+def feed(model: EngineRateModel, clock: Clock, n: int = 200, a: float = A, b: float = B, c: float = C,
+         seed: int = 1) -> None:
+    """Inter-token gaps and prefill times of one engine, as its load meter sees them."""
     rng = random.Random(seed)
     for i in range(n):
         clock.t += 0.5
         batch = rng.randint(0, 16)
         if i % 3 == 0:
             tokens = rng.randint(32, 1024)
-            est.observe_prefill(engine_id, tokens, a + b * batch + c * tokens, batch)
+            model.observe_prefill(tokens, a + b * batch + c * tokens, batch)
         else:
-            est.observe_gap(engine_id, a + b * batch, batch)
+            model.observe_gap(a + b * batch, batch)
 
 
+def measured(clock: Clock, n: int = 200, **kw) -> EngineRates:
+    model = EngineRateModel(clock=clock)
+    feed(model, clock, n, **kw)
+    return model.rates()
+
+
+# ------------------------------------------------------------------ the engine's own fit
 def test_priors_until_the_first_sample():
-    cfg = PlacementConfig(prior_prefill_tokens_per_s=300.0, prior_step_s=0.04)
-    r = RateEstimator(cfg, clock=Clock()).rates("e")
-    assert (r.prefill_tokens_per_s, r.step_s, r.samples) == (pytest.approx(300.0), pytest.approx(0.04), 0.0)
+    cfg = RateModelConfig(prior_prefill_tokens_per_s=300.0, prior_step_s=0.04)
+    r = EngineRateModel(cfg, clock=Clock()).rates()
+    assert (r.prefill_tokens_per_s, r.step_s, r.samples, r.measured) == (
+        pytest.approx(300.0), pytest.approx(0.04), 0.0, False)
 
 
 def test_rates_converge_from_the_priors_to_the_measured_ones():
-    clock = Clock()
-    est = RateEstimator(clock=clock)
-    feed(est, clock)
-    r = est.rates("e")
+    r = measured(Clock())
     assert (r.prefill_tokens_per_s, r.step_s, r.step_per_stream_s) == (
         pytest.approx(1000, rel=0.02), pytest.approx(A, rel=0.05), pytest.approx(B, rel=0.05))
+    assert r.samples > 0 and 0 < r.prefill_samples < r.samples
 
 
 def test_a_few_samples_already_move_the_estimate_most_of_the_way():
-    clock = Clock()
-    est = RateEstimator(clock=clock)  # prior 400 tokens/s, true 1000
-    feed(est, clock, n=10)
-    assert est.rates("e").prefill_tokens_per_s > 900
+    r = measured(Clock(), n=10)  # four of them prefills
+    assert r.prefill_samples == pytest.approx(4.0, rel=0.05)  # decayed a little meanwhile
+    assert r.prefill_tokens_per_s > 800  # prior 400 tokens/s, true 1000
 
 
 def test_the_estimate_follows_an_engine_that_slows_down():
     clock = Clock()
-    est = RateEstimator(PlacementConfig(rate_half_life_s=10.0), clock=clock)
-    feed(est, clock)
-    feed(est, clock, c=2 / 1000, seed=2)  # 100 s later: half the prefill rate
-    assert est.rates("e").prefill_tokens_per_s == pytest.approx(500, rel=0.05)
-
-
-def test_a_new_engine_starts_from_what_the_others_measured():
-    clock = Clock()
-    est = RateEstimator(clock=clock)
-    feed(est, clock)
-    assert est.rates("new").prefill_tokens_per_s == pytest.approx(1000, rel=0.1)
+    model = EngineRateModel(RateModelConfig(half_life_s=10.0), clock=clock)
+    feed(model, clock)
+    feed(model, clock, c=2 / 1000, seed=2)  # 100 s later: half the prefill rate
+    assert model.rates().prefill_tokens_per_s == pytest.approx(500, rel=0.05)
 
 
 def test_what_was_learned_survives_an_idle_hour():
+    """Idle time decays history down to `min_history_weight` samples (a third of them prefills here),
+    against priors worth `prior_weight` average samples: the rates stay nearer the measured ones."""
+    clock = Clock()
+    model = EngineRateModel(clock=clock)
+    feed(model, clock)
+    clock.t += 3600
+    r = model.rates()
+    assert (r.samples, r.prefill_samples) == (4.0, pytest.approx(4.0 / 3, rel=0.2))
+    assert r.prefill_tokens_per_s > 700 and r.step_s == pytest.approx(A, rel=0.7)
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, math.nan, math.inf])
+def test_broken_samples_are_ignored(seconds):
+    model = EngineRateModel(clock=Clock())
+    model.observe_gap(seconds, 4)
+    assert model.rates().samples == 0.0
+
+
+def test_a_reused_solution_equals_a_fresh_one_and_a_sample_or_time_replaces_it():
+    """Rates are asked often (every publication check): the fit's solution is reused while nothing it
+    depends on moved (no sample, the same prior, under 0.1 % of decay), and is the solution a fresh
+    model would compute at that moment."""
+    def fresh(t: float, n: int) -> float:
+        clock = Clock()
+        model = EngineRateModel(clock=clock)
+        feed(model, clock, n=n)
+        clock.t = t
+        return model.rates().prefill_tokens_per_s
+
+    clock = Clock()
+    model = EngineRateModel(clock=clock)
+    feed(model, clock, n=20)
+    t0 = clock.t
+    first = model.rates().prefill_tokens_per_s
+    clock.t = t0 + 0.05  # within reuse_s (87 ms at the 60 s half-life): the same answer
+    assert model.rates().prefill_tokens_per_s == first == fresh(t0, 20)
+    clock.t = t0 + 600.0  # ten half-lives later the priors weigh more: a new solution, as a fresh fit's
+    later = model.rates().prefill_tokens_per_s
+    assert later != first and later == pytest.approx(fresh(t0 + 600.0, 20), rel=1e-9)
+    model.observe_gap(A, 4)  # a sample: solved again at once
+    assert model.rates().prefill_tokens_per_s != later
+
+
+# ------------------------------------------------------- what a router reads of it
+def test_a_router_reads_the_published_rates_and_starts_a_new_engine_from_the_others():
     clock = Clock()
     est = RateEstimator(clock=clock)
-    feed(est, clock)
-    clock.t += 3600
-    assert est.rates("e").prefill_tokens_per_s == pytest.approx(1000, rel=0.1)
+    assert est.rates("e").prefill_tokens_per_s == pytest.approx(400)  # nothing published: the priors
+    est.adopt({"e": measured(clock)})
+    assert est.rates("e").prefill_tokens_per_s == pytest.approx(1000, rel=0.02)
+    assert est.rates("new").prefill_tokens_per_s == pytest.approx(1000, rel=0.02)  # pooled
+    assert est.rates("new").samples == 0.0
+
+
+def test_an_engine_that_measured_steps_but_no_prefill_takes_the_pooled_prefill_rate():
+    clock = Clock()
+    decode_only = EngineRateModel(clock=clock)
+    for _ in range(50):
+        clock.t += 0.1
+        decode_only.observe_gap(A + B * 4, 4)
+    est = RateEstimator(clock=clock)
+    est.adopt({"p": measured(clock), "d": decode_only.rates()})
+    d = est.rates("d")
+    assert d.prefill_samples == 0 and d.step_s == pytest.approx(decode_only.rates().step_s)
+    assert d.prefill_tokens_per_s == pytest.approx(est.rates("p").prefill_tokens_per_s)
 
 
 def test_transfer_rates_are_learned_per_pair_and_pooled_for_new_pairs():
@@ -94,51 +155,18 @@ def test_transfer_rates_are_learned_per_pair_and_pooled_for_new_pairs():
         pytest.approx(50000, rel=0.05), pytest.approx(0.01, rel=0.1), pytest.approx(50000, rel=0.2))
 
 
-@pytest.mark.parametrize("seconds", [0.0, -1.0, math.nan, math.inf])
-def test_broken_samples_are_ignored(seconds):
+def test_forget_drops_an_engines_pairs_and_hop():
     est = RateEstimator(clock=Clock())
-    est.observe_gap("e", seconds, 4)
-    assert est.rates("e").samples == 0.0
-
-
-def test_forget_drops_an_engine_and_its_pairs():
-    clock = Clock()
-    est = RateEstimator(clock=clock)
-    feed(est, clock, n=20)
     est.observe_transfer("p", "e", 100, 0.05)
+    est.observe_hop("e", 0.2)
     est.forget("e")
-    assert (est.rates("e").samples, est.snapshot()["transfers"]) == (0.0, {})
+    assert (est.pairs(), est.hop_s("e")) == ({}, 0.0)
 
 
-def test_learned_rates_drive_placement():
-    # the decode engine's streams measured slow: a long local prefill would stall them
+def test_published_rates_drive_placement():
+    # the decode engine measured slow steps: a long local prefill would stall its streams
     clock = Clock()
     est = RateEstimator(clock=clock)
-    feed(est, clock, engine_id="d")
+    est.adopt({"d": measured(clock)})
     engines = [est.estimate("p", "prefill"), est.estimate("d", "decode", decode_streams=12)]
     assert place(1024, engines, transfer=est.transfer).option == Option("d", "p")
-
-
-def test_a_reused_solution_equals_a_fresh_one_and_a_sample_or_time_replaces_it():
-    """Placement asks for one engine's rates once per option: the fit's solution is reused while
-    nothing it depends on moved (no sample, the same prior, under 0.1 % of decay), and is the
-    solution a fresh estimator would compute at that moment."""
-    def fresh(t: float, n: int) -> float:
-        clock = Clock()
-        est = RateEstimator(clock=clock)
-        feed(est, clock, n=n)
-        clock.t = t
-        return est.rates("e").prefill_tokens_per_s
-
-    clock = Clock()
-    est = RateEstimator(clock=clock)
-    feed(est, clock, n=20)
-    t0 = clock.t
-    first = est.rates("e").prefill_tokens_per_s
-    clock.t = t0 + 0.05  # within reuse_s (87 ms at the 60 s half-life): the same answer
-    assert est.rates("e").prefill_tokens_per_s == first == fresh(t0, 20)
-    clock.t = t0 + 600.0  # ten half-lives later the priors weigh more: a new solution, as a fresh fit's
-    later = est.rates("e").prefill_tokens_per_s
-    assert later != first and later == pytest.approx(fresh(t0 + 600.0, 20), rel=1e-9)
-    est.observe_gap("e", A, 4)  # a sample: solved again at once
-    assert est.rates("e").prefill_tokens_per_s != later
