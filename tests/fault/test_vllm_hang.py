@@ -66,6 +66,23 @@ def engine_actor(engine_id: str) -> dict:
     return {"pid": a["Pid"], "state": a["State"], "restarts": a["NumRestarts"]}
 
 
+async def decoding(engine_id: str, count: int, timeout_s: float = 120.0) -> None:
+    """Until the engine's actor runs `count` requests and has streamed tokens of each (an event, not a sleep)."""
+    from serving.cluster.names import NAMESPACE
+
+    handle = ray.get_actor(actor_name_of(engine_id), namespace=NAMESPACE)
+    deadline = time.monotonic() + timeout_s
+    owed = None  # the tokens the streams owe once all of them run there; each streamed chunk pays some
+    while True:
+        stats = await handle.stats.remote()
+        if owed is None and stats.running >= count:
+            owed = stats.load.outstanding_tokens
+        if owed is not None and stats.load.outstanding_tokens <= owed - 2 * count:
+            return
+        assert time.monotonic() < deadline, f"{engine_id} never streamed {count} requests: {stats.running}"
+        await asyncio.sleep(0.1)
+
+
 def replica_states() -> dict:
     from ray import serve
 
@@ -179,7 +196,7 @@ def test_a_lone_decode_engine_frozen_then_killed_while_restarting(coordinator):
 
                 # 1. frozen mid-stream
                 streams = [asyncio.ensure_future(load.one(client, p)) for p in PROMPTS[:3]]
-                await asyncio.sleep(4.0)  # every stream is under way
+                await decoding(did, len(streams))  # every stream is under way on the decode engine
                 assert not any(s.done() for s in streams), [s.result() for s in streams if s.done()]
                 before = engine_actor(did)
                 frozen.extend(freeze_tree([before["pid"]]))
