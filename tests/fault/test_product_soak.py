@@ -39,7 +39,7 @@ from serving.config import load_config
 
 from chaos_helpers import deployment_placement_groups, freeze_tree, generation, kill_tree, wait_generation
 from greedy import divergence, greedy_request, logprobs_of
-from service_helpers import free_port, run_serve_app
+from service_helpers import default_app_config, free_port, run_serve_app
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -161,9 +161,7 @@ def test_the_default_serve_app_under_kills_freezes_read_errors_and_disconnects(c
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    base = load_config(CONFIG).model_dump(mode="json", exclude_unset=True)
-    base["name"] = NAME
-    base["both"]["num_cpus"] = 0  # the session cluster's CPUs are shared by the test modules
+    base = default_app_config(NAME, CONFIG)
     base.setdefault("transfer", {})["fault_rate"] = FAULT_RATE
     faults: list[str] = []
     seen_pids: set[int] = set()

@@ -33,7 +33,7 @@ from serving.config import load_config
 
 from chaos_helpers import freeze_tree, generation, kill_tree, wait_generation
 from greedy import divergence, greedy_request, logprobs_of
-from service_helpers import free_port, run_serve_app
+from service_helpers import default_app_config, free_port, run_serve_app
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -121,9 +121,7 @@ def test_one_both_engine_frozen_mid_stream_every_stream_completes_on_the_other(c
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    base = load_config(CONFIG).model_dump(mode="json", exclude_unset=True)
-    base["name"] = NAME
-    base["both"]["num_cpus"] = 0  # the session cluster's CPUs are shared by the test modules
+    base = default_app_config(NAME, CONFIG)
     frozen: list[int] = []
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

@@ -69,6 +69,17 @@ class UvicornThread:
         self.thread.join(15)
 
 
+def default_app_config(name: str, path: str = "configs/local.yaml") -> dict:
+    """The embedded default's deployment as written, renamed, with no CPUs reserved (the session
+    cluster's CPUs are shared by the test modules)."""
+    from serving.config import load_config
+
+    base = load_config(path).model_dump(mode="json", exclude_unset=True)
+    base["name"] = name
+    base["both"]["num_cpus"] = 0
+    return base
+
+
 def run_serve_app(app, name: str, url: str, timeout_s: float = 900.0) -> float:
     """`serve.run` the app (non-blocking) and wait until its /health answers 200; seconds it took."""
     import httpx

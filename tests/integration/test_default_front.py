@@ -29,7 +29,7 @@ from serving.cluster.names import NAMESPACE, actor_name_of
 from serving.config import load_config
 
 from greedy import divergence, greedy_request, logprobs_of
-from service_helpers import free_port, run_serve_app
+from service_helpers import default_app_config, free_port, run_serve_app
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,9 +56,7 @@ def front(coordinator):
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    base = load_config(CONFIG).model_dump(mode="json", exclude_unset=True)
-    base["name"] = NAME
-    base["both"]["num_cpus"] = 0
+    base = default_app_config(NAME, CONFIG)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         run_serve_app(build_app(base), NAME, url)
