@@ -9,6 +9,13 @@ reservation differ: the session cluster's CPUs are shared by the test modules).
 2. A client that disconnects mid-stream: the request is aborted on its engine (nothing runs there any
    more), every block is free again (each engine's baseline), no lease is held, and the front counts
    one abort (a client's act, never an engine failure).
+3. The deployment is two role-flexible engines with the chunk budget the placement targets imply.
+4. A long prompt on idle engines is placed colocated (it saves the handoff) by the SLO model, runs on one
+   engine, and its answer is that engine's greedy answer.
+
+The P/D path on vLLM (the pulled KV gives the colocated answer; the producer's lease ends with the
+reader's notice, not its TTL): tests/integration/test_vllm_pd.py. Where the SLO model disaggregates:
+tests/unit/test_placement.py.
 
 Mid-stream migration through the same front: tests/fault/test_vllm_hang_default.py.
 """
@@ -26,7 +33,7 @@ from serving.cluster.app import build_app
 from serving.cluster.clients import RayEngineClient
 from serving.cluster.launcher import shutdown_deployment
 from serving.cluster.names import NAMESPACE, actor_name_of
-from serving.config import load_config
+from serving.config import DeploymentConfig, load_config
 
 from greedy import divergence, greedy_request, logprobs_of
 from service_helpers import default_app_config, free_port, run_serve_app
@@ -40,6 +47,9 @@ ENGINES = [f"{NAME}-both-0", f"{NAME}-both-1"]
 PROMPT = "Tell me a long story about a lighthouse keeper."
 MAX_TOKENS = 48
 SETTLE_S = 30.0  # an aborted request's blocks and leases are back well within this
+# ~500 tokens: a prompt that takes several prefill chunks
+QUESTION = "The Eiffel Tower stands in the capital of France. " * 50 + "What is the capital of France?"
+ANSWER_TOKENS = 16
 
 
 def engine(engine_id: str):
@@ -61,15 +71,15 @@ def front(coordinator):
     try:
         run_serve_app(build_app(base), NAME, url)
         baseline = {e: s.free_blocks for e, s in engine_stats().items()}  # vLLM keeps a null block
-        yield {"url": url, "baseline": baseline}
+        yield {"url": url, "baseline": baseline, "cfg": DeploymentConfig.from_dict(base)}
     finally:
         serve.shutdown()
         shutdown_deployment(NAME, keep_coordinator=True)
 
 
-def stream(url: str, max_tokens: int, stop_after: int | None = None) -> dict:
+def stream(url: str, max_tokens: int, stop_after: int | None = None, prompt: str = PROMPT) -> dict:
     """One greedy streamed completion; with `stop_after`, the client disconnects after that many tokens."""
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
     out = {"prompt_ids": [], "ids": [], "done": False, "errors": []}
     with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -130,3 +140,31 @@ def test_a_client_that_disconnects_mid_stream_is_aborted_and_frees_its_blocks(fr
     assert {e: (s.running, s.free_blocks, s.held_leases) for e, s in stats.items()} == \
         {e: (0, front["baseline"][e], 0) for e in ENGINES}
     assert aborts(front["url"]) == before + 1
+
+
+def test_the_default_runs_two_role_flexible_engines_with_a_chunk_budget(front):
+    budgets = {e: ray.get(engine(e).effective_config.remote()).max_num_batched_tokens for e in ENGINES}
+    assert budgets == {e: front["cfg"].chunk_budget("both") for e in ENGINES}
+
+
+def decisions(url: str) -> dict[str, float]:
+    """Requests placed so far by decision (local or remote), from the front's /metrics."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("raypd_disagg_decisions_total{"):
+            decision = line.split('decision="', 1)[1].split('"', 1)[0]
+            out[decision] = out.get(decision, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_a_prompt_on_idle_engines_is_colocated_and_answers_the_engines_greedy_answer(front):
+    import asyncio
+
+    url = front["url"]
+    before, placed = engine_stats(), decisions(url)
+    answer = stream(url, ANSWER_TOKENS, prompt=QUESTION)
+    assert {k: v - placed.get(k, 0.0) for k, v in decisions(url).items() if v != placed.get(k, 0.0)} == {"local": 1}
+    ran = [e for e, s in engine_stats().items() if s.requests > before[e].requests]
+    assert len(ran) == 1  # one engine prefilled and decoded it
+    ref, lps = asyncio.run(_reference(ran[0], answer["prompt_ids"], ANSWER_TOKENS))
+    assert (answer["done"], answer["errors"], divergence(answer["ids"], ref, lps)) == (True, [], None)

@@ -127,6 +127,31 @@ def test_pd_equals_colocated_token_for_token(engines, length):
     run(go())
 
 
+def test_a_read_prefills_lease_ends_with_the_readers_notice_not_its_ttl(engines):
+    """Exact leases: the producer's held lease (what a drain waits for) ends when the reader's notice
+    arrives, long before its 60 s TTL; the notice, not a timer, is counted."""
+    def ended(stats):
+        return {k: stats.backend.counters[k] for k in ("leases_released_by_notice", "leases_expired")}
+
+    async def go():
+        base = await baselines(engines)
+        before = ended(await engines["P"].stats.remote())
+        sent = time.monotonic()
+        await pd(engines, "D", PROMPTS[32])
+        after = await until("the reader's notice ends P's lease",
+                            lambda: _released(engines["P"], base["P"]), timeout=20.0)
+        assert time.monotonic() - sent < 60  # the lease's TTL: no timer ended it
+        assert {k: v - before[k] for k, v in ended(after).items()} == \
+            {"leases_released_by_notice": 1, "leases_expired": 0}
+
+    run(go())
+
+
+async def _released(engine, baseline):
+    stats = await engine.stats.remote()
+    return stats if stats.held_leases == 0 and stats.free_blocks == baseline else None
+
+
 def test_decode_really_uses_the_transferred_kv(engines):
     async def go():
         prompt = PROMPTS[150]
