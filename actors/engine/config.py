@@ -103,6 +103,10 @@ class RateModelConfig(_Strict):
     half_life_s: float = Field(60.0, gt=0)
     prior_weight: float = Field(1.0, gt=0)  # the priors count as this many average samples
     min_history_weight: float = Field(4.0, ge=0)  # idle time never decays what was learned below this
+    # a prefill teaches the fit only when its computed tokens cost at least this many steps' fixed part
+    # (a short or mostly cached prompt's time is its first token's fixed path, which the model has no
+    # term for: one such prompt made an engine's published prefill rate several times too slow)
+    min_prefill_steps: float = Field(8.0, ge=0)
     busy_window_s: float = Field(10.0, gt=0)  # how far back the prompt tokens given per second reach
     publish_interval_s: float = Field(0.5, gt=0)  # how often a material change may reach the coordinator
     republish_s: float = Field(10.0, gt=0)  # sent again this often even unchanged (a restarted coordinator)

@@ -8,7 +8,9 @@ is the one that measures (its `LoadMeter` feeds this):
   observe_prefill  a prefill's wall time in the engine (a `prefill()` call, or the first chunk
                    of a local one), the prompt tokens queued ahead of it included: those tokens
                    and the prompt's computed ones (cached ones excluded), chunked by its budget:
-                   x = (steps, steps * batch, tokens), steps = ceil(tokens / budget)
+                   x = (steps, steps * batch, tokens), steps = ceil(tokens / budget); only when
+                   those tokens cost `min_prefill_steps` steps' fixed part or more (a short
+                   prompt's time is its first token's fixed path: it would land in c)
   observe_step     the general form of both
 
 Priors and half-life: `EngineConfig.rates` (the deployment's `router.slo` priors, or what the
@@ -56,10 +58,17 @@ class EngineRateModel:
                         budget_tokens: int | None = None) -> None:
         """`tokens` prompt tokens (this prompt's computed ones and those queued ahead of it) done in
         `seconds` beside `decode_batch` streams."""
-        if tokens < 1:
+        if tokens < 1 or tokens < self.min_prefill_tokens():
             return
         steps = math.ceil(tokens / (budget_tokens or DEFAULT_BUDGET))
         self.observe_step(seconds, decode_batch, tokens, steps)
+
+    def min_prefill_tokens(self) -> float:
+        """The fewest tokens a prefill needs to teach the fit: their compute, at the rates now, is
+        `min_prefill_steps` steps' fixed part (160 tokens at the default priors). At most
+        `DEFAULT_BUDGET`: a fit that believes prefills nearly free still hears of long ones."""
+        a, _, c = self._fit.solve(self.prior, self.clock())
+        return min(self.config.min_prefill_steps * a / c, DEFAULT_BUDGET)
 
     def rates(self, queued_prompt_tokens: int = 0, decode_streams: int = 0, prompt_tokens_per_s: float = 0.0,
               chunk_budget_tokens: int | None = None) -> EngineRates:

@@ -34,7 +34,7 @@ def feed(model: EngineRateModel, clock: Clock, n: int = 200, a: float = A, b: fl
         clock.t += 0.5
         batch = rng.randint(0, 16)
         if i % 3 == 0:
-            tokens = rng.randint(32, 1024)
+            tokens = rng.randint(256, 1024)  # long enough to teach c (`min_prefill_steps`)
             model.observe_prefill(tokens, a + b * batch + c * tokens, batch)
         else:
             model.observe_gap(a + b * batch, batch)
@@ -85,6 +85,24 @@ def test_what_was_learned_survives_an_idle_hour():
     r = model.rates()
     assert (r.samples, r.prefill_samples) == (4.0, pytest.approx(4.0 / 3, rel=0.2))
     assert r.prefill_tokens_per_s > 700 and r.step_s == pytest.approx(A, rel=0.7)
+
+
+def test_a_short_prompts_fixed_cost_does_not_reach_the_prefill_rate():
+    """A 48-token prompt whose first token took 0.25 s (its fixed path: hand-off, sampling, output)
+    would read as ~200 tokens/s; it teaches nothing, neither to a fresh engine (the prior stands)
+    nor to one that measured long prompts at 1000 tokens/s. A long prompt still teaches."""
+    clock = Clock()
+    fresh = EngineRateModel(clock=clock)
+    fresh.observe_prefill(48, 0.25, 0)
+    assert (fresh.rates().prefill_samples, fresh.rates().prefill_tokens_per_s) == (0.0, pytest.approx(400))
+    model = EngineRateModel(clock=clock)
+    feed(model, clock)
+    before = model.rates()
+    model.observe_prefill(48, 0.25, 0)
+    assert model.rates().prefill_tokens_per_s == pytest.approx(before.prefill_tokens_per_s)
+    assert model.min_prefill_tokens() == pytest.approx(8 * A / C, rel=0.1)  # 160 tokens at 20 ms, 1000 tok/s
+    model.observe_prefill(800, A + 800 * C, 0)
+    assert model.rates().prefill_samples > before.prefill_samples
 
 
 @pytest.mark.parametrize("seconds", [0.0, -1.0, math.nan, math.inf])
