@@ -9,6 +9,9 @@
       cluster. No flag: the embedded default (configs/local.yaml). A state file
       in a per-user folder lets `status` and `down` find the running service.
   raypd config [same deployment flags]   print the deployment YAML `up` would use
+  raypd config --plan [--profile P --slo-ttft-s S --rates R,...]   the engine shape with the most
+      goodput within the targets, as that deployment (serving/cli/plan.py)
+  raypd profile [--out P]  the running engines' measured rates, a profile for config --plan
   raypd status [--json]   engines, roles, health, load, leases, breaker states, vLLM settings
   raypd down              stop what `raypd up` started (after checking the pid is that `raypd up`)
   raypd bench ...         load test an OpenAI endpoint, or measure the front's overhead
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from serving.cli import runstate
+from serving.cli.attach import attach
 
 if TYPE_CHECKING:
     from serving.config import DeploymentConfig
@@ -35,6 +39,7 @@ COMMANDS = {
     "config": "print the deployment YAML that `raypd up` would use with the same flags",
     "status": "show engines, roles, health, load, breaker states and in-flight transfers",
     "down": "stop the engines and the coordinator started by `raypd up`",
+    "profile": "measure the running engines' rates under a short load: a profile for `raypd config --plan`",
     "bench": "benchmark an OpenAI-compatible endpoint (TTFT/ITL/e2e, goodput) or the front's own overhead",
 }
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "local.yaml")
@@ -50,18 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
-        if name in ("up", "config", "status", "down"):
+        if name in ("up", "config", "status", "down", "profile"):
             cmd.add_argument("--config", default=None, help="deployment YAML (default: configs/local.yaml, "
                                                             "or the one built from the flags)")
             cmd.add_argument("--address", default=None, help="join an existing Ray cluster (e.g. auto, host:6379)")
-        if name in ("up", "status", "down"):
+        if name in ("up", "status", "down", "profile"):
             cmd.add_argument("--temp-dir", default=DEFAULT_TEMP_DIR, help="Ray temp dir of a local cluster")
         if name in ("up", "config"):
             add_deployment_flags(cmd)
             cmd.add_argument("--host", default=None, help="HTTP host (default: the config's http.host)")
             cmd.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's http.port)")
+        if name == "config":
+            from serving.cli.plan import add_arguments as add_plan_flags
+
+            add_plan_flags(cmd)
         if name == "up":
             cmd.add_argument("-v", "--verbose", action="store_true", help="stream the engines' logs here")
+        if name == "profile":
+            from serving.cli.profile import add_arguments as add_profile_flags
+
+            add_profile_flags(cmd)
         if name == "status":
             cmd.add_argument("--json", action="store_true", help="print the status as JSON")
         if name == "bench":
@@ -256,29 +269,34 @@ def cmd_config(args: argparse.Namespace) -> int:
     cfg = _checked(args, "config")
     if cfg is None:
         return 2
+    if args.plan:
+        from serving.cli.plan import run_plan
+
+        return run_plan(args, cfg)
     print(config_yaml(cfg), end="")
     return 0
 
 
 # ------------------------------------------------------------------ status
-def _connect(args: argparse.Namespace, state: runstate.UpState | None) -> bool:
-    import ray
-
-    from serving.cluster.ray_init import init_ray, use_ray_token_auth
-
-    address = args.address or (state.gcs_address if state else None)
-    if not address:
-        return False
-    if state is not None and not args.address and state.ray_auth_mode == "token":
-        use_ray_token_auth()  # our own record says so (an explicit address never turns token mode on by itself)
-    init_ray(None, address=address)
-    return ray.is_initialized()
-
-
 def _jsonable(obj: Any) -> Any:
     import dataclasses
 
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else str(obj)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import ray
+
+    from serving.cli.profile import run
+
+    state = runstate.read_state(args.temp_dir)
+    if not attach(args, state, "profile"):
+        return 1
+    try:
+        cfg = _load(args, state)
+        return run(args, cfg, state.url if state else f"http://{cfg.http.host}:{cfg.http.port}")
+    finally:
+        ray.shutdown()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -286,17 +304,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from serving.cli.status import collect_status, print_status
 
-    from serving.cluster.ray_init import RayAuthError
-
     state = runstate.read_state(args.temp_dir)
-    try:
-        connected = _connect(args, state)
-    except RayAuthError as exc:
-        print(f"raypd status: {exc}", file=sys.stderr)
-        return 1
-    if not connected:
-        print("raypd status: no running raypd found (start one with `raypd up`, or pass --address)",
-              file=sys.stderr)
+    if not attach(args, state, "status"):
         return 1
     try:
         name = state.name if state else _load(args).name
@@ -336,15 +345,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         if state.started_cluster:  # that cluster ended with its `raypd up`: nothing left to clean
             runstate.remove_state(args.temp_dir)
             return 0
-    from serving.cluster.ray_init import RayAuthError
-
-    try:
-        connected = _connect(args, state)
-    except RayAuthError as exc:
-        print(f"raypd down: {exc}", file=sys.stderr)
-        return 1
-    if not connected:
-        print("raypd down: nothing to stop (no state file; pass --address to clean a cluster)", file=sys.stderr)
+    if not attach(args, state, "down", "nothing to stop (no state file; pass --address to clean a cluster)"):
         return 1
     try:
         from ray import serve
@@ -381,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         from serving.bench.command import run
 
         return run(args)
-    return {"up": cmd_up, "config": cmd_config, "status": cmd_status, "down": cmd_down}[args.command](args)
+    commands = {"up": cmd_up, "config": cmd_config, "status": cmd_status, "down": cmd_down, "profile": cmd_profile}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""`raypd profile`: a short measured profile of the running deployment's engines, for the shape planner.
+
+1. A short load through the front (the path users take): waves of long prompts, one per engine at a
+   time, each prompt its own words (no prefix-cache hits), then one wave of concurrent short prompts
+   with long answers. The first teaches each engine its prefill rate and its step at a batch of one,
+   the second its step under a batch.
+2. Every engine's own rate fit is read back (`EngineActor.load()`: the record it publishes,
+   `actors.rates.EngineRates`) and averaged per engine size, weighted by the engine's samples: an
+   engine's size is its CPU cores (its `cpu_bind` entry, else `num_cpus`) or its GPUs (TP x PP).
+3. The sizes measured replace theirs in `--out` (a `serving.planner.profile` file; the other sizes
+   in it stay), which `raypd config --plan --profile` reads. The KV transfer rate is not measured
+   here: a new file takes `router.slo`'s priors for it.
+
+Run it once per engine size you want the planner to consider (e.g. `raypd up` with one-core engines,
+then with a two-core engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+from pathlib import Path
+
+import yaml
+
+from actors.rates import EngineRates
+from serving.bench.samples import Sample, make_prompt
+from serving.bench.sse import stream_request
+from serving.config import DeploymentConfig
+from serving.planner.profile import EngineProfile, ProfileError, load_profile, parse_profile
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="profile.yaml", help="the profile file to write (measured sizes replace theirs)")
+    p.add_argument("--prompt-words", type=int, default=600, help="words per long prompt (~1.2 tokens each)")
+    p.add_argument("--waves", type=int, default=4, help="waves of long prompts, one prompt per engine per wave")
+    p.add_argument("--streams", type=int, default=8, help="concurrent short-prompt streams per engine")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_size(cfg: DeploymentConfig, role: str, index: int) -> int:
+    """The units engine `index` of `role` runs on: CPU cores (cpu_bind, else num_cpus) or GPUs."""
+    group = getattr(cfg, role)
+    if group.tp_size * group.pp_size > 1 or group.resources.get("GPU"):
+        return group.tp_size * group.pp_size
+    if group.cpu_bind and index < len(group.cpu_bind):
+        return len(_cores(group.cpu_bind[index]))
+    return max(1, round(group.num_cpus))
+
+
+def _cores(bind: str) -> set[int]:
+    """The cores of one VLLM_CPU_OMP_THREADS_BIND entry ("0-1", "0,2", "3")."""
+    cores: set[int] = set()
+    for part in bind.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def pooled(rates: list[EngineRates], cores: int) -> EngineProfile:
+    """The sample-weighted mean of one size's engines (the prefill rate over their prefill samples)."""
+    steps = sum(r.samples for r in rates)
+    prefills = sum(r.prefill_samples for r in rates)
+    return EngineProfile(
+        cores=cores,
+        step_s=sum(r.step_s * r.samples for r in rates) / steps,
+        step_per_stream_s=sum(r.step_per_stream_s * r.samples for r in rates) / steps,
+        prefill_tokens_per_s=prefills / sum(r.prefill_s_per_token * r.prefill_samples for r in rates))
+
+
+async def _load(url: str, model: str, engines: int, args: argparse.Namespace) -> int:
+    """The short load; returns how many requests failed."""
+    import httpx
+
+    rng = random.Random(args.seed)
+    failed = 0
+    async with httpx.AsyncClient(timeout=args.timeout) as client:
+        async def one(words: int, max_tokens: int) -> None:
+            nonlocal failed
+            body = {"model": model, "prompt": make_prompt(words, rng), "max_tokens": max_tokens,
+                    "stream": True, "temperature": 0, "ignore_eos": True}
+            sample = await stream_request(client, url, body, {}, False, Sample(ok=False))
+            failed += not sample.ok
+
+        for _ in range(args.waves):
+            await asyncio.gather(*(one(args.prompt_words, 16) for _ in range(engines)))
+        await asyncio.gather(*(one(32, 64) for _ in range(engines * args.streams)))
+    return failed
+
+
+def run(args: argparse.Namespace, cfg: DeploymentConfig, url: str) -> int:
+    import ray
+
+    from serving.cluster.engines import find_engines
+
+    handles = find_engines(cfg.name)
+    if not handles:
+        print(f"raypd profile: no engines of deployment {cfg.name!r} are running (raypd up first)", file=sys.stderr)
+        return 1
+    failed = asyncio.run(_load(url, cfg.served_model_name, len(handles), args))
+    if failed:
+        print(f"raypd profile: {failed} request(s) failed; the profile would not be the engines' own",
+              file=sys.stderr)
+        return 1
+    by_size: dict[int, list[EngineRates]] = {}
+    for actor, handle in sorted(handles.items()):
+        role, _, index = actor.removeprefix(f"raypd-{cfg.name}-").rpartition("-")
+        rates = ray.get(handle.load.remote(), timeout=30).meter.rates
+        if rates is None or rates.prefill_samples <= 0:
+            print(f"raypd profile: {actor} measured no prefill; left out", file=sys.stderr)
+            continue
+        by_size.setdefault(engine_size(cfg, role, int(index)), []).append(rates)
+    if not by_size:
+        return 1
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    try:
+        old = load_profile(args.out) if Path(args.out).exists() else None
+    except ProfileError as exc:
+        print(f"raypd profile: {exc}", file=sys.stderr)
+        return 2
+    slo = cfg.router.slo
+    merged = {e.cores: e for e in (old.engines if old else ())}
+    merged.update({cores: pooled(rates, cores) for cores, rates in by_size.items()})
+    data = {"unit": "gpu" if gpus else "cpu",
+            "total_units": gpus or len(os.sched_getaffinity(0)),
+            "transfer_tokens_per_s": old.transfer_tokens_per_s if old else slo.prior_transfer_tokens_per_s,
+            "transfer_overhead_s": old.transfer_overhead_s if old else slo.prior_transfer_overhead_s,
+            "engines": [{"cores": e.cores, "step_s": round(e.step_s, 5),
+                         "step_per_stream_s": round(e.step_per_stream_s, 6),
+                         "prefill_tokens_per_s": round(e.prefill_tokens_per_s, 1)}
+                        for _, e in sorted(merged.items())]}
+    parse_profile(data, args.out)  # what is written reads back
+    Path(args.out).write_text(f"# raypd profile of {cfg.model} ({cfg.name})\n" + yaml.safe_dump(data, sort_keys=False))
+    for cores, rates in sorted(by_size.items()):
+        e = merged[cores]
+        print(f"{cores} {data['unit']} unit(s), {len(rates)} engine(s): step {e.step_s * 1e3:.1f} ms "
+              f"+ {e.step_per_stream_s * 1e3:.2f} ms per stream, prefill {e.prefill_tokens_per_s:.0f} tokens/s")
+    print(f"raypd profile: wrote {args.out}")
+    return 0

@@ -1,0 +1,96 @@
+"""A shape as raypd's deployment: the config `raypd up` runs, and the step limits its engines get.
+
+  deployment_config(shape, base, unit)  `base` (a deployment file's mapping) with the engine groups
+                                        and router.placement of `shape`, validated (DeploymentConfig)
+  deployment_yaml(shape, base, unit)    the same as YAML (`raypd up --config` reads it back)
+  shape_limits(config, unit)            what a step may carry on each role's engines of that deployment
+                                        (vLLM's max_num_batched_tokens, max_num_seqs), for the simulation
+  core_ranges(sizes)                    one VLLM_CPU_OMP_THREADS_BIND per engine, cores handed out in order
+
+Only the groups (`count`, `num_cpus`, `cpu_bind` on a CPU box, `tp_size` on a GPU box), the placement
+and, on a CPU box, a `ray.num_cpus` too small for the engines change: the model, engine_kwargs and
+everything else stay as the base says. Colocated shapes run placement `slo`, P/D shapes `disaggregate`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from serving.config import ROLES, DeploymentConfig
+from serving.placement_config import vllm_default_budget
+from serving.planner.profile import Unit
+from serving.planner.shapes import Shape
+from serving.planner.simulate import ShapeLimits, StepLimits
+
+
+def _sizes_by_role(shape: Shape) -> dict[str, tuple[int, ...]]:
+    return {"prefill": shape.prefill, "decode": shape.decode, "both": shape.colocated}
+
+
+def core_ranges(sizes: list[int]) -> list[str]:
+    """"0-1", "2", "3": engine i gets the next sizes[i] cores, from core 0 up."""
+    ranges, at = [], 0
+    for k in sizes:
+        ranges.append(str(at) if k == 1 else f"{at}-{at + k - 1}")
+        at += k
+    return ranges
+
+
+def deployment_config(shape: Shape, base: Mapping[str, Any], unit: Unit) -> DeploymentConfig:
+    """`base` reshaped to `shape`; ConfigError when raypd refuses the result (e.g. GPU tensor-parallel
+    sizes of the two roles that do not divide one another, an autoscaler's bounds the counts leave)."""
+    data: dict[str, Any] = copy.deepcopy(dict(base))
+    by_role = _sizes_by_role(shape)
+    binds = iter(core_ranges([k for role in ROLES for k in by_role[role]]))
+    for role in ROLES:
+        sizes = by_role[role]
+        group = dict(data.get(role) or {})
+        group.pop("cpu_bind", None)
+        group["count"] = len(sizes)
+        if sizes and unit == "cpu":
+            group["num_cpus"] = sizes[0]  # the Ray CPUs the engine reserves: its cores
+            group["cpu_bind"] = [next(binds) for _ in sizes]
+            group.pop("tp_size", None)  # one rank per engine, on all its cores
+        elif sizes:
+            group["tp_size"] = sizes[0]
+        data[role] = group
+    data["router"] = {**(data.get("router") or {}), "placement": "slo" if shape.is_colocated else "disaggregate"}
+    ray = dict(data.get("ray") or {})
+    if unit == "cpu" and ray.get("num_cpus") is not None and ray["num_cpus"] < shape.units:
+        ray["num_cpus"] = shape.units  # a local cluster too small for the engines would never start them
+        data["ray"] = ray
+    return DeploymentConfig.from_dict(data)
+
+
+def deployment_yaml(shape: Shape, base: Mapping[str, Any], unit: Unit) -> str:
+    """`deployment_config` as YAML: what differs from raypd's defaults (name, backend, model and the
+    engine count of each role that has engines always), `raypd up --config` reads it back."""
+    cfg = deployment_config(shape, base, unit)
+    data = {"name": cfg.name, "backend": cfg.backend, "model": cfg.model,
+            **cfg.model_dump(mode="json", exclude_defaults=True)}
+    for role, sizes in _sizes_by_role(shape).items():
+        if sizes:  # a role that has engines says how many, default or not
+            data[role] = {"count": len(sizes), **data.get(role, {})}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def shape_limits(cfg: DeploymentConfig, unit: Unit) -> ShapeLimits:
+    """Each role's step limits as its engines would run them: the operator's engine arguments, else
+    the defaults raypd applies on that platform (a CPU prefill engine: one prompt at a time; a
+    decode-capable CPU engine under placement `slo`: the chunk budget from the placement priors),
+    else vLLM's own budget and no cap on the requests."""
+
+    def of(role: str) -> StepLimits:
+        engine = cfg.engine_config(role)
+        defaults = engine.cpu_engine_defaults if unit == "cpu" else engine.gpu_engine_defaults
+        kwargs = {**defaults, **engine.engine_kwargs}
+        budget = kwargs.get("max_num_batched_tokens") or vllm_default_budget(kwargs)
+        seqs = kwargs.get("max_num_seqs")
+        return StepLimits(budget_tokens=int(budget), max_seqs=int(seqs) if seqs else None)
+
+    return ShapeLimits(both=of("both"), prefill=of("prefill"), decode=of("decode"))
+

@@ -1,0 +1,107 @@
+"""Every shape a box allows, simulated at every rate of the workload; the one with the most goodput.
+
+  plan(profile, workload, slo, base) -> Plan   each shape's `ShapePrediction`, the chosen one
+  render_table(plan) -> str                    one row per shape: goodput per rate, the chosen one marked
+
+Each shape runs as raypd would run it from `base` (a deployment file's mapping): the step limits of
+its engines come from the deployment the shape makes (deployment.shape_limits), so what is predicted
+is what `deployment_yaml` of the chosen shape deploys. The choice: the highest goodput summed over
+the rates; ties go to fewer engines, then to colocated, then to the lower median TTFT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from serving.config import ConfigError
+from serving.planner.deployment import deployment_config, shape_limits
+from serving.planner.profile import HardwareProfile
+from serving.planner.shapes import Shape, enumerate_shapes
+from serving.planner.simulate import RateResult, simulate
+from serving.planner.workload import SloTargets, Workload
+
+
+@dataclass(frozen=True)
+class ShapePrediction:
+    shape: Shape
+    results: tuple[RateResult, ...]  # one per rate of the workload, in its order
+    measured: bool  # False: some engine size's rates were extrapolated (HardwareProfile.for_size)
+
+    @property
+    def total_goodput(self) -> float:
+        return sum(r.goodput for r in self.results)
+
+    def rank(self) -> tuple[float, int, bool, float, str]:
+        """Sort key, best first (goodput rounded: sums of equal counts must tie exactly)."""
+        median_ttft = sum(r.ttft_p50_s for r in self.results) / len(self.results)
+        return (-round(self.total_goodput, 9), self.shape.engines, not self.shape.is_colocated, median_ttft,
+                self.shape.label)
+
+
+@dataclass(frozen=True)
+class RefusedShape:
+    shape: Shape
+    reason: str  # why raypd's config refuses it (ConfigError's message)
+
+
+@dataclass(frozen=True)
+class Plan:
+    profile: HardwareProfile
+    workload: Workload
+    slo: SloTargets
+    predictions: tuple[ShapePrediction, ...]  # enumerate_shapes' order
+    chosen: ShapePrediction
+    refused: tuple[RefusedShape, ...] = ()
+
+
+def plan(profile: HardwareProfile, workload: Workload, slo: SloTargets, base: Mapping[str, Any] | None = None,
+         sizes: tuple[int, ...] | None = None) -> Plan:
+    """Simulate every shape of `profile`'s box with engine `sizes` (default: the measured ones) at
+    every rate of `workload`, each as a deployment made from `base` (default: raypd's defaults);
+    shapes raypd's config refuses are left out and listed in `Plan.refused`."""
+    base = base or {}
+    predictions, refused = [], []
+    for shape in enumerate_shapes(profile.total_units, sizes or profile.sizes):
+        try:
+            limits = shape_limits(deployment_config(shape, base, profile.unit), profile.unit)
+        except ConfigError as exc:
+            refused.append(RefusedShape(shape, str(exc)))
+            continue
+        results = tuple(simulate(shape, profile, workload, rate, slo, limits) for rate in workload.rates)
+        sizes_used = {*shape.colocated, *shape.prefill, *shape.decode}
+        predictions.append(ShapePrediction(shape, results, all(profile.for_size(k).measured for k in sizes_used)))
+    if not predictions:
+        raise ValueError("no shape of this profile makes a valid deployment: "
+                         + "; ".join(f"{r.shape.label}: {r.reason}" for r in refused))
+    return Plan(profile=profile, workload=workload, slo=slo, predictions=tuple(predictions),
+                chosen=min(predictions, key=ShapePrediction.rank), refused=tuple(refused))
+
+
+def render_table(result: Plan) -> str:
+    """Fixed-width text: the targets and workload, then one row per shape (best first) with its
+    goodput at each rate and in total, and the fraction of requests within the targets; `>` marks
+    the chosen shape, `~` a shape with an extrapolated engine size."""
+    w, slo = result.workload, result.slo
+    mix = ", ".join(f"{t} ({s:g})" for t, s in w.prompt_mix)
+    lines = [f"predicted goodput (req/s within TTFT {slo.ttft_s:g} s and TPOT {slo.tpot_s:g} s; "
+             f"{w.requests_per_rate} requests per rate, prompt tokens {mix}, {w.output_tokens} output tokens; "
+             f"{result.profile.total_units} {result.profile.unit} units)"]
+    rate_cols = [f"{r:g}/s" for r in w.rates]
+    width = max(len(p.shape.label) for p in result.predictions) + 2
+    header = f"  {'shape':<{width}}{'units':>5}" + "".join(f"{c:>9}" for c in rate_cols) + f"{'total':>9}{'in SLO':>8}"
+    lines += [header, "  " + "-" * (len(header) - 2)]
+    for p in sorted(result.predictions, key=ShapePrediction.rank):
+        mark = ">" if p is result.chosen else " "
+        label = p.shape.label + ("" if p.measured else " ~")
+        share = sum(r.within_slo for r in p.results) / sum(r.requests for r in p.results)
+        lines.append(f"{mark} {label:<{width}}{p.shape.units:>5}" + "".join(f"{r.goodput:>9.3f}" for r in p.results)
+                     + f"{p.total_goodput:>9.3f}{share:>8.0%}")
+    lines.append(f"chosen: {result.chosen.shape.label}")
+    if not result.chosen.total_goodput:
+        lines.append("no shape meets the targets at these rates: loosen the targets, lower the rates or add units")
+    if not all(p.measured for p in result.predictions):
+        lines.append("~ an engine size not in the profile: its prefill rate scaled from the nearest measured size")
+    lines += [f"refused by raypd's config: {r.shape.label}: {r.reason}" for r in result.refused]
+    return "\n".join(lines) + "\n"

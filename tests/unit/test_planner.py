@@ -1,0 +1,205 @@
+"""The shape planner (serving/planner, `raypd config --plan`): shapes, the simulation, the choice, the YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serving.cli.main import main
+from serving.config import DeploymentConfig, read_config_file
+from serving.planner.deployment import core_ranges, deployment_config, deployment_yaml, shape_limits
+from serving.planner.plan import plan, render_table
+from serving.planner.profile import EngineProfile, HardwareProfile, ProfileError, load_profile
+from serving.planner.shapes import Shape, enumerate_shapes
+from serving.planner.simulate import ShapeLimits, StepLimits, simulate
+from serving.planner.workload import SloTargets, Workload
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_PROFILE = ROOT / "configs" / "profiles" / "smollm2-cpu.yaml"
+LOCAL = read_config_file(ROOT / "configs" / "local.yaml")
+GPU_EXAMPLE = read_config_file(ROOT / "configs" / "gpu-example.yaml")
+
+
+def box(*engines: EngineProfile, units: int = 2) -> HardwareProfile:
+    return HardwareProfile(unit="cpu", total_units=units, engines=engines, transfer_tokens_per_s=20000.0,
+                           transfer_overhead_s=0.1)
+
+
+ONE_CORE = EngineProfile(cores=1, step_s=0.06, step_per_stream_s=0.002, prefill_tokens_per_s=600.0)
+
+
+# ------------------------------------------------------------------ shapes
+def test_the_shapes_of_a_two_core_box():
+    assert [s.label for s in enumerate_shapes(2, (1, 2))] == ["1x2 both", "2x1 both", "1x1 both", "1P(1)+1D(1)"]
+    assert enumerate_shapes(2, (2, 1)) == enumerate_shapes(2, (1, 2))  # sorted, whatever the order given
+
+
+def test_shapes_fit_the_box_and_keep_one_size_per_role():
+    shapes = enumerate_shapes(8, (1, 2))
+    assert len(shapes) == len(set(shapes)) == 70  # 8 + 4 colocated; P/D: 28 (1,1), 12 (1,2), 12 (2,1), 6 (2,2)
+    for shape in shapes:
+        assert 1 <= shape.units <= 8
+        assert all(len(set(sizes)) == 1 for sizes in (shape.colocated, shape.prefill, shape.decode) if sizes)
+    with pytest.raises(ValueError, match="one size"):
+        Shape(prefill=(1,), decode=(1, 2))
+    with pytest.raises(ValueError, match="decode-capable"):
+        Shape(prefill=(1,))
+
+
+# ------------------------------------------------------------------ profile
+def test_the_shipped_profile_loads_and_other_sizes_are_extrapolated():
+    profile = load_profile(SHIPPED_PROFILE)
+    assert (profile.unit, profile.total_units, profile.sizes) == ("cpu", 2, (1, 2))
+    two = profile.for_size(2)
+    assert two.measured
+    four = profile.for_size(4)  # from the 2-core figures: prefill x2, steps unchanged
+    assert not four.measured
+    assert (four.prefill_tokens_per_s, four.step_s) == (pytest.approx(2 * two.prefill_tokens_per_s), two.step_s)
+    assert "written by `raypd profile`" in SHIPPED_PROFILE.read_text()
+
+
+def test_a_bad_profile_is_refused_naming_the_field(tmp_path):
+    data = yaml.safe_load(SHIPPED_PROFILE.read_text())
+    data["engines"][1]["step_s"] = -0.05
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileError, match=r"engines\.1\.step_s"):
+        load_profile(path)
+    path.write_text("unit: cpu\ntotal_units: 2\nengines: []\ntransfer_tokens_per_s: 1\ntransfer_overhead_s: 0\n")
+    with pytest.raises(ProfileError, match="engines: at least one"):
+        load_profile(path)
+    path.write_text("unit: cpu\ntotal_units: 2\ntypo: 1\n")
+    with pytest.raises(ProfileError, match="typo"):
+        load_profile(path)
+    with pytest.raises(ProfileError, match="not found"):
+        load_profile(tmp_path / "missing.yaml")
+
+
+# ------------------------------------------------------------------ simulation
+def test_an_idle_engine_answers_in_its_compute_time():
+    profile = box(ONE_CORE)
+    a, b, c = ONE_CORE.step_s, ONE_CORE.step_per_stream_s, ONE_CORE.prefill_s_per_token
+    work = Workload(prompt_mix=((500, 1.0),), output_tokens=32, rates=(0.001,), requests_per_rate=20)
+    slo = SloTargets(ttft_s=10.0, tpot_s=1.0)
+    # colocated, 128-token chunks: 4 steps (128 x 3 + 116 tokens), then one stream decoding alone
+    colocated = simulate(Shape(colocated=(1,)), profile, work, 0.001, slo, ShapeLimits(both=StepLimits(128)))
+    assert colocated.ttft_p90_s == pytest.approx(4 * a + 500 * c, rel=0.01)
+    assert colocated.tpot_p50_s == pytest.approx(a + b, rel=0.01)
+    # disaggregated: one step of the whole prompt; the KV pull lands in the TPOT (vLLM's definition)
+    pd = simulate(Shape(prefill=(1,), decode=(1,)), profile, work, 0.001, slo)
+    assert pd.ttft_p50_s == pytest.approx(a + 500 * c, rel=0.01)
+    assert pd.tpot_p50_s == pytest.approx((0.1 + 500 / 20000 + 31 * (a + b)) / 31, rel=0.01)
+    assert colocated.goodput == pd.goodput == pytest.approx(0.001)  # every request within the targets
+
+
+def test_goodput_falls_past_capacity_and_runs_are_deterministic():
+    profile = box(ONE_CORE)
+    work = Workload(prompt_mix=((512, 0.7), (1024, 0.3)), output_tokens=64, rates=(0.25, 0.5, 1.0, 2.0))
+    slo = SloTargets(ttft_s=6.0, tpot_s=0.5)
+    results = [simulate(Shape(colocated=(1,)), profile, work, rate, slo) for rate in work.rates]
+    goodputs = [r.goodput for r in results]
+    # its capacity is under 0.8 req/s: 666 prompt tokens on average at 600 tok/s, and the decode steps
+    assert goodputs[:2] == pytest.approx([0.25, 0.5])  # below it every request is in time
+    assert goodputs[3] <= goodputs[2] < goodputs[1]  # past it the queue grows, and TTFT with it
+    assert results[3].throughput == pytest.approx(results[2].throughput, rel=0.05)  # saturated ...
+    assert results[3].throughput < 0.8  # ... at its capacity
+    assert simulate(Shape(colocated=(1,)), profile, work, 2.0, slo) == results[3]
+
+
+# ------------------------------------------------------------------ the choice
+def test_a_twice_faster_two_core_prefill_picks_one_two_core_engine():
+    # 1000-token prompts: one core prefills at 500 tok/s (2 s > the 1.5 s TTFT target, in any role),
+    # two cores at 1000 tok/s (1 s + a few steps: within it). At 0.1 req/s one engine keeps up.
+    profile = box(EngineProfile(cores=1, step_s=0.05, step_per_stream_s=0.001, prefill_tokens_per_s=500.0),
+                  EngineProfile(cores=2, step_s=0.05, step_per_stream_s=0.001, prefill_tokens_per_s=1000.0))
+    result = plan(profile, Workload(prompt_mix=((1000, 1.0),), output_tokens=16, rates=(0.1,)),
+                  SloTargets(ttft_s=1.5, tpot_s=0.2))
+    assert result.chosen.shape.label == "1x2 both"
+    assert all(p.total_goodput == 0 for p in result.predictions if p is not result.chosen)
+    hopeless = plan(profile, Workload(prompt_mix=((1000, 1.0),), output_tokens=16, rates=(0.1,)),
+                    SloTargets(ttft_s=0.5, tpot_s=0.2))
+    assert "no shape meets the targets" in render_table(hopeless)
+
+
+def test_long_prompts_that_stall_colocated_decodes_pick_prefill_decode_pools():
+    # A decode step alone costs 0.021 s, half the 0.04 s TPOT target; a step that also carries a
+    # prompt chunk costs 0.02 + chunk / 1000 s (0.148 s at raypd's 128-token budget for colocated
+    # CPU engines, more at a larger one). 1536-token prompts take 1.5 s to prefill and arrive every
+    # 2-3 s, so on a colocated engine most requests decode beside another's prefill and miss the
+    # target; a decode engine never carries a chunk, and its 0.18 s KV pull is 3 ms per token.
+    profile = box(EngineProfile(cores=1, step_s=0.02, step_per_stream_s=0.001, prefill_tokens_per_s=1000.0))
+    result = plan(profile, Workload(prompt_mix=((1536, 1.0),), output_tokens=64, rates=(0.3, 0.5)),
+                  SloTargets(ttft_s=10.0, tpot_s=0.04))
+    assert result.chosen.shape.label == "1P(1)+1D(1)"
+    by_label = {p.shape.label: p for p in result.predictions}
+    assert by_label["1P(1)+1D(1)"].total_goodput > 1.2 * by_label["2x1 both"].total_goodput
+    table = render_table(result)
+    assert "> 1P(1)+1D(1)" in table and "chosen: 1P(1)+1D(1)" in table
+
+
+def test_ties_go_to_fewer_engines_then_colocated():
+    profile = load_profile(SHIPPED_PROFILE)
+    easy = plan(profile, Workload(prompt_mix=((64, 1.0),), output_tokens=8, rates=(0.05,)),
+                SloTargets(ttft_s=30.0, tpot_s=5.0), LOCAL)
+    assert all(p.total_goodput == pytest.approx(0.05) for p in easy.predictions)
+    assert easy.chosen.shape.engines == 1 and easy.chosen.shape.is_colocated
+
+
+# ------------------------------------------------------------------ the deployment
+@pytest.mark.parametrize("units", [2, 8])
+def test_every_shape_makes_a_deployment_that_reads_back(units):
+    for shape in enumerate_shapes(units, (1, 2)):
+        text = deployment_yaml(shape, LOCAL, "cpu")
+        cfg = DeploymentConfig.from_dict(yaml.safe_load(text))
+        assert cfg == deployment_config(shape, LOCAL, "cpu")
+        assert (cfg.both.count, cfg.prefill.count, cfg.decode.count) == (
+            len(shape.colocated), len(shape.prefill), len(shape.decode))
+        assert cfg.router.placement == ("slo" if shape.is_colocated else "disaggregate")
+        assert (cfg.model, cfg.dtype, cfg.engine_kwargs) == ("smollm2", "float32", {"enforce_eager": True})
+        binds = [b for role in ("prefill", "decode", "both") for b in getattr(cfg, role).cpu_bind or []]
+        cores = [c for b in binds for c in _cores(b)]
+        assert sorted(cores) == list(range(shape.units))  # each core to one engine
+        assert cfg.ray.num_cpus >= shape.units
+        gpu = DeploymentConfig.from_dict(yaml.safe_load(deployment_yaml(shape, GPU_EXAMPLE, "gpu")))
+        assert gpu.model == "/models/Llama-3.1-8B-Instruct"
+        for role, sizes in (("both", shape.colocated), ("prefill", shape.prefill), ("decode", shape.decode)):
+            if sizes:
+                assert getattr(gpu, role).tp_size == sizes[0] and getattr(gpu, role).cpu_bind is None
+
+
+def _cores(bind: str) -> list[int]:
+    first, _, last = bind.partition("-")
+    return list(range(int(first), int(last or first) + 1))
+
+
+def test_core_ranges_and_the_step_limits_a_deployment_runs_with():
+    assert core_ranges([2]) == ["0-1"] and core_ranges([1, 1]) == ["0", "1"] and core_ranges([1, 2]) == ["0", "1-2"]
+    pd = shape_limits(deployment_config(Shape(prefill=(1,), decode=(1,)), LOCAL, "cpu"), "cpu")
+    assert pd.prefill == StepLimits(budget_tokens=2048, max_seqs=1)  # a CPU prefill engine: one prompt at a time
+    both = shape_limits(deployment_config(Shape(colocated=(1, 1)), LOCAL, "cpu"), "cpu").both
+    assert both.budget_tokens < 2048 and both.max_seqs is None  # raypd's chunk budget under placement slo
+    gpu = shape_limits(deployment_config(Shape(prefill=(2,), decode=(4,)), GPU_EXAMPLE, "gpu"), "gpu")
+    assert gpu.prefill == StepLimits(2048, None)  # on a GPU vLLM's own defaults stand
+
+
+# ------------------------------------------------------------------ the CLI
+def test_config_plan_prints_the_table_and_a_deployment(tmp_path, capsys):
+    base = dict(LOCAL)
+    del base["engine_kwargs"]  # nothing for vLLM to check: the test stays off vLLM's import
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump(base))
+    argv = ["config", "--config", str(path), "--plan", "--rates", "0.25,0.5", "--prompt-tokens", "512:0.8,1024:0.2"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    cfg = DeploymentConfig.from_dict(yaml.safe_load(captured.out))
+    assert cfg.name == "raypd-local" and cfg.prefill.count + cfg.decode.count + cfg.both.count >= 1
+    assert "chosen:" in captured.err and "0.25/s" in captured.err
+    out = tmp_path / "planned.yaml"
+    assert main([*argv, "--plan-out", str(out)]) == 0
+    assert DeploymentConfig.from_dict(yaml.safe_load(out.read_text())) == cfg
+    assert main(["config", "--config", str(path), "--plan", "--profile", str(tmp_path / "none.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["config", "--config", str(path), "--plan", "--prompt-tokens", "512:x"]) == 2
+    assert "TOKENS:SHARE" in capsys.readouterr().err

@@ -1,0 +1,29 @@
+"""`raypd profile`'s pure parts: an engine's size from the deployment, and one size's rates pooled."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.rates import EngineRates
+from serving.cli.profile import engine_size, pooled
+from serving.config import DeploymentConfig
+
+
+def deployment(**group) -> DeploymentConfig:
+    return DeploymentConfig.model_validate({"name": "t", "backend": "vllm", "both": {"count": 2, **group}})
+
+
+def test_an_engines_size_is_its_bound_cores_else_its_cpus_else_its_gpus():
+    assert [engine_size(deployment(cpu_bind=["0", "1"]), "both", i) for i in (0, 1)] == [1, 1]
+    assert engine_size(deployment(count=1, cpu_bind=["0-1"]), "both", 0) == 2
+    assert engine_size(deployment(count=1, cpu_bind=["0,2-3"]), "both", 0) == 3
+    assert engine_size(deployment(num_cpus=2), "both", 1) == 2
+    assert engine_size(deployment(tp_size=4), "both", 0) == 4
+
+
+def test_one_sizes_rates_are_pooled_by_their_samples():
+    fast = EngineRates(0.04, 0.001, 1 / 600, samples=30, prefill_samples=10)
+    slow = EngineRates(0.06, 0.003, 1 / 300, samples=10, prefill_samples=10)
+    p = pooled([fast, slow], 1)
+    assert (p.cores, p.step_s, p.step_per_stream_s) == (1, pytest.approx(0.045), pytest.approx(0.0015))
+    assert p.prefill_tokens_per_s == pytest.approx(400)  # the mean seconds per token: (1/600 + 1/300) / 2
