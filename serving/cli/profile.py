@@ -5,8 +5,9 @@
    with long answers. The first teaches each engine its prefill rate and its step at a batch of one,
    the second its step under a batch.
 2. Every engine's own rate fit is read back (`EngineActor.load()`: the record it publishes,
-   `actors.rates.EngineRates`) and averaged per engine size, weighted by the engine's samples: an
-   engine's size is its CPU cores (its `cpu_bind` entry, else `num_cpus`) or its GPUs (TP x PP).
+   `actors.rates.EngineRates`) and averaged per engine size, weighted by the engines' samples (the
+   prefill rate by their prefill samples: a decode engine that only pulls KV adds its steps alone):
+   an engine's size is its CPU cores (its `cpu_bind` entry, else `num_cpus`) or its GPUs (TP x PP).
 3. The sizes measured replace theirs in `--out` (a `serving.planner.profile` file; the other sizes
    in it stay), which `raypd config --plan --profile` reads. The KV transfer rate is not measured
    here: a new file takes `router.slo`'s priors for it.
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-words", type=int, default=600, help="words per long prompt (~1.2 tokens each)")
     p.add_argument("--waves", type=int, default=4, help="waves of long prompts, one prompt per engine per wave")
     p.add_argument("--streams", type=int, default=8, help="concurrent short-prompt streams per engine")
+    p.add_argument("--api-key", default=None, help="Bearer key when the server requires one")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -61,10 +63,14 @@ def _cores(bind: str) -> set[int]:
     return cores
 
 
-def pooled(rates: list[EngineRates], cores: int) -> EngineProfile:
-    """The sample-weighted mean of one size's engines (the prefill rate over their prefill samples)."""
+def pooled(rates: list[EngineRates], cores: int) -> EngineProfile | None:
+    """The sample-weighted mean of one size's engines (the prefill rate over their prefill samples);
+    None when none of them prefilled."""
+    rates = [r for r in rates if r.samples > 0]
     steps = sum(r.samples for r in rates)
     prefills = sum(r.prefill_samples for r in rates)
+    if prefills <= 0:
+        return None
     return EngineProfile(
         cores=cores,
         step_s=sum(r.step_s * r.samples for r in rates) / steps,
@@ -72,18 +78,23 @@ def pooled(rates: list[EngineRates], cores: int) -> EngineProfile:
         prefill_tokens_per_s=prefills / sum(r.prefill_s_per_token * r.prefill_samples for r in rates))
 
 
+def _figure(x: float) -> float:
+    return float(f"{x:.4g}")  # four significant digits: what a short measurement can tell
+
+
 async def _load(url: str, model: str, engines: int, args: argparse.Namespace) -> int:
     """The short load; returns how many requests failed."""
     import httpx
 
     rng = random.Random(args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     failed = 0
     async with httpx.AsyncClient(timeout=args.timeout) as client:
         async def one(words: int, max_tokens: int) -> None:
             nonlocal failed
             body = {"model": model, "prompt": make_prompt(words, rng), "max_tokens": max_tokens,
                     "stream": True, "temperature": 0, "ignore_eos": True}
-            sample = await stream_request(client, url, body, {}, False, Sample(ok=False))
+            sample = await stream_request(client, url, body, headers, False, Sample(ok=False))
             failed += not sample.ok
 
         for _ in range(args.waves):
@@ -110,11 +121,13 @@ def run(args: argparse.Namespace, cfg: DeploymentConfig, url: str) -> int:
     for actor, handle in sorted(handles.items()):
         role, _, index = actor.removeprefix(f"raypd-{cfg.name}-").rpartition("-")
         rates = ray.get(handle.load.remote(), timeout=30).meter.rates
-        if rates is None or rates.prefill_samples <= 0:
-            print(f"raypd profile: {actor} measured no prefill; left out", file=sys.stderr)
-            continue
-        by_size.setdefault(engine_size(cfg, role, int(index)), []).append(rates)
-    if not by_size:
+        if rates is not None:
+            by_size.setdefault(engine_size(cfg, role, int(index)), []).append(rates)
+    measured = {cores: pooled(rates, cores) for cores, rates in sorted(by_size.items())}
+    for cores in [cores for cores, profile in measured.items() if profile is None]:
+        print(f"raypd profile: the {cores}-unit engines measured no prefill; that size is left out", file=sys.stderr)
+        del measured[cores], by_size[cores]
+    if not measured:
         return 1
     gpus = int(ray.cluster_resources().get("GPU", 0))
     try:
@@ -124,15 +137,13 @@ def run(args: argparse.Namespace, cfg: DeploymentConfig, url: str) -> int:
         return 2
     slo = cfg.router.slo
     merged = {e.cores: e for e in (old.engines if old else ())}
-    merged.update({cores: pooled(rates, cores) for cores, rates in by_size.items()})
+    merged.update(measured)
     data = {"unit": "gpu" if gpus else "cpu",
             "total_units": gpus or len(os.sched_getaffinity(0)),
             "transfer_tokens_per_s": old.transfer_tokens_per_s if old else slo.prior_transfer_tokens_per_s,
             "transfer_overhead_s": old.transfer_overhead_s if old else slo.prior_transfer_overhead_s,
-            "engines": [{"cores": e.cores, "step_s": round(e.step_s, 5),
-                         "step_per_stream_s": round(e.step_per_stream_s, 6),
-                         "prefill_tokens_per_s": round(e.prefill_tokens_per_s, 1)}
-                        for _, e in sorted(merged.items())]}
+            "engines": [{"cores": e.cores, "step_s": _figure(e.step_s), "step_per_stream_s": _figure(e.step_per_stream_s),
+                         "prefill_tokens_per_s": _figure(e.prefill_tokens_per_s)} for _, e in sorted(merged.items())]}
     parse_profile(data, args.out)  # what is written reads back
     Path(args.out).write_text(f"# raypd profile of {cfg.model} ({cfg.name})\n" + yaml.safe_dump(data, sort_keys=False))
     for cores, rates in sorted(by_size.items()):

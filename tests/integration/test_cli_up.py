@@ -1,6 +1,6 @@
 """`raypd up` in a subprocess with Ray's defaults (token authentication on, its own cluster, temp dir and HOME),
 start-up progress, API keys from the environment, requests, `raypd status` (recorded and explicit address),
-`raypd down`, nothing left."""
+`raypd profile` (its file reads back), `raypd down`, nothing left."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import yaml
 
 from process_helpers import cmdline, descendants, kill_all, survivors, wait_for_line
 from service_helpers import SYNTHETIC, free_port
+from serving.planner.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 RAYPD = [sys.executable, "-m", "serving.cli"]
@@ -79,6 +80,14 @@ def test_up_with_ray_token_auth_serves_then_down_leaves_nothing(tmp_path):
                                 env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=120)
         assert joined.returncode == 0, joined.stdout + joined.stderr
         assert set(json.loads(joined.stdout)["engines"]) == {"cli-test-prefill-0", "cli-test-decode-0"}
+        # `raypd profile` reaches the recorded cluster and the keyed front, and writes what the planner reads:
+        # the one-unit prefill engine's size (the TP-2 decode engine only pulls: no prefill of its own)
+        out = tmp_path / "profile.yaml"
+        profile = subprocess.run([*RAYPD, "profile", "--temp-dir", temp_dir, "--out", str(out), "--api-key",
+                                  "sk-cli-1", "--waves", "2", "--streams", "2", "--prompt-words", "300"],
+                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        assert profile.returncode == 0, profile.stdout + profile.stderr
+        assert load_profile(out).sizes == (1,), out.read_text()
 
         tree = descendants(proc.pid)
         names = " ".join(cmdline(p) for p in tree)

@@ -27,3 +27,11 @@ def test_one_sizes_rates_are_pooled_by_their_samples():
     p = pooled([fast, slow], 1)
     assert (p.cores, p.step_s, p.step_per_stream_s) == (1, pytest.approx(0.045), pytest.approx(0.0015))
     assert p.prefill_tokens_per_s == pytest.approx(400)  # the mean seconds per token: (1/600 + 1/300) / 2
+
+
+def test_a_decode_engine_that_only_pulls_adds_its_steps_and_a_size_without_prefills_is_none():
+    prefill = EngineRates(0.05, 0.0, 1 / 500, samples=4, prefill_samples=4)
+    decode = EngineRates(0.03, 0.002, 1 / 400, samples=12, prefill_samples=0)  # its c: the prior
+    p = pooled([prefill, decode], 1)
+    assert (p.step_s, p.prefill_tokens_per_s) == (pytest.approx(0.035), pytest.approx(500))
+    assert pooled([decode], 2) is None

@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""The shape planner's predictions against measurement: each planned shape run with `raypd up`, side by side.
+
+  python benchmarks/plan_check.py [--profile P] [--shapes "2x1 both,1P(1)+1D(1)"] [--rates 0.25,0.5,1]
+                                  [--requests N] [--prompt-tokens 512] [--output-tokens 64]
+                                  [--slo-ttft-s 3] [--slo-tpot-s 0.1] [--out benchmarks/results/plan_check.txt]
+
+For every shape `raypd config --plan` considers on this box (or those named), in one run: the deployment
+the planner would write (serving/planner/deployment.py) is started with `raypd up`, and the planner's
+workload is sent through its front (pdbench's open-loop client: Poisson arrivals, random token-id
+prompts of the given lengths, `ignore_eos`, streamed). Goodput is counted as the planner counts it:
+requests whose TTFT and mean time per output token after the first met both targets, per second of
+offered load. Prints predicted and measured goodput per shape and rate, their ratio, and whether the
+planner's choice measured best. Shapes run in the planner's order, one round (their order alternates
+between runs only if you pass --shapes yourself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+from pdbench import client  # noqa: E402
+from serving.bench.provenance import git_state, header_line  # noqa: E402
+from serving.cli.plan import DEFAULT_PROFILE, parse_prompt_mix, parse_rates  # noqa: E402
+from serving.config import load_config  # noqa: E402
+from serving.planner.deployment import deployment_yaml  # noqa: E402
+from serving.planner.plan import plan  # noqa: E402
+from serving.planner.profile import load_profile  # noqa: E402
+from serving.planner.workload import SloTargets, Workload  # noqa: E402
+
+VOCAB = 49152  # SmolLM2's
+RAYPD = [sys.executable, "-m", "serving.cli"]
+
+
+def measured_goodput(records: list[client.Record], count: int, rate: float, slo: SloTargets) -> tuple[float, int]:
+    """(goodput, requests that failed) as the planner counts goodput: within both targets / (count / rate)."""
+    good = failed = 0
+    for rec in records:
+        if not rec.ok or rec.ttft_s is None:
+            failed += 1
+            continue
+        n = rec.completion_tokens or len(rec.token_times_s)
+        tpot = (rec.token_times_s[-1] - rec.ttft_s) / (n - 1) if n > 1 else 0.0
+        good += rec.ttft_s <= slo.ttft_s and tpot <= slo.tpot_s
+    failed += count - len(records)  # given up at the drain limit
+    return good / (count / rate), failed
+
+
+def run_shape(yaml_text: str, args: argparse.Namespace, workload: Workload, slo: SloTargets,
+              model: str) -> list[tuple[float, int]]:
+    """One shape up, its load at every rate, down; (goodput, failed) per rate."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "shape.yaml"
+        cfg.write_text(yaml_text)
+        temp_dir = f"/tmp/raypd-plan-check-{os.getpid()}"
+        log = open(Path(tmp) / "up.log", "w")
+        up = subprocess.Popen([*RAYPD, "up", "--config", str(cfg), "--port", str(args.port), "--temp-dir", temp_dir],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{args.port}"
+        try:
+            deadline = time.monotonic() + 420
+            while True:
+                if up.poll() is not None:
+                    raise RuntimeError(f"raypd up exited with {up.returncode}: {(Path(tmp) / 'up.log').read_text()[-2000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("raypd up not healthy after 420 s")
+                time.sleep(1)
+            mix = dict(workload.prompt_mix)
+            out = []
+            for i, rate in enumerate(workload.rates):
+                reqs = client.poisson_requests(args.seed, i, rate, args.requests, mix, workload.output_tokens, VOCAB)
+                records, _ = asyncio.run(client.poisson(url, model, reqs, 300.0, args.drain_s))
+                out.append(measured_goodput(records, args.requests, rate, slo))
+            return out
+        finally:
+            subprocess.run([*RAYPD, "down", "--temp-dir", temp_dir], cwd=ROOT, capture_output=True, timeout=180)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+            log.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--config", default=str(ROOT / "configs" / "local.yaml"), help="the base deployment")
+    p.add_argument("--shapes", default=None, help="comma-separated shape labels (default: every planned shape)")
+    p.add_argument("--rates", default="0.25,0.5,1.0")
+    p.add_argument("--requests", type=int, default=24, help="requests per rate (measured)")
+    p.add_argument("--prompt-tokens", default="512:1.0")
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--slo-ttft-s", type=float, default=3.0)
+    p.add_argument("--slo-tpot-s", type=float, default=0.1)
+    p.add_argument("--drain-s", type=float, default=90.0, help="give up on requests this long after the last arrival")
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the table here too (with its provenance header)")
+    args = p.parse_args()
+
+    base = load_config(args.config)
+    profile = load_profile(args.profile)
+    workload = Workload(prompt_mix=parse_prompt_mix(args.prompt_tokens), output_tokens=args.output_tokens,
+                        rates=parse_rates(args.rates))
+    slo = SloTargets(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s)
+    base_data = base.model_dump(mode="json", exclude_defaults=True)
+    planned = plan(profile, workload, slo, base_data)
+    wanted = {s.strip() for s in args.shapes.split(",")} if args.shapes else None
+    chosen = planned.chosen.shape.label
+    load_before, t0 = os.getloadavg(), time.monotonic()
+    rows, best = [], (None, -1.0)
+    for pred in planned.predictions:
+        label = pred.shape.label
+        if wanted is not None and label not in wanted:
+            continue
+        measured = run_shape(deployment_yaml(pred.shape, base_data, profile.unit), args, workload, slo,
+                             base.served_model_name)
+        total = sum(g for g, _ in measured)
+        best = max(best, (label, total), key=lambda x: x[1])
+        for r, (goodput, failed) in zip(pred.results, measured):
+            ratio = f"{r.goodput / goodput:.2f}" if goodput else "-"
+            rows.append(f"  {label:<13} {r.rate:>6g} {r.goodput:>10.3f} {goodput:>9.3f} {ratio:>10} {failed:>7}"
+                        + ("   <- chosen" if label == chosen else ""))
+        print(rows[-1], flush=True)
+    lines = [
+        f"# {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}",
+        "# command: " + " ".join(sys.argv),
+        header_line(git_state(ROOT)),
+        f"# host: {os.cpu_count()} CPUs, {platform.platform()}; load average before {load_before[0]:.2f}, "
+        f"wall {time.monotonic() - t0:.0f} s",
+        f"profile {args.profile}; prompt tokens {args.prompt_tokens}, {args.output_tokens} output tokens; "
+        f"SLO TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s; predicted from {workload.requests_per_rate} "
+        f"simulated requests per rate, measured from {args.requests} per rate through each shape's `raypd up` front",
+        "  shape           rate  predicted  measured  pred/meas  failed",
+        *rows,
+        f"planner's choice: {chosen}; best measured (goodput summed over the rates): {best[0]}",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
