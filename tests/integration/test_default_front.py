@@ -107,9 +107,18 @@ async def _reference(engine_id: str, prompt_ids: list[int], max_tokens: int):
     return [t for c in chunks for t in c.token_ids], logprobs_of(chunks)
 
 
+def counted(url: str, name: str, label: str | None = None) -> dict[str, float]:
+    """Counter `name` on the front's /metrics, its samples summed per value of `label` (all under "")."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            key = line.split(f'{label}="', 1)[1].split('"', 1)[0] if label else ""
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def aborts(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("raypd_aborts_total"))
+    return sum(counted(url, "raypd_aborts_total").values())
 
 
 def test_a_streamed_answer_through_the_serve_front_is_the_engines_greedy_answer(front):
@@ -149,12 +158,7 @@ def test_the_default_runs_two_role_flexible_engines_with_a_chunk_budget(front):
 
 def decisions(url: str) -> dict[str, float]:
     """Requests placed so far by decision (local or remote), from the front's /metrics."""
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("raypd_disagg_decisions_total{"):
-            decision = line.split('decision="', 1)[1].split('"', 1)[0]
-            out[decision] = out.get(decision, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    return counted(url, "raypd_disagg_decisions_total", "decision")
 
 
 def test_a_prompt_on_idle_engines_is_colocated_and_answers_the_engines_greedy_answer(front):
