@@ -84,7 +84,10 @@ def test_slo_placement_colocates_on_idle_engines_and_splits_prefill_from_busy_de
         # X decodes eight streams (a local prefill there would stall them) and Y has been prefilling
         # most of the time (a stream there would wait behind its prefills): prefill on Y, decode on X
         router.pool.decode_load["bx-X"].requests += 8
-        with router.pool.prefilling("bx-Y", 100_000):
+        # given 100 windows' worth at Y's own learned rate: its prefill share is at the cap, however
+        # fast this machine prefills the tiny model (a fixed count left it at 0.2 on a fast CPU)
+        y_rate = router.pool.rates.rates("bx-Y").prefill_tokens_per_s
+        with router.pool.prefilling("bx-Y", int(100 * y_rate * router.pool.rates.config.prefill_busy_window_s)):
             pass
         long_prompt = [rng.randrange(1000, 40000) for _ in range(400)]
         busy = await router.open(request(f"busy{time.monotonic_ns()}", token_ids=long_prompt, max_tokens=4))
