@@ -197,6 +197,7 @@ async def routing_and_restart(coordinator, fleet, engines: list[tuple[str, str]]
     await router.routes()  # the router's start: its first view (not a request)
     await router.planner.view.refresh()
     pauses: list[float] = []
+    full_pauses: list[float] = []  # generation 2: the whole heap since gc.freeze()
     started: list[float] = []
 
     def gc_watch(phase: str, info: dict) -> None:
@@ -204,6 +205,8 @@ async def routing_and_restart(coordinator, fleet, engines: list[tuple[str, str]]
             started.append(time.perf_counter())
         elif started:
             pauses.append((time.perf_counter() - started.pop()) * 1e3)
+            if info.get("generation") == 2:
+                full_pauses.append(pauses[-1])
 
     gc.freeze()  # as the front's lifespan does at start-up (serving/front/app.py)
     # the decode engines' streams, opened through the router before the measured requests (not measured)
@@ -235,7 +238,8 @@ async def routing_and_restart(coordinator, fleet, engines: list[tuple[str, str]]
 
     routing = {**summary(quiet), "with_kv_load": summary(busy), "index_upkeep_core": upkeep,
                "decisions": busy.decisions, "view_waits": router.view.waits, "gc_pauses": len(pauses),
-               "gc_max_ms": max(pauses, default=0.0), "route_builds": stats.route_builds - builds0,
+               "gc_max_ms": max(pauses, default=0.0), "gc_full": len(full_pauses),
+               "gc_full_ms": sum(full_pauses), "route_builds": stats.route_builds - builds0,
                "route_unchanged": stats.route_unchanged, "streams_held": len(streams),
                "faulty_pairs": sorted(f"{p}->{d}" for d, p in faults.pairs)}
     for s in streams:

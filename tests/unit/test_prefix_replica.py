@@ -128,3 +128,15 @@ def test_a_confirmed_claim_outlives_its_expiry():
 def test_no_claim_without_a_scheme_to_hash_with():
     replica = PrefixReplica()
     assert (replica.note_held("a", list(range(64)), now=0.0), replica.cached_prefix_tokens(list(range(65)))) == (0, {})
+
+
+def test_a_decisions_lookup_and_its_two_claims_hash_the_prompt_once(monkeypatch):
+    _, replica = _replica_with(S16, "a", list(range(64)))
+    prompt = tuple(range(64)) + tuple(range(900, 964))  # a holds its first 4 blocks, nobody the other 4
+    calls = []
+    real = HashScheme.iter_block_hashes
+    monkeypatch.setattr(HashScheme, "iter_block_hashes", lambda self, t: (calls.append(len(t)), real(self, t))[1])
+    looked_up = replica.cached_prefix_tokens(prompt)  # stops hashing after a's last block
+    claimed = (replica.note_held("b", prompt, now=0.0), replica.note_held("c", prompt, now=0.0))
+    again = replica.cached_prefix_tokens(tuple(list(prompt)))  # an equal prompt, another tuple: hashed afresh
+    assert (looked_up, claimed, again, calls) == ({"a": 64}, (8, 8), {"a": 64, "b": 127, "c": 127}, [128, 128])
