@@ -65,11 +65,13 @@ def plan(profile: HardwareProfile, workload: Workload, slo: SloTargets, base: Ma
     predictions, refused = [], []
     for shape in enumerate_shapes(profile.total_units, sizes or profile.sizes):
         try:
-            limits = shape_limits(deployment_config(shape, base, profile.unit), profile.unit)
+            cfg = deployment_config(shape, base, profile.unit)
+            limits = shape_limits(cfg, profile.unit)
         except ConfigError as exc:
             refused.append(RefusedShape(shape, str(exc)))
             continue
-        results = tuple(simulate(shape, profile, workload, rate, slo, limits) for rate in workload.rates)
+        placement = cfg.router.slo if cfg.router.placement == "slo" else None  # the router's model places
+        results = tuple(simulate(shape, profile, workload, rate, slo, limits, placement) for rate in workload.rates)
         sizes_used = {*shape.colocated, *shape.prefill, *shape.decode}
         predictions.append(ShapePrediction(shape, results, all(profile.for_size(k).measured for k in sizes_used)))
     if not predictions:

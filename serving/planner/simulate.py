@@ -10,12 +10,15 @@ to budget - n prompt tokens of the waiting prompts, first come first served (a p
 across steps), and lasts step_s + step_per_stream_s * n + prompt_tokens / prefill_tokens_per_s. A
 request's first token comes at the end of the step that finishes its prompt.
 
-Colocated (`both` engines): a request goes to the engine with the least outstanding work (queued
-prompt tokens x c + decodes x b) and is prefilled and decoded there. Disaggregated: it goes to the
-least loaded prefill engine (its steps carry no decodes); with its first token its KV moves to the
-least loaded decode engine (the profile's transfer time), which then produces the other tokens.
-The router's per-request choice between the two (placement `slo`) is not modelled: a `both` engine
-serves each of its requests end to end.
+Colocated (`both` engines): each request is placed as raypd's router places it under placement
+`slo` (`placement`: the deployment's `router.slo`): the product's `place()` is shown each engine as
+its estimate would show it (rates from the profile, its queued prompt tokens, its streams, the share
+of its recent time spent prefilling) and chooses colocated on one engine, or prefill on one and
+decode on another (the KV then moves in the profile's transfer time). Without `placement` (another
+policy), the engine with the least outstanding work (queued prompt tokens x c + decodes x b)
+prefills and decodes it. Disaggregated shapes: a request goes to the least loaded prefill engine
+(its steps carry no decodes); with its first token its KV moves to the least loaded decode engine,
+which then produces the other tokens.
 
 Speed: a run of decode-only steps (no prompt waiting, nothing new) advances to the next decode that
 finishes in one event, and is cut short at the step boundary when new work arrives, so the cost
@@ -30,9 +33,12 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from serving.placement_config import PlacementConfig
 from serving.planner.profile import EngineProfile, HardwareProfile
 from serving.planner.shapes import Shape
 from serving.planner.workload import SloTargets, Workload
+from serving.routing.placement import EngineEstimate, TransferEstimate, place
+from serving.routing.pool import GivenRate
 
 DEFAULT_BUDGET_TOKENS = 2048  # vLLM's max_num_batched_tokens when nothing sets it
 
@@ -63,14 +69,16 @@ class RateResult:
     ttft_p50_s: float
     ttft_p90_s: float
     tpot_p50_s: float
+    disaggregated: int = 0  # requests placement split between two `both` engines
 
 
 class _Request:
-    __slots__ = ("index", "arrival", "prompt", "left", "first", "finish")
+    __slots__ = ("index", "arrival", "prompt", "left", "first", "finish", "decode_on")
 
     def __init__(self, index: int, arrival: float, prompt: int) -> None:
         self.index, self.arrival, self.prompt, self.left = index, arrival, prompt, prompt
         self.first = self.finish = math.nan
+        self.decode_on: _Engine | None = None  # placed to decode on another engine than its prefill's
 
 
 class _Engine:
@@ -92,10 +100,26 @@ class _Engine:
         self.run_steps = 0
         self.chunks: list[tuple[_Request, int]] = []
         self.version = 0  # a run end scheduled before the run was cut short is stale
+        self.given: GivenRate | None = None  # prompt tokens given to it recently (placement's prefill share)
 
     def load(self) -> float:
         streams = len(self.decoding) + len(self.arriving) + self.incoming
         return self.queued_tokens * self.c + streams * self.b
+
+    def estimate(self, now: float) -> EngineEstimate:
+        """This engine as the router's SLO model sees it now."""
+        streams = len(self.decoding) + len(self.arriving) + self.incoming
+        busy = self.given.per_s(now) * self.c if self.given is not None else 0.0
+        return EngineEstimate(str(self.index), "both", 1.0 / self.c, self.a + self.b * streams, self.budget,
+                              self.b, queued_prefill_tokens=self.queued_tokens, decode_streams=streams,
+                              prefill_busy=busy)
+
+    def give(self, req: _Request, now: float, window_s: float) -> None:
+        self.prompts.append(req)
+        self.queued_tokens += req.prompt
+        if self.given is None:
+            self.given = GivenRate(window_s, now)
+        self.given.add(req.prompt, now)
 
     def start_run(self, now: float, decode_steps: int) -> float | None:
         """Start the next run at `now`; its end time (None: nothing to do, the engine idles)."""
@@ -157,8 +181,9 @@ _ARRIVE, _RUN_END, _KV_READY = 0, 1, 2
 
 
 def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: float, slo: SloTargets,
-             limits: ShapeLimits = ShapeLimits()) -> RateResult:
-    """`workload`'s requests at `rate` on `shape`'s engines (rates: `profile.for_size`), deterministic."""
+             limits: ShapeLimits = ShapeLimits(), placement: PlacementConfig | None = None) -> RateResult:
+    """`workload`'s requests at `rate` on `shape`'s engines (rates: `profile.for_size`), deterministic;
+    `placement`: the router's SLO model places each request on `both` engines (None: least loaded)."""
     decode_steps = workload.output_tokens - 1  # tokens after the first, one per decode step
     engines: list[_Engine] = []
     for role, sizes, role_limits in (("both", shape.colocated, limits.both), ("prefill", shape.prefill, limits.prefill),
@@ -167,6 +192,9 @@ def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: f
     takers = [e for e in engines if e.role in ("both", "prefill")]  # where prompts go
     decoders = [e for e in engines if e.role == "decode"]
     requests = [_Request(i, r.arrival_s, r.prompt_tokens) for i, r in enumerate(workload.requests(rate))]
+    window_s = (placement or PlacementConfig()).prefill_busy_window_s
+    pull = TransferEstimate(profile.transfer_tokens_per_s, profile.transfer_overhead_s)
+    placed = placement is not None and len(takers) > 1 and all(e.role == "both" for e in takers)
 
     order = itertools.count()  # ties in time: first scheduled first
     events: list[tuple[float, int, int, object, int]] = [(r.arrival, next(order), _ARRIVE, r, 0) for r in requests]
@@ -187,9 +215,16 @@ def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: f
         now, _, kind, what, version = heapq.heappop(events)
         if kind == _ARRIVE:
             req = what
-            engine = min(takers, key=lambda e: (e.load(), e.index))
-            engine.prompts.append(req)
-            engine.queued_tokens += req.prompt
+            if placed:
+                chosen = place(req.prompt, [e.estimate(now) for e in takers], placement, lambda _p, _d: pull,
+                               answer_tokens=workload.output_tokens).option
+                engine = engines[int(chosen.prefill_id or chosen.decode_id)]
+                if chosen.prefill_id is not None:
+                    req.decode_on = engines[int(chosen.decode_id)]
+                    req.decode_on.incoming += 1  # its stream counts there from now, as the router charges it
+            else:
+                engine = min(takers, key=lambda e: (e.load(), e.index))
+            engine.give(req, now, window_s)
             poke(engine, now)
         elif kind == _KV_READY:
             req, engine = what
@@ -201,6 +236,9 @@ def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: f
             for req in engine.end_run(now):
                 if not decode_steps:
                     req.finish = now
+                elif req.decode_on is not None:  # placed apart: its KV moves to the engine chosen then
+                    heapq.heappush(events, (now + profile.transfer_s(req.prompt), next(order), _KV_READY,
+                                            (req, req.decode_on), 0))
                 elif engine.role == "both":
                     heapq.heappush(engine.decoding, (engine.steps + decode_steps, req.index, req))
                 else:  # prefill engine: the KV moves to a decode engine
@@ -221,7 +259,8 @@ def _summary(requests: list[_Request], rate: float, slo: SloTargets, decode_step
                       goodput=within / (len(requests) / rate),
                       throughput=len(requests) / span if span > 0 else math.inf,
                       ttft_p50_s=_percentile(ttfts, 50), ttft_p90_s=_percentile(ttfts, 90),
-                      tpot_p50_s=_percentile(tpots, 50))
+                      tpot_p50_s=_percentile(tpots, 50),
+                      disaggregated=sum(r.decode_on is not None for r in requests))
 
 
 def _percentile(values: list[float], q: float) -> float:

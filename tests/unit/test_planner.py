@@ -139,6 +139,21 @@ def test_long_prompts_that_stall_colocated_decodes_pick_prefill_decode_pools():
     assert "> 1P(1)+1D(1)" in table and "chosen: 1P(1)+1D(1)" in table
 
 
+def test_both_engines_are_placed_by_the_routers_slo_model():
+    # the stall test's engines and prompts on two `both` engines, the router's ITL target near the TPOT
+    # target: its model (placement `slo`) sends a prompt away from an engine whose streams it would stall,
+    # so requests prefill on one engine and decode on the other, and more of them meet the TPOT target
+    # than when each engine serves its requests end to end (the least loaded one, another policy)
+    profile = box(EngineProfile(cores=1, step_s=0.02, step_per_stream_s=0.001, prefill_tokens_per_s=1000.0))
+    work = Workload(prompt_mix=((1536, 1.0),), output_tokens=64, rates=(0.5,))
+    slo, shape = SloTargets(ttft_s=10.0, tpot_s=0.04), Shape(colocated=(1, 1))
+    base = {"router": {"slo": {"itl_target_s": 0.03}}}
+    limits = shape_limits(deployment_config(shape, base, "cpu"), "cpu")
+    placed = simulate(shape, profile, work, 0.5, slo, limits, DeploymentConfig.model_validate(base).router.slo)
+    alone = simulate(shape, profile, work, 0.5, slo, limits)
+    assert (placed.disaggregated > 0, alone.disaggregated, placed.goodput > alone.goodput) == (True, 0, True)
+
+
 def test_ties_go_to_fewer_engines_then_colocated():
     profile = load_profile(SHIPPED_PROFILE)
     easy = plan(profile, Workload(prompt_mix=((64, 1.0),), output_tokens=8, rates=(0.05,)),
