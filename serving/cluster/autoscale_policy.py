@@ -3,12 +3,13 @@
 Each role is scaled between `min` and `max` by its own `RolePolicy`. What says a role
 needs one more engine, or could do with one fewer (`autoscaler.policy`):
 
-  model       (default) the placement model's pool predictions
-              (`serving.routing.pool_pressure`, fed with the rates the engines measured
-              of themselves, the arrival rate and the request mix): the pool whose
-              predicted TTFT or ITL violation dominates grows; one predicted to stay well
-              within its targets with one engine fewer shrinks; with role `both`
-              engines it is the engine count;
+  model       (default) the shape planner's simulation of the live pools
+              (`serving.planner.live`, fed with the rates the engines measured of
+              themselves, the arrival rate and the request mix, requests placed by the
+              router's own `place()`): when the pools are predicted to miss a target, the
+              pool whose extra engine helps most grows; one predicted to stay well within
+              its targets with one engine fewer shrinks; with role `both` engines it is
+              the engine count;
   thresholds  the per-role thresholds below:
 
   prefill  pressure: queued prompt tokens per engine above `queued_tokens_per_engine`,
@@ -110,7 +111,7 @@ class RolePolicy:
                 and _under(s.itl_p90_s, f * d.itl_target_s))
 
     def decide(self, s: PoolSignals, now: float, advice: Any = None) -> ScaleDecision:
-        """`advice`: the model's `pool_pressure` answer (policy model), else the thresholds decide."""
+        """`advice`: the planner's `scale_advice` answer (policy model), else the thresholds decide."""
         lo, hi = self.scaling.min, self.scaling.max
         if s.engines < lo:
             return ScaleDecision(self.role, s.engines, lo, "below_min")

@@ -39,10 +39,10 @@ from actors.control.coordinator_actor import get_coordinator
 from actors.engine.load import EngineLoad
 from serving.cluster.autoscale_policy import PoolSignals, RolePolicy, ScaleDecision
 from serving.routing.placement import EngineEstimate
-from serving.routing.pool_pressure import LoadMix, ScaleAdvice, pool_pressure
 from serving.cluster.engines import Unschedulable, handle_of
 from serving.cluster.names import engine_id, engine_index
 from serving.config import DeploymentConfig
+from serving.planner.live import LivePool, LoadMix, ScaleAdvice, scale_advice
 from serving.placement_config import MeasuredRates
 
 logger = logging.getLogger("raypd.autoscaler")
@@ -155,7 +155,7 @@ class Autoscaler:
             loads[role] = await self._loads(st.serving)
             st.signals = self._signals(len(st.serving), loads[role])
             st.measured = self._measured(loads[role]) or st.measured  # kept through a quiet spell
-        advice = self._advice(loads) if self.cfg.autoscaler.policy == "model" else None
+        advice = await self._advice(loads) if self.cfg.autoscaler.policy == "model" else None
         for role in self.active:
             st = self.roles[role]
             if role in self.changes or st.draining:
@@ -205,13 +205,14 @@ class Autoscaler:
         from them); None until they measured both a prefill rate and a step time."""
         return MeasuredRates.of([x.meter.prefill_tokens_per_s for x in loads], [x.meter.step_s for x in loads])
 
-    def _advice(self, loads: dict[str, list[EngineLoad]]) -> ScaleAdvice:
-        """The placement model's pool predictions, from what the engines measured of themselves (the
-        same rate model each engine publishes to the routers: `LoadSnapshot.rates`)."""
+    async def _advice(self, loads: dict[str, list[EngineLoad]]) -> ScaleAdvice:
+        """The planner's model on the live pools (`serving.planner.live`), from what the engines measured
+        of themselves (the same rate model each engine publishes to the routers: `LoadSnapshot.rates`)."""
         slo = self.cfg.router.slo
-        estimates = []
+        pools = []
         for role, xs in loads.items():
             budget = self.cfg.chunk_budget(role) or slo.default_chunk_budget_tokens
+            estimates = []
             for x in xs:
                 m, r = x.meter, x.meter.rates
                 estimates.append(EngineEstimate(
@@ -219,12 +220,17 @@ class Autoscaler:
                     m.step_s or slo.prior_step_s, (r.chunk_budget_tokens if r else None) or budget,
                     r.step_per_stream_s if r and r.measured else slo.prior_step_per_stream_s,
                     queued_prefill_tokens=m.queued_prompt_tokens, decode_streams=x.running))
+            bounds = getattr(self.cfg.autoscaler, role)
+            seqs = self.cfg.engine_config(role).engine_kwargs.get("max_num_seqs")
+            pools.append(LivePool(role, tuple(estimates), int(seqs) if seqs else None,
+                                  can_grow=len(xs) < bounds.max, can_shrink=len(xs) > bounds.min))
         deciding = [x for r in ("decode", "both") for x in loads.get(r, ())]
         prompts = [x.meter.prompt_tokens_avg for x in deciding if x.meter.prompt_tokens_avg is not None]
         outputs = [x.meter.output_tokens_avg for x in deciding if x.meter.output_tokens_avg is not None]
         mix = LoadMix(sum(prompts) / len(prompts) if prompts else 0.0, sum(outputs) / len(outputs) if outputs else 0.0)
         rate = sum(x.meter.arrivals_per_s for x in deciding)  # every request decodes on one engine
-        return pool_pressure(estimates, rate, mix, slo, self.cfg.autoscaler.down_fraction)
+        # a few simulations (ms per engine each): off the launcher's event loop
+        return await asyncio.to_thread(scale_advice, pools, rate, mix, slo, self.cfg.autoscaler.down_fraction)
 
     # ------------------------------------------------------------------ grow
     def _grow(self, role: str, decision: ScaleDecision, now: float) -> None:

@@ -8,4 +8,5 @@ Pure Python (no Ray, no vLLM). One module per step, each importing only those ab
   simulate.py    simulate: one shape under one workload at one rate, step by step -> RateResult
   deployment.py  a shape as raypd's deployment (DeploymentConfig, YAML) and the step limits it runs with
   plan.py        plan: every shape at every rate, the chosen one; render_table
+  live.py        scale_advice: the live pools simulated as they are and one engine more or fewer (the autoscaler)
 """

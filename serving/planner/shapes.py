@@ -27,8 +27,8 @@ class Shape:
                 raise ValueError(f"{role} engines need at least one unit each (got {sizes})")
         if not (self.colocated or self.decode):
             raise ValueError("a shape needs a decode-capable engine (both or decode)")
-        if self.prefill and not self.decode:
-            raise ValueError("prefill engines need decode engines to hand their requests to")
+        if self.prefill and not (self.decode or self.colocated):
+            raise ValueError("prefill engines need decode-capable engines to hand their requests to")
 
     @property
     def is_colocated(self) -> bool:

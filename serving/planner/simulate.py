@@ -1,6 +1,6 @@
 """One shape under one workload at one rate, simulated step by step: what each request would see.
 
-  simulate(shape, profile, workload, rate, slo, limits) -> RateResult
+  simulate(shape, profile, workload, rate, slo, limits, placement, role_rates) -> RateResult
   StepLimits / ShapeLimits   what a step may carry on each role's engines (vLLM's
                              max_num_batched_tokens and max_num_seqs; deployment.shape_limits reads them)
 
@@ -31,6 +31,7 @@ import heapq
 import itertools
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from serving.placement_config import PlacementConfig
@@ -69,6 +70,7 @@ class RateResult:
     ttft_p50_s: float
     ttft_p90_s: float
     tpot_p50_s: float
+    tpot_p90_s: float
     disaggregated: int = 0  # requests placement split between two `both` engines
 
 
@@ -181,16 +183,21 @@ _ARRIVE, _RUN_END, _KV_READY = 0, 1, 2
 
 
 def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: float, slo: SloTargets,
-             limits: ShapeLimits = ShapeLimits(), placement: PlacementConfig | None = None) -> RateResult:
-    """`workload`'s requests at `rate` on `shape`'s engines (rates: `profile.for_size`), deterministic;
-    `placement`: the router's SLO model places each request on `both` engines (None: least loaded)."""
+             limits: ShapeLimits = ShapeLimits(), placement: PlacementConfig | None = None,
+             role_rates: Mapping[str, EngineProfile] | None = None) -> RateResult:
+    """`workload`'s requests at `rate` on `shape`'s engines (rates: `profile.for_size`, or `role_rates`
+    of the engine's role where given: what a live pool measured), deterministic; `placement`: the
+    router's SLO model places each request on `both` engines (None: least loaded)."""
+    role_rates = role_rates or {}
     decode_steps = workload.output_tokens - 1  # tokens after the first, one per decode step
     engines: list[_Engine] = []
     for role, sizes, role_limits in (("both", shape.colocated, limits.both), ("prefill", shape.prefill, limits.prefill),
                                      ("decode", shape.decode, limits.decode)):
-        engines += [_Engine(len(engines) + i, role, profile.for_size(k), role_limits) for i, k in enumerate(sizes)]
+        engines += [_Engine(len(engines) + i, role, role_rates.get(role) or profile.for_size(k), role_limits)
+                    for i, k in enumerate(sizes)]
     takers = [e for e in engines if e.role in ("both", "prefill")]  # where prompts go
-    decoders = [e for e in engines if e.role == "decode"]
+    # where prefill engines hand their KV: the decode engines, else the role-flexible ones
+    decoders = [e for e in engines if e.role == "decode"] or [e for e in engines if e.role == "both"]
     requests = [_Request(i, r.arrival_s, r.prompt_tokens) for i, r in enumerate(workload.requests(rate))]
     window_s = (placement or PlacementConfig()).prefill_busy_window_s
     pull = TransferEstimate(profile.transfer_tokens_per_s, profile.transfer_overhead_s)
@@ -259,7 +266,7 @@ def _summary(requests: list[_Request], rate: float, slo: SloTargets, decode_step
                       goodput=within / (len(requests) / rate),
                       throughput=len(requests) / span if span > 0 else math.inf,
                       ttft_p50_s=_percentile(ttfts, 50), ttft_p90_s=_percentile(ttfts, 90),
-                      tpot_p50_s=_percentile(tpots, 50),
+                      tpot_p50_s=_percentile(tpots, 50), tpot_p90_s=_percentile(tpots, 90),
                       disaggregated=sum(r.decode_on is not None for r in requests))
 
 

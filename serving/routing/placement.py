@@ -63,7 +63,7 @@ of the other kind (`Placement.alternative`):
 
 `chunked_prefill_budget` (serving.placement_config, with the targets and priors of
 `PlacementConfig`) picks B so that one local prefill step stays within the ITL
-target; `serving.routing.pool_pressure` turns the same model into scaling advice.
+target; `serving.planner.live` simulates pools placed by it for scaling advice.
 docs/placement.md has the reasoning and the knobs.
 """
 
@@ -91,7 +91,7 @@ class EngineEstimate:
     prefill_tokens_per_s: float  # marginal rate (step overheads are in decode_step_s)
     decode_step_s: float  # one step at its current batch; a prefill-only engine: its bare step
     chunk_budget_tokens: int = VLLM_DEFAULT_BUDGET
-    step_per_stream_s: float = 0.0  # what one more stream adds to a step (own ITL, pool_pressure)
+    step_per_stream_s: float = 0.0  # what one more stream adds to a step (own ITL, the planner's simulation)
     cached_tokens: int = 0  # prefix of this prompt whose KV the engine holds (prefix index)
     queued_prefill_tokens: int = 0  # prompt tokens waiting or being prefilled there
     decode_streams: int = 0  # streams decoding there now

@@ -1,7 +1,10 @@
-"""The autoscaler's model policy: the placement model's pool predictions, fed with what the engines
-measured of themselves (pure: an Autoscaler object without Ray, fake engine loads)."""
+"""The autoscaler's model policy: the planner's simulation of the live pools, fed with what the engines
+measured of themselves and bounded by the deployment's autoscaler (pure: an Autoscaler object without
+Ray, fake engine loads)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from actors.engine.load import EngineLoad
 from actors.protocol import LoadSnapshot
@@ -17,12 +20,17 @@ def load(engine: str, role: str, *, running: int = 0, queued: int = 0, prefill_r
 
 
 def scaler(**groups) -> Autoscaler:
-    return Autoscaler(DeploymentConfig.from_dict({"backend": "synthetic", **groups}), hands=None)
+    bounds = {role: {"min": 1, "max": 4} for role in groups}
+    return Autoscaler(DeploymentConfig.from_dict({"backend": "synthetic", "autoscaler": bounds, **groups}), hands=None)
+
+
+def advise(s: Autoscaler, loads: dict[str, list[EngineLoad]]):
+    return asyncio.run(s._advice(loads))
 
 
 def test_a_prefill_pool_behind_its_arrivals_grows_by_one_prefill_engine():
     s = scaler(prefill={"count": 1}, decode={"count": 1})
-    advice = s._advice({"prefill": [load("p0", "prefill", queued=8000)],
+    advice = advise(s, {"prefill": [load("p0", "prefill", queued=8000)],
                         "decode": [load("d0", "decode", running=3, arrivals=0.6)]})
     assert (advice.role, advice.delta, advice.reason) == ("prefill", 1, "ttft")
 
@@ -30,11 +38,20 @@ def test_a_prefill_pool_behind_its_arrivals_grows_by_one_prefill_engine():
 def test_role_flexible_engines_whose_decodes_slow_down_grow_in_number():
     s = scaler(both={"count": 2})
     busy = [load(f"b{i}", "both", running=20, step_s=0.3, arrivals=0.2) for i in range(2)]
-    advice = s._advice({"both": busy})
+    advice = advise(s, {"both": busy})
     assert (advice.role, advice.delta) == ("both", 1)
 
 
 def test_an_idle_pool_shrinks_and_a_quiet_one_holds():
     s = scaler(prefill={"count": 2}, decode={"count": 1})
     quiet = {"prefill": [load("p0", "prefill"), load("p1", "prefill")], "decode": [load("d0", "decode", arrivals=0.01)]}
-    assert (s._advice(quiet).role, s._advice(quiet).delta) == ("prefill", -1)
+    advice = advise(s, quiet)
+    assert (advice.role, advice.delta) == ("prefill", -1)
+
+
+def test_a_pool_at_its_maximum_is_not_advised_to_grow():
+    s = Autoscaler(DeploymentConfig.from_dict({"backend": "synthetic", "prefill": {"count": 1}, "decode": {"count": 1},
+                                               "autoscaler": {"prefill": {"min": 1, "max": 1}}}), hands=None)
+    advice = advise(s, {"prefill": [load("p0", "prefill", queued=8000)],
+                        "decode": [load("d0", "decode", running=3, arrivals=0.6)]})
+    assert (advice.role, advice.delta, advice.reason) == (None, 0, "no_relief")
