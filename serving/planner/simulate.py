@@ -11,10 +11,12 @@ across steps), and lasts step_s + step_per_stream_s * n + prompt_tokens / prefil
 request's first token comes at the end of the step that finishes its prompt.
 
 Colocated (`both` engines): each request is placed as raypd's router places it under placement
-`slo` (`placement`: the deployment's `router.slo`): the product's `place()` is shown each engine as
-its estimate would show it (rates from the profile, its queued prompt tokens, its streams, the share
-of its recent time spent prefilling) and chooses colocated on one engine, or prefill on one and
-decode on another (the KV then moves in the profile's transfer time). Without `placement` (another
+`slo` (`placement`: the deployment's `router.slo`): the product's `place()` is shown the engines
+of the router's shortlist (the SHORTLIST with the fewest streams and those with the fewest queued
+prompt tokens: all of them in a small pool), each as its estimate would show it (rates from the
+profile, its queued prompt tokens, its streams, the share of its recent time spent prefilling), and
+chooses colocated on one engine, or prefill on one and decode on another (the KV then moves in the
+profile's transfer time). Without `placement` (another
 policy), the engine with the least outstanding work (queued prompt tokens x c + decodes x b)
 prefills and decodes it. Disaggregated shapes: a request goes to the least loaded prefill engine
 (its steps carry no decodes); with its first token its KV moves to the least loaded decode engine,
@@ -40,6 +42,7 @@ from serving.planner.shapes import Shape
 from serving.planner.workload import SloTargets, Workload
 from serving.routing.placement import EngineEstimate, TransferEstimate, place
 from serving.routing.pool import GivenRate
+from serving.routing.shortlist import SHORTLIST
 
 DEFAULT_BUDGET_TOKENS = 2048  # vLLM's max_num_batched_tokens when nothing sets it
 
@@ -104,13 +107,16 @@ class _Engine:
         self.version = 0  # a run end scheduled before the run was cut short is stale
         self.given: GivenRate | None = None  # prompt tokens given to it recently (placement's prefill share)
 
+    def streams(self) -> int:
+        """Its decodes, running or on their way (the router charges a stream from its placement)."""
+        return len(self.decoding) + len(self.arriving) + self.incoming
+
     def load(self) -> float:
-        streams = len(self.decoding) + len(self.arriving) + self.incoming
-        return self.queued_tokens * self.c + streams * self.b
+        return self.queued_tokens * self.c + self.streams() * self.b
 
     def estimate(self, now: float) -> EngineEstimate:
         """This engine as the router's SLO model sees it now."""
-        streams = len(self.decoding) + len(self.arriving) + self.incoming
+        streams = self.streams()
         busy = self.given.per_s(now) * self.c if self.given is not None else 0.0
         return EngineEstimate(str(self.index), "both", 1.0 / self.c, self.a + self.b * streams, self.budget,
                               self.b, queued_prefill_tokens=self.queued_tokens, decode_streams=streams,
@@ -223,7 +229,8 @@ def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: f
         if kind == _ARRIVE:
             req = what
             if placed:
-                chosen = place(req.prompt, [e.estimate(now) for e in takers], placement, lambda _p, _d: pull,
+                shown = _shortlist(takers)
+                chosen = place(req.prompt, [e.estimate(now) for e in shown], placement, lambda _p, _d: pull,
                                answer_tokens=workload.output_tokens).option
                 engine = engines[int(chosen.prefill_id or chosen.decode_id)]
                 if chosen.prefill_id is not None:
@@ -255,6 +262,16 @@ def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: f
                                             (req, target), 0))
             run(engine, now)
     return _summary(requests, rate, slo, decode_steps)
+
+
+def _shortlist(takers: list[_Engine]) -> list[_Engine]:
+    """The engines the router's SloPlacer shows `place()` (`serving.routing.shortlist`): the SHORTLIST
+    with the fewest streams and the SHORTLIST with the fewest queued prompt tokens, in index order."""
+    if len(takers) <= SHORTLIST:
+        return takers
+    keep = {id(e) for e in heapq.nsmallest(SHORTLIST, takers, key=_Engine.streams)}
+    keep.update(id(e) for e in heapq.nsmallest(SHORTLIST, takers, key=lambda e: e.queued_tokens))
+    return [e for e in takers if id(e) in keep]
 
 
 def _summary(requests: list[_Request], rate: float, slo: SloTargets, decode_steps: int) -> RateResult:

@@ -154,6 +154,27 @@ def test_both_engines_are_placed_by_the_routers_slo_model():
     assert (placed.disaggregated > 0, alone.disaggregated, placed.goodput > alone.goodput) == (True, 0, True)
 
 
+def test_a_large_pool_shows_place_the_routers_shortlist(monkeypatch):
+    # as the router's SloPlacer: at most SHORTLIST engines with the fewest streams and SHORTLIST with the
+    # fewest queued prompt tokens are shown to the SLO model, not all sixteen
+    import serving.planner.simulate as sim
+    from serving.routing.shortlist import SHORTLIST
+
+    shown: list[int] = []
+    real = sim.place
+
+    def spy(prompt, engines, *args, **kwargs):
+        shown.append(len(engines))
+        return real(prompt, engines, *args, **kwargs)
+
+    monkeypatch.setattr(sim, "place", spy)
+    shape = Shape(colocated=(1,) * 16)
+    simulate(shape, box(ONE_CORE, units=16), Workload(prompt_mix=((512, 1.0),), output_tokens=16, rates=(4.0,),
+                                                      requests_per_rate=50),
+             4.0, SloTargets(ttft_s=3.0, tpot_s=0.1), ShapeLimits(), DeploymentConfig.model_validate({}).router.slo)
+    assert (len(shown), max(shown) <= 2 * SHORTLIST) == (50, True)
+
+
 def test_ties_go_to_fewer_engines_then_colocated():
     profile = load_profile(SHIPPED_PROFILE)
     easy = plan(profile, Workload(prompt_mix=((64, 1.0),), output_tokens=8, rates=(0.05,)),
