@@ -42,7 +42,7 @@ from serving.planner.shapes import Shape
 from serving.planner.workload import SloTargets, Workload
 from serving.routing.placement import EngineEstimate, TransferEstimate, place
 from serving.routing.pool import GivenRate
-from serving.routing.shortlist import SHORTLIST
+from serving.routing.shortlist import shortlist
 
 DEFAULT_BUDGET_TOKENS = 2048  # vLLM's max_num_batched_tokens when nothing sets it
 
@@ -267,11 +267,8 @@ def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: f
 def _shortlist(takers: list[_Engine]) -> list[_Engine]:
     """The engines the router's SloPlacer shows `place()` (`serving.routing.shortlist`): the SHORTLIST
     with the fewest streams and the SHORTLIST with the fewest queued prompt tokens, in index order."""
-    if len(takers) <= SHORTLIST:
-        return takers
-    keep = {id(e) for e in heapq.nsmallest(SHORTLIST, takers, key=_Engine.streams)}
-    keep.update(id(e) for e in heapq.nsmallest(SHORTLIST, takers, key=lambda e: e.queued_tokens))
-    return [e for e in takers if id(e) in keep]
+    keep = {*shortlist(takers, {}, _Engine.streams), *shortlist(takers, {}, lambda e: e.queued_tokens)}
+    return [e for e in takers if e in keep]
 
 
 def _summary(requests: list[_Request], rate: float, slo: SloTargets, decode_steps: int) -> RateResult:
