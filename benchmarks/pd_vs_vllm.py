@@ -3,6 +3,7 @@
 
   flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py                   # groups A,B,E,E0,AP, ~49 min
   flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --profile anchors  # + C,DC,D (1 round), ~70
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --profile stack    # A,E0,E (issue 30: the stack), ~30 min
   flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --quick            # development, ~9 min
   .venv/bin/python benchmarks/pd_vs_vllm.py [--quick] --plan   # the planned duration; starts nothing
 
@@ -63,6 +64,8 @@ PROFILES = {
     "full": dict(_FULL, groups="A,B,E,E0,AP", setups="a,a2,ap,b,e,e0"),
     # the same + the slow (c)/(d)/(dc) anchors, one round of them
     "anchors": dict(_FULL, groups="A,B,E,E0,AP,C,DC,D", setups="a,a2,ap,b,e,e0,c,d,dc"),
+    # issue 30 alone: the stack's cost, raypd never disaggregating (e0) and its default (e) against (a)/(a2)
+    "stack": dict(_FULL, groups="A,E0,E", setups="a,a2,e0,e"),
     "quick": dict(lengths="128,512", reps=2, rounds=1, low_max_tokens=8, rates="0.3,0.8",
                   load_requests=4, load_max_tokens=16, drain_s=30.0, idle_s=3.0, settle_s=2.0,
                   mix="128:0.6,512:0.4", groups="A,B,E,E0,AP", setups="a,a2,ap,b,e,e0",
@@ -72,6 +75,8 @@ PROFILES = {
 OUTPUTS = {"full": dict(out="benchmarks/results/pd_vs_vllm.json", plot="benchmarks/results/pd_vs_vllm.png"),
            "anchors": dict(out="benchmarks/results/pd_vs_vllm_anchors.json",
                            plot="benchmarks/results/pd_vs_vllm_anchors.png"),
+           "stack": dict(out="benchmarks/results/pd_vs_vllm_stack.json",
+                         plot="benchmarks/results/pd_vs_vllm_stack.png"),
            "quick": dict(out="benchmarks/out/pd_vs_vllm_quick.json", plot="benchmarks/out/pd_vs_vllm_quick.png")}
 ENGINE_SETTINGS = dict(served_model_name="smollm2", dtype="float32", max_model_len=2304, block_size=128,
                        enable_prefix_caching=True, max_num_seqs=128, max_num_batched_tokens=2048,
@@ -276,7 +281,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="full",
-                   help="full: groups A,B,E,E0,AP (issues 18, 19, 30; ~49 min); anchors: + C,DC,D in round 1; quick")
+                   help="full: groups A,B,E,E0,AP (issues 18, 19, 30; ~49 min); anchors: + C,DC,D in round 1; "
+                        "stack: A,E0,E (issue 30, ~30 min); quick")
     p.add_argument("--quick", action="store_true", help="= --profile quick (small sizes for development)")
     p.add_argument("--groups", default=None, help="set-up groups, in round-1 order (A, AP, B, E, E0, C, DC, D)")
     p.add_argument("--setups", default=None, help="which set-ups of those groups to measure (a,a2,ap,b,e,e0,c,d,dc)")
