@@ -200,6 +200,21 @@ class TokenChunk:
                    num_prompt_tokens=num_prompt_tokens)
 
 
+@dataclass(frozen=True)
+class InboxRoute:
+    """Where an engine sends one stream's chunks instead of Ray items: a same-node consumer's
+    inbox (`serving.cluster.token_inbox`). `key` is the stream's random key: the inbox drops,
+    unread, every frame that does not carry a key it handed out."""
+
+    node_id: str  # the consumer's Ray node: an engine elsewhere refuses (InboxUnreachable)
+    endpoint: str  # ipc://... in a directory only this user can enter
+    key: bytes
+
+
+class InboxUnreachable(RuntimeError):
+    """The engine refuses this inbox: it is on another node (nothing ran; read it by Ray items)."""
+
+
 class Stamps:
     """Per-request timestamps on the way to the first token: (hop, seconds) pairs of
     CLOCK_MONOTONIC (`time.monotonic()`), which every process of one host shares; across
@@ -313,6 +328,7 @@ class EngineStats:
     backend: BackendStats
     load: LoadSnapshot
     kv_events: KVEventsStats | None = None
+    inbox_streams: int = 0  # streams whose chunks went to a same-node inbox, not as Ray items
 
     @property
     def num_blocks(self) -> int:

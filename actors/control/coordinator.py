@@ -57,6 +57,7 @@ from typing import Any
 
 import ray
 
+from actors.actor_restart import reconstructed
 from actors.kv.aggregator import KVConnectorOutput
 from actors.control.handoff_desk import HandoffDesk
 from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger, Verdict
@@ -93,7 +94,7 @@ class Coordinator:
         self.prefix_index = PrefixIndex()
         # a restarted coordinator starts empty; engines register again within ~1 s of its return
         self._started_at = time.monotonic()
-        self._restarted = _reconstructed()
+        self._restarted = reconstructed()
         self.settle_s = 10.0
 
     async def configure(self, breaker: dict | None = None, handoff_deadline_s: float | None = None,
@@ -393,9 +394,3 @@ class Coordinator:
         self.events.append({"t": time.time(), "event": kind, "engine_id": engine_id, **fields})
         del self.events[:-1000]
 
-
-def _reconstructed() -> bool:
-    try:  # not asked outside Ray (unit tests): asking would start a local Ray
-        return ray.is_initialized() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:  # noqa: BLE001 - not inside an actor
-        return False

@@ -11,6 +11,8 @@ Life cycle of a request through an engine pair:
                                  streamed back as deltas; without params the
                                  engine prefills locally (colocated path, or a
                                  migrated stream: prompt + tokens already sent);
+                  generate_to    the same chunks sent to a same-node ingress's
+                                 inbox (token_outbox.py), not as Ray items;
   either          abort(req_id)  releases the request's blocks and leases; a
                                  decode request aborted before its verdict
                                  closes its ledger handoff (no breaker moves).
@@ -45,6 +47,7 @@ from typing import Any, AsyncIterator
 
 import ray
 
+from actors.engine.backends import make_backend
 from actors.engine.config import EngineConfig
 from actors.engine.core_probe import PONG, core_answer
 from actors.engine.ledger_reporter import LedgerReporter
@@ -52,6 +55,7 @@ from actors.engine.vllm.kv_events import relay_for
 from actors.engine.vllm.trace import timer_for
 from actors.engine.load import EngineLoad, LoadMeter
 from actors.engine.rates_publisher import RatesPublisher
+from actors.engine.token_outbox import TokenOutbox
 from actors.protocol import (
     Backend,
     EngineRequest,
@@ -59,33 +63,18 @@ from actors.protocol import (
     EngineRequestError,
     EngineStart,
     EngineStats,
+    InboxRoute,
     ModelInfo,
     PrefillResult,
     Stamps,
     TokenChunk,
 )
+from actors.actor_restart import reconstructed
 from actors.ray_names import NAMESPACE
 from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
 from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.engine")
-
-
-def make_backend(cfg: EngineConfig, engine_id: str) -> Backend:
-    if cfg.backend == "synthetic":
-        from actors.engine.synthetic.backend import SyntheticBackend
-
-        return SyntheticBackend(cfg, engine_id, token_latency_s=cfg.synthetic.token_latency_s)
-    from actors.engine.vllm.backend import VllmBackend
-
-    return VllmBackend(cfg, engine_id)
-
-
-def _reconstructed() -> bool:
-    try:
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:  # noqa: BLE001 - not inside an actor (unit tests)
-        return False
 
 
 class EngineActor:
@@ -108,6 +97,8 @@ class EngineActor:
         self._start_info: EngineStart | None = None
         self._watcher: asyncio.Task | None = None
         self._running: dict[str, float] = {}
+        self._outbox: TokenOutbox | None = None  # chunks to same-node ingress inboxes (generate_to)
+        self.inbox_streams = 0
         self.counters = {"requests": 0, "finished": 0, "errors": 0, "aborted": 0, "recomputed": 0}
         self.started = False
         self.closed = False
@@ -115,7 +106,7 @@ class EngineActor:
         if ray.is_initialized():
             node = ray.get_runtime_context().get_node_id()
             self.startup.reached(PLACED, f"node {node[:8]} ({ray.util.get_node_ip_address()})")
-        self.restarted = _reconstructed()
+        self.restarted = reconstructed()
         if self.restarted:
             # A restarted incarnation rejoins by itself; callers of start() get the same answer.
             logger.warning("%s: restarted by Ray, starting a new incarnation", self.engine_id)
@@ -334,6 +325,15 @@ class EngineActor:
             track.done()
             self._running.pop(req_id, None)
 
+    @ray.method(max_task_retries=0)
+    async def generate_to(self, req: EngineRequest, route: InboxRoute) -> int:
+        """`generate`'s chunks sent to a same-node consumer's inbox (actors/engine/token_outbox.py);
+        this call stays the stream's control: its errors, its cancellation, its end (chunks sent)."""
+        if self._outbox is None:
+            self._outbox = TokenOutbox(ray.get_runtime_context().get_node_id())
+        self.inbox_streams += route.node_id == self._outbox.node_id
+        return await self._outbox.send_all(route, self.generate(req))
+
     async def abort(self, req_id: str) -> None:
         self.counters["aborted"] += 1
         await self.backend.abort(req_id)
@@ -344,6 +344,7 @@ class EngineActor:
             restarted=self.restarted, running=len(self._running), **self.counters,
             backend=await self.backend.stats(), load=self.meter.snapshot(),
             kv_events=self._kv_relay.snapshot() if self._kv_relay is not None else None,
+            inbox_streams=self.inbox_streams,
         )
 
     async def load(self) -> EngineLoad:
@@ -404,4 +405,6 @@ class EngineActor:
             except ray.exceptions.RayError:
                 pass
         await self.backend.shutdown()
+        if self._outbox is not None:
+            self._outbox.close()
 

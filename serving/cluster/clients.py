@@ -27,6 +27,7 @@ from actors.routes import RouteDelta, RouteTable
 from actors.prefix_wire import IndexCursor, IndexUpdate
 from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
 from serving.cluster.merge import merge_ready
+from serving.cluster.token_inbox import InboxStream, TokenInbox
 from serving.config import DeploymentConfig
 from serving.routing.prefix_view import PrefixCacheView
 from serving.routing.planner import planner_for
@@ -129,6 +130,7 @@ class RayEngineClient:
     def __init__(self, engine_id: str, handle: Any, actor_name: str | None = None):
         self.engine_id = engine_id
         self.actor = NamedActor(actor_name, handle)
+        self.inbox_ok = True  # until the engine says it is on another node
 
     @property
     def handle(self) -> Any:
@@ -144,9 +146,29 @@ class RayEngineClient:
         except (ray.exceptions.RayError, EngineRequestError) as exc:
             raise self._error(exc) from None
 
-    def generate(self, req: EngineRequest) -> "EngineStream":
+    def generate(self, req: EngineRequest) -> "EngineStream | InboxStream":
         """The engine's chunks of `req`; the call starts now, not at the first `__anext__` (a P/D
-        continuation's pull overlaps the first token's way to the client)."""
+        continuation's pull overlaps the first token's way to the client). An engine on this
+        node sends them to this process's token inbox (serving/cluster/token_inbox.py), any
+        other by Ray items."""
+        inbox = TokenInbox.here() if self.inbox_ok else None
+        handle = self.handle
+        if inbox is not None and hasattr(handle, "generate_to"):
+            route, mailbox = inbox.open()
+            try:
+                call = handle.generate_to.remote(req, route)
+            except ray.exceptions.RayError as exc:
+                inbox.close(route.key)
+                return EngineStream(self, None, self._error(exc))
+            return InboxStream(inbox, route, mailbox, call, self._error, lambda: self._elsewhere(req))
+        return self._by_ray_items(req)
+
+    def _elsewhere(self, req: EngineRequest) -> EngineStream:
+        """The engine refused this process's inbox (another node): this and later streams by Ray items."""
+        self.inbox_ok = False
+        return self._by_ray_items(req)
+
+    def _by_ray_items(self, req: EngineRequest) -> EngineStream:
         try:
             return EngineStream(self, self.handle.generate.options(num_returns="streaming").remote(req))
         except ray.exceptions.RayError as exc:

@@ -5,7 +5,7 @@ reservation differ: the session cluster's CPUs are shared by the test modules).
 
 1. A streamed greedy completion is the engine's own greedy answer (the same prompt ids alone on the
    engine's actor, batch 1), token for token or split at a near tie (tests/greedy.py), and ends with
-   [DONE].
+   [DONE]. Its chunks came by the ingress's token inbox (same node), not as Ray items.
 2. A client that disconnects mid-stream: the request is aborted on its engine (nothing runs there any
    more), every block is free again (each engine's baseline), no lease is held, and the front counts
    one abort (a client's act, never an engine failure).
@@ -124,10 +124,13 @@ def aborts(url: str) -> float:
 def test_a_streamed_answer_through_the_serve_front_is_the_engines_greedy_answer(front):
     import asyncio
 
+    inbox_before = sum(s.inbox_streams for s in engine_stats().values())
     answer = stream(front["url"], MAX_TOKENS)
+    inbox_streams = sum(s.inbox_streams for s in engine_stats().values()) - inbox_before
     ref, lps = asyncio.run(_reference(ENGINES[0], answer["prompt_ids"], MAX_TOKENS))
     print(f"streamed {len(answer['ids'])} tokens, done={answer['done']}, errors={answer['errors']}")
     assert (answer["done"], answer["errors"], len(answer["ids"])) == (True, [], MAX_TOKENS)
+    assert inbox_streams == 1  # the engine on the ingress's node sent its chunks to the ingress's inbox
     assert divergence(answer["ids"], ref, lps) is None
 
 
