@@ -34,7 +34,7 @@ class TokenOutbox:
     def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self._sockets.get(endpoint)
         if sock is None:
-            sock = _context().socket(zmq.PUSH)
+            sock = zmq_context().socket(zmq.PUSH)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live consumer: a gone one blocks the send
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
@@ -69,8 +69,8 @@ class TokenOutbox:
 _CONTEXT: zmq.asyncio.Context | None = None
 
 
-def _context() -> zmq.asyncio.Context:
-    """One ZMQ context per process, never collected (a collected context with an open socket blocks
+def zmq_context() -> zmq.asyncio.Context:
+    """One ZMQ context per process (engines' outboxes, the ingress's inboxes), never collected (a collected context with an open socket blocks
     in its finalizer)."""
     global _CONTEXT
     if _CONTEXT is None:

@@ -39,6 +39,7 @@ import ray
 import zmq
 import zmq.asyncio
 
+from actors.engine.token_outbox import zmq_context
 from actors.protocol import InboxRoute, InboxUnreachable, TokenChunk
 
 logger = logging.getLogger("raypd.router")
@@ -86,7 +87,7 @@ class TokenInbox:
         self._dir = tempfile.mkdtemp(prefix="raypd-inbox-")  # mode 0700
         atexit.register(shutil.rmtree, self._dir, True)
         self.endpoint = f"ipc://{self._dir}/tokens"
-        self._sock = _context().socket(zmq.PULL)
+        self._sock = zmq_context().socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.endpoint)
         self._mailboxes: dict[bytes, Mailbox] = {}
@@ -131,17 +132,6 @@ class TokenInbox:
             self._sock.close(linger=0)
             shutil.rmtree(self._dir, ignore_errors=True)
 
-
-_CONTEXT: zmq.asyncio.Context | None = None
-
-
-def _context() -> zmq.asyncio.Context:
-    """One ZMQ context for the process's inboxes, never collected (a collected context with an open
-    socket blocks in its finalizer)."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = zmq.asyncio.Context()
-    return _CONTEXT
 
 
 class InboxStream:
