@@ -151,9 +151,9 @@ class RayEngineClient:
         continuation's pull overlaps the first token's way to the client). An engine on this
         node sends them to this process's token inbox (serving/cluster/token_inbox.py), any
         other by Ray items."""
-        inbox = TokenInbox.here() if self.inbox_ok else None
         handle = self.handle
-        if inbox is not None and hasattr(handle, "generate_to"):
+        inbox = TokenInbox.here() if self.inbox_ok and hasattr(handle, "generate_to") else None
+        if inbox is not None:
             route, mailbox = inbox.open()
             try:
                 call = handle.generate_to.remote(req, route)

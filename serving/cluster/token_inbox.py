@@ -95,10 +95,14 @@ class TokenInbox:
 
     @classmethod
     def here(cls) -> "TokenInbox | None":
-        """The running loop's inbox (made on first use); None when off or outside a Ray worker."""
+        """The running loop's inbox (made on first use); None when off, outside a Ray worker or
+        outside an event loop (the inbox's reader is a task of the loop)."""
         if not ENABLED or not ray.is_initialized():
             return None
-        loop = asyncio.get_running_loop()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
         inbox = cls._by_loop.get(loop)
         if inbox is None:
             try:

@@ -61,3 +61,11 @@ def test_a_call_ray_refuses_fails_at_the_first_chunk_as_the_engine_being_unavail
             return str(exc)
 
     assert "actor handle is gone" in asyncio.run(first())
+
+
+def test_a_connected_ray_worker_without_a_loop_still_starts_the_call_by_ray_items(monkeypatch):
+    # CI runs this after Ray tests left ray initialized: the outcome must not depend on that.
+    monkeypatch.setattr(clients.ray, "is_initialized", lambda: True)
+    handle = FakeHandle()
+    RayEngineClient("d", handle).generate(EngineRequest("r4", SamplingSpec(), prompt_token_ids=(1,)))
+    assert handle.calls == ["r4"]

@@ -97,3 +97,9 @@ def test_a_failed_call_fails_the_stream_and_closes_its_mailbox():
         return route.key in inbox._mailboxes
 
     assert asyncio.run(run()) is False
+
+
+def test_outside_an_event_loop_there_is_no_inbox_and_streams_go_by_ray_items(monkeypatch):
+    # A connected Ray worker calling without a running loop: the inbox's reader needs a loop.
+    monkeypatch.setattr(token_inbox.ray, "is_initialized", lambda: True)
+    assert TokenInbox.here() is None
