@@ -28,7 +28,11 @@ MODEL = "synthetic-tiny"
 def service(coordinator, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text(f"# the test's key\n{KEY}\n")
-    cfg = DeploymentConfig.from_dict({**SYNTHETIC, "name": NAME, "http": {"api_keys_file": str(keys)}})
+    # 5 ms per token: a 3500-token answer is still streaming when the disconnect test's client leaves (by
+    # the token inbox an instant engine finished it before the front saw the disconnect: nothing to abort)
+    synthetic = {**SYNTHETIC["synthetic"], "token_latency_s": 0.005}
+    cfg = DeploymentConfig.from_dict({**SYNTHETIC, "synthetic": synthetic, "name": NAME,
+                                      "http": {"api_keys_file": str(keys)}})
     dep = launch(cfg)
     baseline = engine_stats(dep)
     router = build_router(cfg, dep)
@@ -143,6 +147,7 @@ def test_client_disconnect_mid_stream_aborts_on_the_engines(service):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: {") for line in got)
+            assert engine_stats(service["dep"])[did].running == 1  # mid-stream: there is something to abort
         # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 10
     while engine_stats(service["dep"])[did].aborted == before and time.monotonic() < deadline:
