@@ -73,9 +73,13 @@ class RouteDelta:
     rates: dict[str, EngineRates] = field(default_factory=dict)  # engines whose rates moved (as they are now)
 
     def apply(self, table: RouteTable) -> RouteTable:
-        """`table` (version `base`) brought to `version`; `table` itself is left as it was."""
-        moved = {(b.prefill_id, b.decode_id): b for b in self.breakers}
-        breakers = tuple(moved.pop((b.prefill_id, b.decode_id), b) for b in table.breakers) + tuple(moved.values())
+        """`table` (version `base`) brought to `version`; `table` itself is left as it was. A delta of rate
+        moves alone shares `table`'s breakers (O(1): rates move far more often than breakers, and the
+        breakers are every pair's, 16k at 256 engines: ~1.6 ms of the router's loop to copy)."""
+        breakers = table.breakers
+        if self.breakers:
+            moved = {(b.prefill_id, b.decode_id): b for b in self.breakers}
+            breakers = tuple(moved.pop((b.prefill_id, b.decode_id), b) for b in breakers) + tuple(moved.values())
         decodes = {**table.decodes, **{d: ps for d, ps in self.decodes.items() if d in table.decodes}}
         return RouteTable(decodes, breakers, table.generations, self.settling, self.epoch, self.version,
                           table.hangs, {**table.rates, **self.rates} if self.rates else table.rates)

@@ -86,6 +86,7 @@ from cpbench.routing import (  # noqa: E402
     repair_pairs,
 )
 from serving.config import RouterConfig  # noqa: E402
+from serving.front.heap import settle_heap  # noqa: E402
 
 NAME = "raypd-cpbench-coordinator"
 SYSTEM_PROMPTS, SYSTEM_LEN, PER_ENGINE = 32, 384, 4
@@ -198,6 +199,7 @@ async def routing_and_restart(coordinator, fleet, engines: list[tuple[str, str]]
     await router.planner.view.refresh()
     pauses: list[float] = []
     full_pauses: list[float] = []  # generation 2: the whole heap since gc.freeze()
+    young_pauses: list[float] = []  # generations 0 and 1
     started: list[float] = []
 
     def gc_watch(phase: str, info: dict) -> None:
@@ -205,10 +207,9 @@ async def routing_and_restart(coordinator, fleet, engines: list[tuple[str, str]]
             started.append(time.perf_counter())
         elif started:
             pauses.append((time.perf_counter() - started.pop()) * 1e3)
-            if info.get("generation") == 2:
-                full_pauses.append(pauses[-1])
+            (full_pauses if info.get("generation") == 2 else young_pauses).append(pauses[-1])
 
-    gc.freeze()  # as the front's lifespan does at start-up (serving/front/app.py)
+    threshold = settle_heap()  # as the front's lifespan does at start-up (serving/front/heap.py)
     # the decode engines' streams, opened through the router before the measured requests (not measured)
     streams = await hold_streams(router, prompts, args.streams_per_decode * len(decodes))
     builds0 = (await coordinator.control_stats.remote()).route_builds
@@ -238,7 +239,8 @@ async def routing_and_restart(coordinator, fleet, engines: list[tuple[str, str]]
 
     routing = {**summary(quiet), "with_kv_load": summary(busy), "index_upkeep_core": upkeep,
                "decisions": busy.decisions, "view_waits": router.view.waits, "gc_pauses": len(pauses),
-               "gc_max_ms": max(pauses, default=0.0), "gc_full": len(full_pauses),
+               "gc_max_ms": max(pauses, default=0.0), "gc_full": len(full_pauses), "gc_threshold": list(threshold),
+               "gc_young_max_ms": max(young_pauses, default=0.0), "gc_tracked": len(gc.get_objects()),
                "gc_full_ms": sum(full_pauses), "route_builds": stats.route_builds - builds0,
                "route_unchanged": stats.route_unchanged, "streams_held": len(streams),
                "faulty_pairs": sorted(f"{p}->{d}" for d, p in faults.pairs)}

@@ -171,8 +171,10 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"    routing, KV events at the goal rate meanwhile (same 2 cores): p50 {w['p50_ms']:.3f} p90 "
                      f"{w['p90_ms']:.3f} p99 {w['p99_ms']:.3f} max {w['max_ms']:.2f} ms; awaited {w['awaited'] or 0}; "
                      f"errors {w['errors'] or 0}; keeping the index copy costs the router {r['index_upkeep_core']:.1%} of "
-                     f"a core; router GC pauses {r['gc_pauses']} (max {r['gc_max_ms']:.1f} ms; full ones "
-                     f"{r.get('gc_full', 0)}, {r.get('gc_full_ms', 0.0):.0f} ms in all); "
+                     f"a core; router GC pauses {r['gc_pauses']} (thresholds {tuple(r.get('gc_threshold', ()))}; max "
+                     f"{r['gc_max_ms']:.1f} ms; full ones {r.get('gc_full', 0)}, {r.get('gc_full_ms', 0.0):.0f} ms in all; "
+                     f"the others at most {r.get('gc_young_max_ms', 0.0):.1f} ms; {r.get('gc_tracked', 0):,} objects "
+                     f"tracked since the freeze at the end); "
                      f"route tables built meanwhile {r['route_builds']}")
         lines += mix_line("KV events at the goal rate", w) or [f"    decisions {r['decisions']}"]
         b = s["breaker_change"]

@@ -23,7 +23,6 @@ Every refusal is `{"error": {"message", "type", "param", "code"}}`:
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -37,6 +36,7 @@ from serving.front.api_keys import load_api_keys
 from serving.config import DeploymentConfig
 from serving.front import errors
 from serving.front.accounting import Accounting
+from serving.front.heap import settle_heap
 from serving.front.routes import FrontState, count_refusal, open_router, router
 from serving.front.served_model import ServedModel, SyntheticServedModel
 from serving.ops.loop_watch import LoopWatch
@@ -84,10 +84,7 @@ def create_app(cfg: DeploymentConfig, router_: RequestRouter, model: ServedModel
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        # What exists at start-up (Ray, vLLM's modules, the router) lives as long as the process: out of
-        # the cyclic collector's full passes, which otherwise stall every request for ~0.1 s now and then
-        # (measured: benchmarks/control_plane.py); refcounting still frees whatever is dropped.
-        gc.freeze()
+        settle_heap()  # the collector set for serving (serving/front/heap.py)
         if exporter is not None:
             exporter.start()
         if watch is not None:

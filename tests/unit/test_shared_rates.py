@@ -12,7 +12,7 @@ import pytest
 from actors.engine.rates_publisher import RatesPublisher
 from actors.protocol import EngineRequest, SamplingSpec, Stamps
 from actors.rates import EngineRates
-from actors.routes import PrefillRoute, RouteDelta, RouteTable
+from actors.routes import PairState, PrefillRoute, RouteDelta, RouteTable
 from serving.config import RouterConfig
 from serving.routing.rates import hop_of
 from serving.routing.router import Router
@@ -228,3 +228,10 @@ def test_the_engine_publishes_when_its_rates_moved_or_the_coordinator_may_have_l
 
     assert asyncio.run(go()) == [True, False, False, True, True, True]
     assert [r.decode_streams for r in sent] == [0, 3, 3, 3] and (pub.sent, pub.failed) == (4, 1)
+
+
+def test_a_delta_of_rate_moves_alone_shares_the_tables_breakers():
+    breakers = tuple(PairState(p, d, "closed", 0, 0) for p in ("p0", "p1") for d in ("d0", "d1"))
+    base = dataclasses.replace(table(PUBLISHED, version=1), breakers=breakers)
+    applied = RouteDelta("e", 1, 2, {}, (), rates={"p1": PUBLISHED["p1"]}).apply(base)
+    assert applied.breakers is base.breakers and applied.version == 2
