@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import pickle
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -156,10 +157,77 @@ class IndexCursor:
     seq: int
 
 
+class PackedOps(Sequence[IndexOp]):
+    """A run of `IndexOp`s as they travel: every hash in one bytes object of 64-bit words, each op's
+    engine, kind, scheme and hash count beside it. Unpickling one is a few objects, not one int per
+    block hash (a 100 ms delta at 256 engines and 100k events/s held a router's loop ~2 ms, a snapshot
+    ~15 ms); each op's hashes become ints when the op is read, so a replica applying in slices
+    (`PrefixReplica.apply_in_slices`) spreads that work over its loop's turns."""
+
+    __slots__ = ("engine_ids", "kinds", "schemes", "counts", "words", "_starts")
+
+    def __init__(self, engine_ids: list[str], kinds: str, schemes: list[HashScheme | None], counts: bytes,
+                 words: bytes):
+        self.engine_ids, self.kinds, self.schemes, self.counts, self.words = engine_ids, kinds, schemes, counts, words
+        self._starts: list[int] | None = None
+
+    @classmethod
+    def of(cls, ops: Sequence[IndexOp]) -> "PackedOps | tuple[IndexOp, ...]":
+        """`ops` packed; as a tuple when empty or a hash is not a 64-bit key (nothing to gain, or to lose)."""
+        if not ops:
+            return ()
+        try:
+            words = array("Q", itertools.chain.from_iterable(op.hashes for op in ops))
+        except (OverflowError, TypeError):
+            return tuple(ops)
+        return cls([op.engine_id for op in ops], "".join(_KIND_CODE[op.kind] for op in ops),
+                   [op.scheme for op in ops], array("I", [len(op.hashes) for op in ops]).tobytes(), words.tobytes())
+
+    def __len__(self) -> int:
+        return len(self.engine_ids)
+
+    def __getitem__(self, i: int) -> IndexOp:  # type: ignore[override] - one op (nobody slices)
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        if self._starts is None:
+            self._starts = list(itertools.accumulate(memoryview(self.counts).cast("I"), initial=0))
+        hashes = tuple(memoryview(self.words).cast("Q")[self._starts[i]:self._starts[i + 1]])
+        return IndexOp(self.engine_ids[i], _KIND_NAME[self.kinds[i]], hashes, self.schemes[i])
+
+    def __iter__(self) -> Iterator[IndexOp]:
+        words, start = memoryview(self.words).cast("Q"), 0
+        for engine_id, kind, scheme, n in zip(self.engine_ids, self.kinds, self.schemes,
+                                              memoryview(self.counts).cast("I")):
+            yield IndexOp(engine_id, _KIND_NAME[kind], tuple(words[start:start + n]), scheme)
+            start += n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __getstate__(self):
+        return None, {k: getattr(self, k) for k in self.__slots__ if k != "_starts"}
+
+    def __setstate__(self, state) -> None:
+        for k, v in state[1].items():
+            setattr(self, k, v)
+        self._starts = None
+
+
+_KIND_CODE = {"store": "s", "remove": "r", "clear": "c"}
+_KIND_NAME = {v: k for k, v in _KIND_CODE.items()}
+
+
 @dataclass(frozen=True)
 class IndexUpdate:
-    """Ops that bring a replica from its cursor to `cursor`; `full`: clear it first."""
+    """Ops that bring a replica from its cursor to `cursor`; `full`: clear it first. The owner sends
+    them packed (`PackedOps`)."""
 
     cursor: IndexCursor
-    ops: tuple[IndexOp, ...]
+    ops: Sequence[IndexOp]
     full: bool

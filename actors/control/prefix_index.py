@@ -30,6 +30,7 @@ from actors.prefix_wire import (
     IndexOp,
     IndexUpdate,
     KVEventsBatch,
+    PackedOps,
 )
 
 
@@ -77,10 +78,10 @@ class PrefixIndex:
     def updates_since(self, cursor: IndexCursor | None) -> IndexUpdate:
         now = IndexCursor(self.epoch, self.seq)
         if cursor is not None and cursor.epoch == self.epoch and cursor.seq >= self._log_start:
-            ops = tuple(op for seq, op in self._log if seq > cursor.seq)
-            return IndexUpdate(now, ops, full=False)
-        snapshot = tuple(IndexOp(eid, "store", tuple(e.blocks), e.scheme) for eid, e in self._engines.items())
-        return IndexUpdate(now, snapshot, full=True)
+            ops = [op for seq, op in self._log if seq > cursor.seq]
+            return IndexUpdate(now, PackedOps.of(ops), full=False)
+        snapshot = [IndexOp(eid, "store", tuple(e.blocks), e.scheme) for eid, e in self._engines.items()]
+        return IndexUpdate(now, PackedOps.of(snapshot), full=True)
 
     # ------------------------------------------------------------ replica
     def apply_update(self, update: IndexUpdate) -> None:
