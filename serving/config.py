@@ -12,8 +12,12 @@ actors/engine/config.py). `check_engine_args` checks the rest against vLLM's
 own argument classes where vLLM is importable (the CLI calls it; the engines
 check again when they start).
 
-raypd sets two engine arguments where the operator wrote none (`EngineConfig.cpu_engine_defaults`
+raypd sets three engine arguments where the operator wrote none (`EngineConfig.cpu_engine_defaults`
 and `gpu_engine_defaults`, applied by the engine for its platform; `raypd config` prints them):
+
+- a one-rank engine on a CPU host runs its model in vLLM's engine-core process
+  (`distributed_executor_backend: uni`, which vLLM's CPU platform would turn into `mp`:
+  actors/engine/vllm/uniproc.py has why, what raypd does to keep it, and the figures);
 
 - the chunk budget (`max_num_batched_tokens`) of decode-capable engines under SLO placement:
   derived from the rates the role's live engines measured when an engine is started with them
@@ -308,6 +312,8 @@ class DeploymentConfig(_Strict):
         gpu_defaults: dict[str, Any] = {}
         if role == "prefill" and self.backend == "vllm":
             cpu_defaults.update({k: v for k, v in PREFILL_DEFAULT_KWARGS.items() if k not in kwargs})
+        if self.backend == "vllm" and group.tp_size * group.pp_size == 1 and "distributed_executor_backend" not in kwargs:
+            cpu_defaults["distributed_executor_backend"] = "uni"  # the model runs in the core process (see above)
         budget = self.chunk_budget_of(role, measured)
         if budget is not None and budget.source != "operator":
             cpu_defaults["max_num_batched_tokens"] = budget.tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from actors.engine.config import EngineConfig
 from actors.engine.vllm.plugin import BUSY_LOOP_ENV
+from actors.engine.vllm.uniproc import actor_env as uniproc_env
 
 
 def engine_actor_options(cfg: EngineConfig, max_restarts: int = 0) -> dict:
@@ -21,6 +22,7 @@ def engine_actor_options(cfg: EngineConfig, max_restarts: int = 0) -> dict:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
         if cfg.shm_busy_loop_s is not None:  # how vLLM's shared-memory readers wait (actors/engine/vllm/plugin.py)
             env[BUSY_LOOP_ENV] = repr(cfg.shm_busy_loop_s)
+        env.update(uniproc_env(cfg))  # engine_kwargs.distributed_executor_backend: uni (actors/engine/vllm/uniproc.py)
     return {
         "num_cpus": cfg.num_cpus,
         "resources": dict(cfg.resources),

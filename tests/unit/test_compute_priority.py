@@ -29,3 +29,16 @@ def test_every_thread_of_a_vllm_worker_below_us_gets_the_nice_value(monkeypatch)
         for p in (worker, other):
             p.kill()
             p.wait()
+
+
+def test_an_engine_core_that_runs_the_model_itself_gets_the_nice_value(monkeypatch):
+    # vLLM's uni executor: no worker process, the engine core computes (actors/engine/vllm/uniproc.py)
+    core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        monkeypatch.setattr(compute_priority, "_title",
+                            lambda pid: "VLLM::EngineCore" if pid == core.pid else "python")
+        assert compute_priority.lower_compute_priority(5) == [core.pid]
+        assert os.getpriority(os.PRIO_PROCESS, core.pid) == 5
+    finally:
+        core.kill()
+        core.wait()

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from actors.engine.config import EngineConfig
 from actors.engine.vllm.extra_config import ConnectorExtraConfig
+from actors.engine.vllm.uniproc import core_process_env
 from actors.kv.handshake import decode_handshake
 from actors.engine.vllm.kv_events import KVEventsSource, endpoint_in, vllm_kv_events_config
 from actors.engine.vllm.leases import UnreadLeases, lease_ends_logger
@@ -131,7 +132,8 @@ class VllmBackend:
         await asyncio.to_thread(reap_previous, self.engine_id)  # a killed predecessor's engine core
         model_path = str(await asyncio.to_thread(resolve_model, self.cfg.model))
         engine_args = self._engine_args(model_path)  # refuses a bad engine_kwargs key before any process starts
-        self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=self._stat_loggers())
+        with core_process_env(self.cfg):  # a `uni` engine's core runs the model: bound as a worker would be
+            self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=self._stat_loggers())
         record_children(self.engine_id)
         self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
         from actors.engine.vllm.decode import DecodePath, DecodeWiring, decode_caps

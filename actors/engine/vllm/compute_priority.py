@@ -10,7 +10,8 @@ load (the trace's client -> front and response -> client hops). At nice
 `compute_nice` (default 10) the worker still gets every cycle nobody else
 wants, but the serving path runs first. Nice is per thread on Linux: every
 thread of each `VLLM::Worker` process below the engine actor is set (threads
-created later inherit it). GPU hosts are left alone (the compute is not on the
+created later inherit it); an engine whose core runs the model itself (vLLM's uni
+executor, `actors.engine.vllm.uniproc`) has no worker: its `VLLM::EngineCore` is set. GPU hosts are left alone (the compute is not on the
 CPU there, and a worker's CPU threads launch the kernels).
 """
 
@@ -31,7 +32,7 @@ def _title(pid: int) -> str:
 
 
 def lower_compute_priority(nice: int, root_pid: int | None = None) -> list[int]:
-    """Set every thread of the vLLM worker processes below `root_pid` (this process) to `nice`;
+    """Set every thread of the vLLM processes that run the model below `root_pid` (this process) to `nice`;
     the pids set. A no-op (returns []) with nice 0 or off vLLM's CPU platform."""
     if nice <= 0:
         return []
@@ -46,16 +47,17 @@ def lower_compute_priority(nice: int, root_pid: int | None = None) -> list[int]:
     except Exception as exc:  # noqa: BLE001 - best effort: the engine serves at equal priority
         logger.info("compute priority unchanged: %s", exc)
         return []
+    titles = {proc.pid: _title(proc.pid) for proc in kids}
+    computing = [pid for pid, t in titles.items() if t.startswith("VLLM::Worker")] or \
+        [pid for pid, t in titles.items() if t.startswith("VLLM::EngineCore")]  # uni: the core computes
     done = []
-    for proc in kids:
-        if not _title(proc.pid).startswith("VLLM::Worker"):
-            continue
+    for pid in computing:
         try:
-            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            for tid in os.listdir(f"/proc/{pid}/task"):
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-            done.append(proc.pid)
+            done.append(pid)
         except (OSError, ValueError) as exc:
-            logger.info("could not lower the priority of vLLM worker %s: %s", proc.pid, exc)
+            logger.info("could not lower the priority of vLLM process %s: %s", pid, exc)
     if done:
-        logger.info("vLLM workers %s compute at nice %d (the serving path runs first)", done, nice)
+        logger.info("vLLM processes %s compute at nice %d (the serving path runs first)", done, nice)
     return done
