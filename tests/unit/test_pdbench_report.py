@@ -173,3 +173,17 @@ def test_plan_starts_nothing_and_the_full_profile_fits_the_issue():
     assert pd_vs_vllm.parse_args(["--quick"]).out.startswith("benchmarks/out/")  # never a committed result
     assert [g for r, g in pd_vs_vllm.make_schedule(pd_vs_vllm.parse_args(["--profile", "anchors"])) if r == 2] == \
         ["AP", "E0", "E", "B", "A"]
+
+
+def test_raypd_engines_that_run_their_model_in_the_core_are_compared_by_their_whole_compute():
+    from pdbench import stack_goals
+
+    def cpu(compute: float, core: float) -> dict:
+        return {"all": {"compute": compute, "front": 1.0, "rest": 1.0, "engine_core": core}}  # ms per token
+
+    sm = {"load": {}, "cpu_per_token": {"e0": cpu(70.0, 69.0), "a2": cpu(75.0, 10.0)}}  # uni: no worker beside the core
+    rows = {r["goal"]: r for r in stack_goals.issue30(sm, [], [])}
+    row = rows["CPU per token, the engines' compute (core + workers) (e0) <= 1.10x (a2)'s (raypd's cores run the model)"]
+    assert (row["value"], row["met"]) == ("70.00 vs 75.00 ms = 0.93x", True)
+    sm["cpu_per_token"]["e0"] = cpu(70.0, 10.0)  # mp: a worker computes beside the core
+    assert "CPU per token, vLLM engine cores (e0) <= 1.10x (a2)'s" in {r["goal"] for r in stack_goals.issue30(sm, [], [])}

@@ -36,8 +36,9 @@ Requests vLLM refuses because of the request itself (`VLLMClientError`, or a
 ValueError raised while vLLM admits it: vocabulary, length, sampling params)
 become `EngineRequestError`: a 400 for the client, never an engine failure.
 
-The engine core and workers are child processes of this actor (vLLM on CPU
-always runs AsyncLLM's core in a subprocess); their ranks publish handshake
+The engine core (and workers, for several ranks or `distributed_executor_backend: mp`; a one-rank
+CPU engine runs its model in the core: `actors.engine.vllm.uniproc`) are child processes of this
+actor (AsyncLLM always runs its core in a subprocess); their ranks publish handshake
 payloads into a per-engine folder this backend collects for the coordinator.
 Their pids are recorded, so a restarted actor reaps what its killed
 predecessor left behind (`actors.engine.vllm.orphans`).
