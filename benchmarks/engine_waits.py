@@ -1,6 +1,11 @@
-"""CPU per streamed token of one vLLM engine on one core: vLLM's shared-memory readers as shipped
-(spinning on sched_yield for 1 s after each read) against raypd's setting (`RAYPD_SHM_BUSY_LOOP_S=0`:
-they sleep on the writer's notification; `actors/engine/vllm/plugin.py`).
+"""CPU per streamed token of one vLLM engine on one core, two comparisons (`--pair`):
+  waits   vLLM's shared-memory readers as shipped (spinning on sched_yield for 1 s after each read)
+          against `RAYPD_SHM_BUSY_LOOP_S=0` (they sleep on the writer's notification;
+          `actors/engine/vllm/plugin.py`);
+  layout  vLLM's CPU layout (a worker process beside the engine core, driven through a shared-memory
+          queue: the mp executor) against raypd's default for one-rank CPU engines (the model in
+          the engine-core process: the uni executor, `actors/engine/vllm/uniproc.py`); also the
+          engine's start (AsyncLLM's construction) and whether the greedy answers are the same.
 
 Each run is a fresh process with every thread on one core (`sched_setaffinity`, inherited by
 vLLM's engine core and worker, as a raypd engine's share of a 2-core box), the worker's OMP
@@ -11,11 +16,13 @@ reads each process's CPU time (/proc) over them. Set-ups alternate (A B B A ...)
 ratios compare the runs' medians of ITL p50 and CPU per token.
 
   python benchmarks/engine_waits.py --rounds 2 --out benchmarks/results/engine_waits.txt
+  python benchmarks/engine_waits.py --pair layout --rounds 3 --out benchmarks/results/engine_layout.txt
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import asyncio
 import json
 import os
@@ -28,7 +35,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETUPS = {"A": ("vLLM as shipped (busy_loop_s 1)", None), "B": ("raypd (busy_loop_s 0)", "0")}
+# set-up -> (label, environment: None removes the variable)
+SETUPS: dict[str, tuple[str, dict[str, str | None]]] = {
+    "A": ("vLLM as shipped (mp, busy_loop_s 1)", {"RAYPD_SHM_BUSY_LOOP_S": None}),
+    "B": ("busy_loop_s 0 (mp)", {"RAYPD_SHM_BUSY_LOOP_S": "0"}),
+    "U": ("raypd's layout (uni: model in the core)", {"RAYPD_SHM_BUSY_LOOP_S": None, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+}
+PAIRS = {"waits": ("A", "B"), "layout": ("A", "U")}
 
 
 async def _measure(args: argparse.Namespace) -> dict:
@@ -41,8 +54,12 @@ async def _measure(args: argparse.Namespace) -> dict:
     from actors.models.local import resolve_model
 
     path = str(resolve_model("smollm2"))
+    uni = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    t_start = time.monotonic()
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, dtype="float32", max_model_len=2048,
-                                                    enforce_eager=True, disable_log_stats=False))
+                                                    enforce_eager=True, disable_log_stats=False,
+                                                    distributed_executor_backend="uni" if uni else None))
+    start_s = time.monotonic() - t_start
     lower_compute_priority(10)
     me, rng = psutil.Process(), random.Random(0)
 
@@ -63,15 +80,16 @@ async def _measure(args: argparse.Namespace) -> dict:
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
     async for _ in llm.generate({"prompt_token_ids": prompt()}, sp, "warm-up"):
         pass
-    before, gaps, tokens, t0 = cpu(), [], 0, time.monotonic()
+    before, gaps, tokens, t0, answers = cpu(), [], 0, time.monotonic(), []
     for i in range(args.requests):
-        last, streamed = None, 0
+        last, streamed, ids = None, 0, []
         async for out in llm.generate({"prompt_token_ids": prompt()}, sp, f"r{i}"):
             now = time.monotonic()
             if last is not None:
                 gaps.append(now - last)
-            last, streamed = now, len(out.outputs[0].token_ids)  # cumulative: the answer so far
+            last, streamed, ids = now, len(out.outputs[0].token_ids), out.outputs[0].token_ids  # cumulative
         tokens += streamed
+        answers.append(list(ids))
     wall, after = time.monotonic() - t0, cpu()
     llm.shutdown()
     per_process: dict[str, float] = {}
@@ -79,18 +97,21 @@ async def _measure(args: argparse.Namespace) -> dict:
         if pid in before:
             per_process[name] = per_process.get(name, 0.0) + 1000 * (t - before[pid][1]) / max(1, tokens)
     return {"tokens": tokens, "wall_s": wall, "itl_p50_ms": 1000 * statistics.median(gaps),
-            "cpu_ms_per_token": per_process}
+            "cpu_ms_per_token": per_process, "start_s": start_s,
+            "answers": hashlib.sha1(repr(answers).encode()).hexdigest()}
 
 
 def child(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, {args.core})
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.core)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    busy = SETUPS[args.child][1]
-    if busy is not None:
-        os.environ["RAYPD_SHM_BUSY_LOOP_S"] = busy
-    else:
-        os.environ.pop("RAYPD_SHM_BUSY_LOOP_S", None)
+    for key, value in SETUPS[args.child][1].items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":  # the core computes: bound as raypd binds it
+        os.environ.update(OMP_NUM_THREADS="1", OMP_PLACES=f"{{{args.core}}}", OMP_PROC_BIND="true")
     print("RESULT " + json.dumps(asyncio.run(_measure(args))), flush=True)
 
 
@@ -117,21 +138,28 @@ def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
              f"{args.prompt} prompt tokens -> {args.tokens} tokens, one at a time; runs alternate "
              f"{' '.join(s for s, _ in args.order)}", ""]
     names = sorted({n for rs in runs.values() for r in rs for n in r["cpu_ms_per_token"]})
-    head = f"{'set-up':34s} {'runs':>4s} {'ITL p50 ms':>10s} " + " ".join(f"{n[:18]:>18s}" for n in names) + f" {'total':>8s}"
+    head = (f"{'set-up':40s} {'runs':>4s} {'start s':>7s} {'ITL p50 ms':>10s} "
+            + " ".join(f"{n[:18]:>18s}" for n in names) + f" {'total':>8s}")
     lines += ["CPU per streamed token (ms), medians over runs:", head]
     med: dict[str, dict[str, float]] = {}
     for setup, rs in runs.items():
         row = {n: statistics.median(r["cpu_ms_per_token"].get(n, 0.0) for r in rs) for n in names}
         row["total"] = statistics.median(sum(r["cpu_ms_per_token"].values()) for r in rs)
         row["itl"] = statistics.median(r["itl_p50_ms"] for r in rs)
+        row["start"] = statistics.median(r["start_s"] for r in rs)
         med[setup] = row
-        lines.append(f"{SETUPS[setup][0]:34s} {len(rs):4d} {row['itl']:10.1f} "
+        lines.append(f"{SETUPS[setup][0]:40s} {len(rs):4d} {row['start']:7.1f} {row['itl']:10.1f} "
                      + " ".join(f"{row[n]:18.2f}" for n in names) + f" {row['total']:8.2f}")
-    a, b = med["A"], med["B"]
+    first, second = PAIRS[args.pair]
+    a, b = med[first], med[second]
     core = next((n for n in names if n == "engine core"), None)
-    lines += ["", "raypd / shipped:",
-              f"  ITL p50 {b['itl'] / a['itl']:.2f}x, CPU per token {b['total'] / a['total']:.2f}x"
-              + (f", engine core {b[core] / a[core]:.2f}x ({a[core]:.2f} -> {b[core]:.2f} ms/token)" if core else "")]
+    same = len({r["answers"] for rs in runs.values() for r in rs}) == 1
+    lines += ["", f"{SETUPS[second][0]} / {SETUPS[first][0]}:",
+              f"  ITL p50 {b['itl'] / a['itl']:.2f}x, CPU per token {b['total'] / a['total']:.2f}x, "
+              f"start {b['start'] / a['start']:.2f}x ({a['start']:.1f} -> {b['start']:.1f} s)"
+              + (f", engine core {b[core] / a[core]:.2f}x ({a[core]:.2f} -> {b[core]:.2f} ms/token)"
+                 if core and args.pair == "waits" else ""),
+              f"  greedy answers identical in every run: {'yes' if same else 'NO'}"]
     return "\n".join(lines) + "\n"
 
 
@@ -142,14 +170,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--core", type=int, default=0)
+    ap.add_argument("--pair", choices=sorted(PAIRS), default="waits")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--child", choices=sorted(SETUPS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
         return
-    args.order = [(s, i) for i in range(args.rounds) for s in ("A", "B", "B", "A")]
-    runs: dict[str, list[dict]] = {"A": [], "B": []}
+    first, second = PAIRS[args.pair]
+    args.order = [(s, i) for i in range(args.rounds) for s in (first, second, second, first)]
+    runs: dict[str, list[dict]] = {first: [], second: []}
     for setup, _ in args.order:
         r = run_one(setup, args)
         runs[setup].append(r)
