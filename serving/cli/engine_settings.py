@@ -60,6 +60,10 @@ def _pd_args(role: str, ecfg: EngineConfig) -> list[EngineArg]:
     if ecfg.tp_size * ecfg.pp_size > 1 and "distributed_executor_backend" not in ecfg.engine_kwargs:
         args.append(_same("distributed_executor_backend", "mp",
                           "the engine runs in a Ray placement group; its workers are local processes"))
+    elif "distributed_executor_backend" not in ecfg.engine_kwargs:
+        args.append(EngineArg("distributed_executor_backend", ecfg.cpu_engine_defaults.get("distributed_executor_backend"),
+                              None, "CPU host: one rank, the model runs in vLLM's engine-core process, no worker "
+                              "process beside it (actors/engine/vllm/uniproc.py); GPU host: vLLM's default"))
     if "speculative_config" not in ecfg.engine_kwargs:
         args.append(EngineArg("logits_processors", "+ ResumedPenalties", None,
                               "CPU host: a decode engine continues a resumed request without replaying its first token"))
