@@ -4,9 +4,10 @@ By default a one-rank vLLM engine on a CPU host is three processes: the AsyncLLM
 EngineActor), the engine core (scheduler), and one worker (the model) that the core drives through a
 shared-memory queue. vLLM's CPU platform turns `distributed_executor_backend: uni` into `mp` unless
 VLLM_ENABLE_V1_MULTIPROCESSING is 0, because the mp executor is what sets a worker's OpenMP binding.
-Measured here (2-core EPYC, SmolLM2 fp32, one core, one request of 64 greedy tokens, same answer):
-`uni` starts 4-22 s sooner (one process fewer to spawn and import) and streams the 64 tokens in
-4.4-4.9 s against 4.8-5.9 s (no queue between two processes that share the core).
+Measured here (`benchmarks/results/engine_layout.txt`: 2-core EPYC, one core, SmolLM2 fp32, 512-token
+prompts, 64 greedy tokens, 4 runs each, alternating): `uni` starts in 44.1 s against 67.1 s (one
+process fewer to spawn and import), ITL p50 0.92x, CPU per token 0.95x (no queue between two processes
+that share the core), and every answer is the same.
 
 raypd's default for one-rank engines on a CPU host (`EngineConfig.cpu_engine_defaults`, set by
 `serving.config`); an operator's `engine_kwargs: {distributed_executor_backend: mp}` keeps vLLM's.
