@@ -173,7 +173,6 @@ def _auth_line() -> str:
 def cmd_up(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
-    from ray.serve.api import RunTarget
 
     from serving.front.api_keys import ApiKeyError
     from serving.cluster.app import build_app
@@ -219,15 +218,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         n = cfg.prefill.count + cfg.decode.count + cfg.both.count
         print(f"raypd: launching {cfg.name}: {engine_counts(cfg)} {cfg.backend} engine(s)...", flush=True)
         t0, t0_wall = time.monotonic(), time.time()
-        # the front deploys while the engines start: its replica imports vLLM's front end (~13 s of a
-        # core here) and then attaches to the same launch; /health says ready once both are up
-        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
-        serve.run_many([RunTarget(build_app(cfg.model_dump(mode="json")), name=cfg.name, route_prefix="/")],
-                       wait_for_applications_running=False)
         dep = launch(cfg, on_phase=lambda phase: print(phase_line(phase, t0_wall), flush=True))
         print(f"raypd: {n} engine(s) up in {time.monotonic() - t0:.1f}s", flush=True)
         if stop["requested"]:
             return 130
+        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        serve.run(build_app(cfg.model_dump(mode="json")), name=cfg.name, route_prefix="/", blocking=False)
         health = _wait_healthy(url, 120.0)
         runstate.write_state(args.temp_dir, runstate.UpState(
             pid=os.getpid(), create_time=runstate.process_create_time(os.getpid()), name=cfg.name, url=url,
