@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from actors.engine.config import EngineConfig
-from actors.engine.vllm.parent_death import child_env
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -69,11 +68,10 @@ def core_omp_env(cfg: EngineConfig, is_cpu: bool = True) -> dict[str, str]:
 
 @contextmanager
 def core_process_env(cfg: EngineConfig) -> Iterator[None]:
-    """Around AsyncLLM's construction (which spawns the core): the core inherits the binding, and the
-    mark that makes it end with this actor (`actors.engine.vllm.parent_death`)."""
+    """Around AsyncLLM's construction (which spawns the core): the core inherits the binding."""
     from vllm.platforms import current_platform
 
-    values = core_omp_env(cfg, current_platform.is_cpu()) | child_env()
+    values = core_omp_env(cfg, current_platform.is_cpu())
     before = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
