@@ -1,11 +1,14 @@
-"""kill -9 a real vLLM engine (SmolLM2): the prefill EngineActor's process dies, its vLLM engine core
-is left orphaned. Ray restarts the actor; the new incarnation reaps the orphan, starts vLLM again,
+"""kill -9 a real vLLM engine (SmolLM2): the prefill EngineActor's process dies, and its vLLM engine core,
+left without its parent, stops itself (actors.engine.vllm.parent_death; the next incarnation's reaper
+is the fallback). Ray restarts the actor; the new incarnation starts vLLM again,
 registers with the coordinator (a new generation, a fresh handshake) and the deployment serves P/D
 again, with no command from the test."""
 
 from __future__ import annotations
 
 import asyncio
+import glob
+import os
 import time
 
 import psutil
@@ -15,6 +18,7 @@ import ray
 from serving.config import DeploymentConfig, load_config
 from serving.cluster.launcher import launch, shutdown_deployment
 from serving.cluster.clients import build_router
+from serving.cluster.ray_init import ray_logs_dir
 
 from chaos_helpers import generation, kill_tree, wait_generation
 from engine_calls import collect, request
@@ -22,6 +26,14 @@ from engine_calls import collect, request
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 NAME = "vllm-restart"
+
+
+def _said_in_engine_logs(text: str) -> bool:
+    for path in glob.glob(os.path.join(ray_logs_dir(), "worker-*.err")):
+        with open(path, errors="replace") as f:
+            if text in f.read():
+                return True
+    return False
 
 
 def test_killed_vllm_engine_restarts_rejoins_and_serves_pd(coordinator):
@@ -47,10 +59,13 @@ def test_killed_vllm_engine_restarts_rejoins_and_serves_pd(coordinator):
             stale = await prefill.prefill.remote(stale_req)  # a handoff the kill leaves unread
             stats = await prefill.stats.remote()
             orphans = [psutil.Process(p) for p in stats.backend.child_pids]
+            vllm_pids = [p.pid for p in orphans if p.name().startswith("VLLM::")]  # not multiprocessing's tracker
             gen = await generation(coordinator, pid_)
             pulls = (await decode.stats.remote()).backend.counters["kv_pulls"]
             t0 = time.monotonic()
-            kill_tree([stats.pid])  # the actor only: its engine core is orphaned
+            kill_tree([stats.pid])  # the actor only: its engine core loses its parent
+            gone, _ = psutil.wait_procs(orphans, timeout=30)
+            stopped_s = time.monotonic() - t0
             new_gen = await wait_generation(coordinator, pid_, gen, timeout_s=400)
             back_s = time.monotonic() - t0
             left = [p.pid for p in orphans if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -64,10 +79,14 @@ def test_killed_vllm_engine_restarts_rejoins_and_serves_pd(coordinator):
             after = await decode.stats.remote()
             # its block ids name the killed incarnation's memory: never read from the new one
             stale_chunks = await collect(decode, stale.continuation(stale_req))
-            return back_s, gen, new_gen, left, stats, new, route, chunks, pulls, after, stale_chunks
+            return back_s, gen, new_gen, left, stats, new, route, chunks, pulls, after, stale_chunks, stopped_s, vllm_pids
 
-        back_s, gen, new_gen, left, old, new, route, chunks, pulls, after, stale_chunks = asyncio.run(go())
-        print(f"SmolLM2 prefill engine back and registered {back_s:.0f} s after kill -9")
+        back_s, gen, new_gen, left, old, new, route, chunks, pulls, after, stale_chunks, stopped_s, vllm_pids = \
+            asyncio.run(go())
+        print(f"SmolLM2 prefill engine's vLLM processes gone {stopped_s:.1f} s after kill -9 of its actor; "
+              f"back and registered {back_s:.0f} s after it")
+        said = [p for p in vllm_pids if _said_in_engine_logs(f"of vLLM process {p} exited; stopping it")]
+        assert said == vllm_pids != []  # each vLLM process stopped itself: no reaper was needed
         assert new_gen > gen and new.restarted and new.pid != old.pid
         assert left == [], f"orphaned engine-core processes of the killed incarnation: {left}"
         assert route.path == "pd" and route.prefill_id == pid_  # P/D again, through the restarted engine

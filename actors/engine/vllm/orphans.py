@@ -1,10 +1,11 @@
 """Child processes a killed engine actor leaves behind, reaped by its next incarnation.
 
 vLLM runs its engine core (and, with TP/PP > 1, its workers) as child
-processes of the EngineActor. When the actor is killed (-9, OOM), nothing
-terminates them: they are re-parented to init and keep their memory. Ray's own
-subreaper is off by default, so raypd keeps a small record per engine on the
-node: after start, the engine's child pids (with their start times, so a
+processes of the EngineActor. When the actor is killed (-9, OOM), vLLM does not
+terminate them: they are re-parented to init and keep their memory. They stop
+themselves (`actors.engine.vllm.parent_death`); this is the fallback for a host
+where they cannot watch their parent (no pidfd). Ray's own subreaper is off by
+default, so raypd keeps a small record per engine on the node: after start, the engine's child pids (with their start times, so a
 reused pid is never mistaken for one of ours); before the next start on that
 node, the previous incarnation's recorded processes still alive are killed.
 A restarted actor lands on the same node (its placement group bundle), so it

@@ -1,4 +1,5 @@
-"""raypd's vLLM general plugin: how vLLM's processes wait, on the CPU hosts raypd starts them on.
+"""raypd's vLLM general plugin: how vLLM's processes wait, on the CPU hosts raypd starts them on,
+and that they end with the engine actor that started them (`actors.engine.vllm.parent_death`).
 
 vLLM loads every `vllm.general_plugins` entry point in each of its processes (engine core,
 workers); `register` runs there. It changes nothing unless the process was started by a raypd
@@ -33,12 +34,15 @@ from __future__ import annotations
 
 import os
 
+from actors.engine.vllm.parent_death import follow_parent
+
 BUSY_LOOP_ENV = "RAYPD_SHM_BUSY_LOOP_S"
 POLL_CAP_MS = 50  # the longest a reader sleeps before it looks at the buffer again
 SNDHWM_UNBOUNDED = 0
 
 
 def register() -> None:
+    follow_parent()  # a vLLM process below a raypd engine actor ends with its parent (parent_death.py)
     value = os.environ.get(BUSY_LOOP_ENV)
     if value is None:
         return  # not a raypd engine: vLLM as shipped

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from actors.engine.config import EngineConfig
+from actors.engine.vllm.parent_death import child_env
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -68,10 +69,11 @@ def core_omp_env(cfg: EngineConfig, is_cpu: bool = True) -> dict[str, str]:
 
 @contextmanager
 def core_process_env(cfg: EngineConfig) -> Iterator[None]:
-    """Around AsyncLLM's construction (which spawns the core): the core inherits the binding."""
+    """Around AsyncLLM's construction (which spawns the core): the core inherits the binding, and the
+    mark that makes it end with this actor (`actors.engine.vllm.parent_death`)."""
     from vllm.platforms import current_platform
 
-    values = core_omp_env(cfg, current_platform.is_cpu())
+    values = core_omp_env(cfg, current_platform.is_cpu()) | child_env()
     before = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

@@ -1,0 +1,80 @@
+"""vLLM's processes of a raypd engine end when their parent does.
+
+vLLM's engine core is a child process of the EngineActor (its workers, with TP/PP > 1, children of
+the core). vLLM's workers watch the core through a pipe, but nothing makes the core follow the
+actor: when the actor dies without its shutdown (kill -9, the OOM killer, its raylet stopped with a
+SIGTERM to a whole process group), the core is re-parented to init and keeps its memory, its KV
+cache and its threads' CPU. `actors.engine.vllm.orphans` reaps such a core when the engine restarts on
+the same node; this makes it stop on its own, at once, whether or not an engine ever starts there again.
+
+How: the actor names itself in its environment (`PARENT_ENV`) before vLLM spawns the core, so every
+vLLM process below it inherits the mark. raypd's vLLM plugin (`actors.engine.vllm.plugin`) calls
+`follow_parent` in each vLLM process it is loaded in; a marked process that is not the actor itself
+opens a pidfd on its parent and one daemon thread blocks in poll() on it (no CPU while it waits).
+When the parent exits, the process sends itself SIGTERM (vLLM's handler shuts the core down and
+cleans its shared memory), then SIGKILL `grace_s` later if it is still alive. A parent already gone
+when it is checked (re-parented: `os.getppid()` changed) counts the same.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+
+PARENT_ENV = "RAYPD_ENGINE_ACTOR_PID"
+GRACE_S = 5.0
+
+_following_in: int | None = None  # the pid whose thread follows (a forked child inherits the global, not the thread)
+
+
+def child_env() -> dict[str, str]:
+    """What the actor puts in the environment its vLLM processes inherit."""
+    return {PARENT_ENV: str(os.getpid())}
+
+
+def should_follow(env_value: str | None, pid: int) -> bool:
+    """A process spawned below a raypd engine actor (marked, and not the actor itself)."""
+    return bool(env_value) and env_value != str(pid)
+
+
+def follow_parent(grace_s: float = GRACE_S) -> threading.Thread | None:
+    """In a vLLM process: end when the parent does (see the module docstring). The watching thread,
+    or None when this process is not below a raypd engine actor (or already follows)."""
+    global _following_in
+    if _following_in == os.getpid() or not should_follow(os.environ.get(PARENT_ENV), os.getpid()):
+        return None
+    parent = os.getppid()
+    try:
+        pidfd = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # no pidfd (kernel < 5.3) or the parent is gone already
+        pidfd = None
+    if parent == 1 or os.getppid() != parent:  # re-parented before the pidfd named the right process
+        _stop_self(parent, grace_s)
+        return None
+    if pidfd is None:
+        return None  # left to the next incarnation's reaper (orphans.reap_previous)
+    thread = threading.Thread(target=_wait_then_stop, args=(pidfd, parent, grace_s),
+                              name="raypd-follow-parent", daemon=True)
+    thread.start()
+    _following_in = os.getpid()
+    return thread
+
+
+def _wait_then_stop(pidfd: int, parent: int, grace_s: float) -> None:
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    while not poller.poll():  # blocks until the parent exits
+        pass
+    _stop_self(parent, grace_s)
+
+
+def _stop_self(parent: int, grace_s: float) -> None:
+    print(f"raypd: the parent (pid {parent}) of vLLM process {os.getpid()} exited; stopping it",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)
+    os.kill(os.getpid(), signal.SIGKILL)
