@@ -69,7 +69,7 @@ def run_plan(args: argparse.Namespace, base: DeploymentConfig) -> int:
                              f"tokens exceed the deployment's max_model_len {base.max_model_len}")
         base_data = base.model_dump(mode="json", exclude_defaults=True)  # validates back to `base`
         result = plan(profile, workload, slo, base_data)
-        text = deployment_yaml(result.chosen.shape, base_data, profile.unit)
+        text = deployment_yaml(result.chosen.shape, base_data, profile.unit, slo)
     except ValueError as exc:  # ProfileError, ConfigError and a bad flag alike
         print(f"raypd config --plan: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """A shape as raypd's deployment: the config `raypd up` runs, and the step limits its engines get.
 
-  deployment_config(shape, base, unit)  `base` (a deployment file's mapping) with the engine groups
-                                        and router.placement of `shape`, validated (DeploymentConfig)
-  deployment_yaml(shape, base, unit)    the same as YAML (`raypd up --config` reads it back)
+  deployment_config(shape, base, unit, slo)  `base` (a deployment file's mapping) with the engine groups
+                                        and router.placement of `shape` (and the SLO targets the
+                                        router's model then places against), validated (DeploymentConfig)
+  deployment_yaml(shape, base, unit, slo)  the same as YAML (`raypd up --config` reads it back)
   shape_limits(config, unit)            what a step may carry on each role's engines of that deployment
                                         (vLLM's max_num_batched_tokens, max_num_seqs), for the simulation
   core_ranges(sizes)                    one VLLM_CPU_OMP_THREADS_BIND per engine, cores handed out in order
@@ -10,6 +11,9 @@
 Only the groups (`count`, `num_cpus`, `cpu_bind` on a CPU box, `tp_size` on a GPU box), the placement
 and, on a CPU box, a `ray.num_cpus` too small for the engines change: the model, engine_kwargs and
 everything else stay as the base says. Colocated shapes run placement `slo`, P/D shapes `disaggregate`.
+With the plan's SLO targets, placement `slo` is told them (`slo_targets`): the TTFT target, and the TPOT
+target as each stream's mean-ITL budget, which is what a local prefill's stall is priced against. A
+target the base's `router.slo` sets stays the operator's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from serving.placement_config import vllm_default_budget
 from serving.planner.profile import Unit
 from serving.planner.shapes import Shape
 from serving.planner.simulate import ShapeLimits, StepLimits
+from serving.planner.workload import SloTargets
 
 
 def _sizes_by_role(shape: Shape) -> dict[str, tuple[int, ...]]:
@@ -40,9 +45,17 @@ def core_ranges(sizes: list[int]) -> list[str]:
     return ranges
 
 
-def deployment_config(shape: Shape, base: Mapping[str, Any], unit: Unit) -> DeploymentConfig:
-    """`base` reshaped to `shape`; ConfigError when raypd refuses the result (e.g. GPU tensor-parallel
-    sizes of the two roles that do not divide one another, an autoscaler's bounds the counts leave)."""
+def slo_targets(slo: SloTargets) -> dict[str, float]:
+    """`router.slo` settings that make the placement model judge requests by the user's targets: an
+    absolute TTFT target (no slowdown allowance for long prompts) and the TPOT as the mean-ITL budget."""
+    return {"ttft_target_s": slo.ttft_s, "ttft_slowdown": 0.0, "itl_target_mean_s": slo.tpot_s}
+
+
+def deployment_config(shape: Shape, base: Mapping[str, Any], unit: Unit,
+                      slo: SloTargets | None = None) -> DeploymentConfig:
+    """`base` reshaped to `shape` (with `slo`: placement `slo` told the targets, unless the base sets
+    them); ConfigError when raypd refuses the result (e.g. GPU tensor-parallel sizes of the two roles
+    that do not divide one another, an autoscaler's bounds the counts leave)."""
     data: dict[str, Any] = copy.deepcopy(dict(base))
     by_role = _sizes_by_role(shape)
     binds = iter(core_ranges([k for role in ROLES for k in by_role[role]]))
@@ -58,7 +71,10 @@ def deployment_config(shape: Shape, base: Mapping[str, Any], unit: Unit) -> Depl
         elif sizes:
             group["tp_size"] = sizes[0]
         data[role] = group
-    data["router"] = {**(data.get("router") or {}), "placement": "slo" if shape.is_colocated else "disaggregate"}
+    router = {**(data.get("router") or {}), "placement": "slo" if shape.is_colocated else "disaggregate"}
+    if slo is not None:
+        router["slo"] = {**slo_targets(slo), **(router.get("slo") or {})}
+    data["router"] = router
     ray = dict(data.get("ray") or {})
     if unit == "cpu" and ray.get("num_cpus") is not None and ray["num_cpus"] < shape.units:
         ray["num_cpus"] = shape.units  # a local cluster too small for the engines would never start them
@@ -66,10 +82,10 @@ def deployment_config(shape: Shape, base: Mapping[str, Any], unit: Unit) -> Depl
     return DeploymentConfig.from_dict(data)
 
 
-def deployment_yaml(shape: Shape, base: Mapping[str, Any], unit: Unit) -> str:
+def deployment_yaml(shape: Shape, base: Mapping[str, Any], unit: Unit, slo: SloTargets | None = None) -> str:
     """`deployment_config` as YAML: what differs from raypd's defaults (name, backend, model and the
     engine count of each role that has engines always), `raypd up --config` reads it back."""
-    cfg = deployment_config(shape, base, unit)
+    cfg = deployment_config(shape, base, unit, slo)
     data = {"name": cfg.name, "backend": cfg.backend, "model": cfg.model,
             **cfg.model_dump(mode="json", exclude_defaults=True)}
     for role, sizes in _sizes_by_role(shape).items():

@@ -4,8 +4,9 @@
   render_table(plan) -> str                    one row per shape: goodput per rate, the chosen one marked
 
 Each shape runs as raypd would run it from `base` (a deployment file's mapping): the step limits of
-its engines come from the deployment the shape makes (deployment.shape_limits), so what is predicted
-is what `deployment_yaml` of the chosen shape deploys. The choice: the highest goodput summed over
+its engines and the targets its router places against come from the deployment the shape makes
+(deployment.shape_limits, deployment.slo_targets), so what is predicted is what `deployment_yaml` of
+the chosen shape deploys. The choice: the highest goodput summed over
 the rates; ties go to fewer engines, then to colocated, then to the lower median TTFT.
 """
 
@@ -65,7 +66,7 @@ def plan(profile: HardwareProfile, workload: Workload, slo: SloTargets, base: Ma
     predictions, refused = [], []
     for shape in enumerate_shapes(profile.total_units, sizes or profile.sizes):
         try:
-            cfg = deployment_config(shape, base, profile.unit)
+            cfg = deployment_config(shape, base, profile.unit, slo)
             limits = shape_limits(cfg, profile.unit)
         except ConfigError as exc:
             refused.append(RefusedShape(shape, str(exc)))

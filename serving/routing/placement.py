@@ -18,6 +18,12 @@ For an option whose prefilling engine is E (Y, or X when colocated):
                (the first token streams from E: the KV pull is not in TTFT)
   stall gap  = s + min(q + u, B) / r          what each of E's n streams waits per step,
                for ceil(u / B) steps of this request
+  stall cost = per stream, the lesser of what the stall adds past the per-step target,
+               ceil(u/B) * max(0, stall gap - itl_target), and what it adds past the stream's TPOT
+               budget, max(0, over + ceil(u/B) * (stall gap - s)) - max(0, over), where
+               over = A * (s / (1 - rho_E) - mean target) (its steps, stretched by E's own prefill
+               share, against the mean ITL target; A: this request's answer tokens, standing in
+               for theirs). A stall that stays within either costs nothing
   first gap  colocated: s_X;  disaggregated: pull(Y->X, P - c_X) + s_X + min(q_X, B_X) / r_X
                (pull = the pair's overhead + tokens / its rate; X's own prefill chunks share its steps)
   own ITL    = (s_X + what one more stream adds to X's step) / (1 - rho_X): rho_X is the share of
@@ -29,13 +35,16 @@ For an option whose prefilling engine is E (Y, or X when colocated):
 
 Targets: TTFT target = max(ttft_target_s, ttft_slowdown * P / fastest r) (a
 long prompt has a longer budget, as the benchmark's SLO gives it);
-`itl_target_s` per step; `first_gap_target_s` for the first->second token gap.
+`itl_target_s` per step; mean target = max(itl_target_mean_s, mean_itl_slowdown *
+bare step) for a stream's mean ITL (TPOT); `first_gap_target_s` for the
+first->second token gap. `raypd config --plan` sets ttft_target_s and
+itl_target_mean_s to the user's targets.
 Violation (seconds, weighted):
 
   ttft_weight * max(0, TTFT - target)
-  + itl_weight * (n * ceil(u/B) * max(0, stall gap - itl_target)   (the stream-seconds X's streams lose)
+  + itl_weight * (n * stall cost                                     (the stream-seconds E's streams lose)
                   + max(0, first gap - first_gap_target)
-                  + A * max(0, own ITL - max(itl_target_mean, mean_itl_slowdown * bare step of X)))
+                  + A * max(0, own ITL - mean target of X))
                   (A = the answer's tokens: the seconds its whole stream loses to a slow decode engine)
 
 Choice: least violation, then least TTFT, then the caller's order (it rotates
@@ -224,26 +233,42 @@ class _DecodeSide:
     slow_decode_s: float  # answer tokens x past the mean ITL target
 
 
-def _prefill_side(e: EngineEstimate, prompt_tokens: int, config: PlacementConfig) -> _PrefillSide:
+def _prefill_side(e: EngineEstimate, prompt_tokens: int, config: PlacementConfig, answer_tokens: int) -> _PrefillSide:
     u = max(1, prompt_tokens - min(e.cached_tokens, prompt_tokens))
     q, r, b, s = e.queued_prefill_tokens, e.prefill_tokens_per_s, e.chunk_budget_tokens, e.decode_step_s
     done = (q + u) / r + math.ceil((q + u) / b) * s
     wait = min(done, q / r + (q // b) * s)
     done += e.hop_s
     streams, steps = e.decode_streams, math.ceil(u / b)
-    stall_gap = s + min(q + u, b) / r if streams else 0.0
-    return _PrefillSide(u, wait, done, streams, steps, stall_gap,
-                        streams * steps * max(0.0, stall_gap - config.itl_target_s))
+    if not streams:
+        return _PrefillSide(u, wait, done, 0, steps, 0.0, 0.0)
+    chunk_s = min(q + u, b) / r
+    # each stream's answer has a TPOT budget (answer tokens x the mean ITL target): the stall
+    # (steps x chunk_s) costs only what it adds past that budget, after what E's own prefill share
+    # already takes of it
+    answer = max(1, answer_tokens)
+    over_budget = answer * (_mean_gap(e, config) - _mean_itl_target(e, config))
+    past_budget = max(0.0, over_budget + steps * chunk_s) - max(0.0, over_budget)
+    past_gap = steps * max(0.0, s + chunk_s - config.itl_target_s)
+    return _PrefillSide(u, wait, done, streams, steps, s + chunk_s, streams * min(past_budget, past_gap))
+
+
+def _mean_gap(x: EngineEstimate, config: PlacementConfig) -> float:
+    """A stream's mean gap on X: its step, stretched by the share of X's time spent prefilling."""
+    return x.decode_step_s / (1.0 - min(config.max_prefill_busy, max(0.0, x.prefill_busy)))
+
+
+def _mean_itl_target(x: EngineEstimate, config: PlacementConfig) -> float:
+    return max(config.itl_target_mean_s, config.mean_itl_slowdown * (x.bare_step_s + x.step_per_stream_s))
 
 
 def _decode_side(x: EngineEstimate, prompt_tokens: int, config: PlacementConfig, answer_tokens: int) -> _DecodeSide:
     busy = min(config.max_prefill_busy, max(0.0, x.prefill_busy))
     own_itl = (x.decode_step_s + x.step_per_stream_s) / (1.0 - busy)
-    mean_target = max(config.itl_target_mean_s, config.mean_itl_slowdown * (x.bare_step_s + x.step_per_stream_s))
     local_chunk = min(x.queued_prefill_tokens, x.chunk_budget_tokens) / x.prefill_tokens_per_s
     return _DecodeSide(own_itl, x.decode_step_s + x.step_per_stream_s, local_chunk,
                        prompt_tokens - min(x.cached_tokens, prompt_tokens),
-                       max(1, answer_tokens) * max(0.0, own_itl - mean_target))
+                       max(1, answer_tokens) * max(0.0, own_itl - _mean_itl_target(x, config)))
 
 
 def predict(option: Option, engines: dict[str, EngineEstimate], prompt_tokens: int, config: PlacementConfig,
@@ -255,7 +280,7 @@ def predict(option: Option, engines: dict[str, EngineEstimate], prompt_tokens: i
     e_id = option.prefill_id or option.decode_id
     e = prefilling.get(e_id)
     if e is None:
-        e = prefilling[e_id] = _prefill_side(engines[e_id], prompt_tokens, config)
+        e = prefilling[e_id] = _prefill_side(engines[e_id], prompt_tokens, config, answer_tokens)
     x = decoding.get(option.decode_id)
     if x is None:
         x = decoding[option.decode_id] = _decode_side(engines[option.decode_id], prompt_tokens, config, answer_tokens)

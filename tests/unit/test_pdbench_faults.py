@@ -166,8 +166,9 @@ def test_e0_is_the_default_config_with_placement_that_never_disaggregates(tmp_pa
     assert e0.chunk_budget("both") == e.chunk_budget("both")
     assert e0.model_dump(exclude={"name", "router"}) == e.model_dump(exclude={"name", "router"})
     assert e0.router.model_dump(exclude={"slo"}) == e.router.model_dump(exclude={"slo"})
-    # where the default splits the request (y keeps prefilling: x's streams would stall), (e0) does not
-    x = EngineEstimate("x", "both", 400.0, 0.06, 512, 0.001, decode_streams=16)
+    # where the default splits the request (y keeps prefilling; x's streams, already past their TPOT
+    # budget from x's own prefills, would stall), (e0) does not
+    x = EngineEstimate("x", "both", 400.0, 0.06, 512, 0.001, decode_streams=16, prefill_busy=0.3)
     y = EngineEstimate("y", "both", 400.0, 0.05, 512, 0.001, prefill_busy=0.8)
     for n in (128, 512, 2048):
         assert place(n, [x, y], e.router.slo, answer_tokens=64).option.kind == "disagg"

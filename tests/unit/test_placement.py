@@ -69,6 +69,17 @@ def test_the_itl_target_is_the_knob_that_trades_stalls_for_the_handoff():
     assert (p.option, p.reason) == (Option("d"), "colocated/ttft")
 
 
+@pytest.mark.parametrize("tpot_target_s,kind", [(0.1, "colocated"), (0.0, "disagg")])
+def test_a_stall_costs_only_what_it_adds_past_each_streams_tpot_budget(tpot_target_s, kind):
+    # 8 streams on d at 0.05 s steps, 64-token answers; a local 1024-token prefill holds one step for
+    # 2.56 s (past the 0.25 s per-step target). Told a TPOT target of 0.1 s, each stream has 64 x
+    # (0.1 - 0.05) = 3.2 s of budget left, which absorbs the stall: local, no handoff. With the default
+    # budget (1.5 x the bare step: 1.6 s left) the stall overruns it and the prompt goes to p.
+    cfg = PlacementConfig(itl_target_mean_s=tpot_target_s)
+    p = place(1024, pools(decode={"decode_streams": 8}), cfg, answer_tokens=64)
+    assert p.option.kind == kind
+
+
 def test_when_nothing_meets_the_slo_the_least_violation_wins():
     p = place(512, pools(prefill={"queued_prefill_tokens": 16384}, decode={"decode_streams": 2}))
     assert (p.option, p.meets_slo) == (Option("d"), False)

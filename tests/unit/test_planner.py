@@ -108,6 +108,30 @@ def test_goodput_falls_past_capacity_and_runs_are_deterministic():
     assert simulate(Shape(colocated=(1,)), profile, work, 2.0, slo) == results[3]
 
 
+def test_told_the_tpot_target_slo_placement_serves_more_within_it_than_least_loaded():
+    # Two one-core `both` engines at 400 tok/s, 30 ms steps; 512- and 1024-token prompts at 0.5 req/s.
+    # A local prefill's stall used to be priced per step (every second past the 0.25 s step target, for
+    # each decoding stream), so a prompt often went to the other engine's queue instead: 142 requests of
+    # 200 within the targets, against 161 for least-loaded. Priced against what it adds past each
+    # stream's TPOT budget (the plan's targets, `slo_targets`), it is 164.
+    profile = box(EngineProfile(cores=1, step_s=0.03, step_per_stream_s=0.002, prefill_tokens_per_s=400.0))
+    work = Workload(prompt_mix=((512, 0.7), (1024, 0.3)), output_tokens=64, rates=(0.5,))
+    slo = SloTargets(ttft_s=3.0, tpot_s=0.1)
+    shape = Shape(colocated=(1, 1))
+    told = deployment_config(shape, LOCAL, "cpu", slo).router.slo
+    placed = simulate(shape, profile, work, 0.5, slo, placement=told)
+    least_loaded = simulate(shape, profile, work, 0.5, slo)
+    assert placed.within_slo >= least_loaded.within_slo
+
+
+def test_the_plans_targets_reach_the_router_unless_the_operator_set_them():
+    slo = SloTargets(ttft_s=3.0, tpot_s=0.1)
+    told = deployment_config(Shape(colocated=(1, 1)), LOCAL, "cpu", slo).router.slo
+    assert (told.ttft_target_s, told.ttft_slowdown, told.itl_target_mean_s) == (3.0, 0.0, 0.1)
+    mine = {**LOCAL, "router": {"slo": {"itl_target_mean_s": 0.2}}}
+    assert deployment_config(Shape(colocated=(1, 1)), mine, "cpu", slo).router.slo.itl_target_mean_s == 0.2
+
+
 # ------------------------------------------------------------------ the choice
 def test_a_twice_faster_two_core_prefill_picks_one_two_core_engine():
     # 1000-token prompts: one core prefills at 500 tok/s (2 s > the 1.5 s TTFT target, in any role),
