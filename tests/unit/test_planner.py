@@ -256,6 +256,7 @@ def test_config_plan_prints_the_table_and_a_deployment(tmp_path, capsys):
     cfg = DeploymentConfig.from_dict(yaml.safe_load(captured.out))
     assert cfg.name == "raypd-local" and cfg.prefill.count + cfg.decode.count + cfg.both.count >= 1
     assert "chosen:" in captured.err and "0.25/s" in captured.err
+    assert (cfg.router.slo.ttft_target_s, cfg.router.slo.itl_target_mean_s) == (3.0, 0.1)  # the default targets
     out = tmp_path / "planned.yaml"
     assert main([*argv, "--plan-out", str(out)]) == 0
     assert DeploymentConfig.from_dict(yaml.safe_load(out.read_text())) == cfg
