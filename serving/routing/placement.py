@@ -244,8 +244,8 @@ def _prefill_side(e: EngineEstimate, prompt_tokens: int, config: PlacementConfig
         return _PrefillSide(u, wait, done, 0, steps, 0.0, 0.0)
     chunk_s = min(q + u, b) / r
     # each stream's answer has a TPOT budget (answer tokens x the mean ITL target): the stall
-    # (steps x chunk_s) costs only what it adds past that budget, after what E's own prefill share
-    # already takes of it
+    # (steps x chunk_s) costs the lesser of what it adds past that budget (after what E's own
+    # prefill share already takes of it) and what it adds past the per-step target
     answer = max(1, answer_tokens)
     over_budget = answer * (_mean_gap(e, config) - _mean_itl_target(e, config))
     past_budget = max(0.0, over_budget + steps * chunk_s) - max(0.0, over_budget)
