@@ -142,19 +142,36 @@ def test_chaos_soak(coordinator):
 
             # every engine is back: registered with the coordinator and healthy (one frozen near the
             # end does not answer until the coordinator's probes kill it and Ray restarts it)
-            def all_healthy() -> bool:
-                try:
-                    return all(ray.get([h.check_health.remote() for h in dep.engines.values()], timeout=5))
-                except ray.exceptions.RayError:  # frozen (no answer in time) or killed meanwhile
-                    return False
+            def unhealthy() -> set[str]:
+                calls = {eid: h.check_health.remote() for eid, h in dep.engines.items()}
+                ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=5)
+                found = set()
+                for eid, ref in calls.items():
+                    try:
+                        if ref not in ready or not ray.get(ref):
+                            found.add(eid)
+                    except ray.exceptions.RayError:  # killed meanwhile
+                        found.add(eid)
+                return found  # frozen (no answer in time), restarting or dead
 
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 registered = {e.engine_id for e in ray.get(dep.coordinator.engines.remote())}
-                healthy = all_healthy()
+                sick = unhealthy()
+                healthy = not sick
                 if registered >= set(dep.engines) and healthy:
                     break
                 time.sleep(0.5)
+            if not (registered >= set(dep.engines) and healthy):  # say which engine and what befell it
+                from ray.util.state import list_actors
+
+                try:
+                    actors = [(a.name, a.state, a.pid, str(a.death_cause)[:300]) for a in list_actors(
+                        filters=[("class_name", "=", "EngineActor")], detail=True)]
+                except Exception as e:  # noqa: BLE001 - the state API is a diagnostic here, not the verdict
+                    actors = [f"(state API: {e!r})"]
+                pytest.fail(f"not back 120 s after the soak: unregistered {set(dep.engines) - registered}, "
+                            f"unhealthy {sick}; faults {kills}; engine actors {actors}")
             after = wait_blocks_at_baseline(dep, baseline, timeout_s=60)
             ledger = ray.get(dep.coordinator.transfers.remote())
     finally:

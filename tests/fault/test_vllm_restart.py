@@ -1,6 +1,8 @@
-"""kill -9 a real vLLM engine (SmolLM2): the prefill EngineActor's process dies, and its vLLM engine core,
-left without its parent, stops itself (actors.engine.vllm.parent_death; the next incarnation's reaper
-is the fallback). Ray restarts the actor; the new incarnation starts vLLM again,
+"""kill -9 a real vLLM engine (SmolLM2): the prefill EngineActor's process dies, and its vLLM engine core
+stops with it, before the next incarnation could reap it: Ray 2.60's raylet SIGKILLs the dead worker's
+process group within milliseconds, and the core also watches its parent (actors.engine.vllm.parent_death,
+for when the raylet cannot: it died too, or its process-group cleanup is off). Whichever comes first
+wins, so the test asserts the outcome, not the stopper. Ray restarts the actor; the new incarnation starts vLLM again,
 registers with the coordinator (a new generation, a fresh handshake) and the deployment serves P/D
 again, with no command from the test."""
 
@@ -85,8 +87,8 @@ def test_killed_vllm_engine_restarts_rejoins_and_serves_pd(coordinator):
             asyncio.run(go())
         print(f"SmolLM2 prefill engine's vLLM processes gone {stopped_s:.1f} s after kill -9 of its actor; "
               f"back and registered {back_s:.0f} s after it")
-        said = [p for p in vllm_pids if _said_in_engine_logs(f"of vLLM process {p} exited; stopping it")]
-        assert said == vllm_pids != []  # each vLLM process stopped itself: no reaper was needed
+        reaped = _said_in_engine_logs(f"{pid_}: reaped")  # the new incarnation's fallback (orphans.reap_previous)
+        assert (vllm_pids != [], reaped) == (True, False)  # gone with the actor: no reaper was needed
         assert new_gen > gen and new.restarted and new.pid != old.pid
         assert left == [], f"orphaned engine-core processes of the killed incarnation: {left}"
         assert route.path == "pd" and route.prefill_id == pid_  # P/D again, through the restarted engine

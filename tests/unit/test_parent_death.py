@@ -20,14 +20,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The child: follows its parent (the mark is inherited), says so, then idles as a core would between
 # requests. Its SIGTERM handler records that it was asked to stop before it exits (grace 0.5 s: it
 # ignores SIGTERM, as a core stuck outside Python would).
+# With "nopidfd" it has no pidfd_open (a kernel before 5.3, a sandbox that refuses it) and notices the
+# re-parenting by its periodic check alone.
 CHILD = textwrap.dedent("""
-    import signal, sys, time
+    import os, signal, sys, time
     from actors.engine.vllm.parent_death import follow_parent
     if sys.argv[1] == "0.5":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
         signal.signal(signal.SIGTERM, lambda *_: (print("sigterm", flush=True), sys.exit(0)))
-    print("following" if follow_parent(grace_s=float(sys.argv[1])) else "not following", flush=True)
+    if sys.argv[2] == "nopidfd":
+        del os.pidfd_open
+    following = follow_parent(grace_s=float(sys.argv[1]), check_every_s=0.5)
+    print("following" if following else "not following", flush=True)
     time.sleep(600)
 """)
 
@@ -37,17 +42,19 @@ ACTOR = textwrap.dedent("""
     from actors.engine.vllm.parent_death import child_env
     env = dict(os.environ, **child_env()) if sys.argv[1] == "mark" else dict(os.environ)
     log = open(sys.argv[3], "w")
-    child = subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[4]], env=env, stdout=log)
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[4], sys.argv[5]], env=env, stdout=log)
     print(child.pid, flush=True)
     time.sleep(600)
 """)
 
 
-def _start(mark: bool, tmp_path, grace_s: float = 5.0) -> tuple[subprocess.Popen, psutil.Process, str]:
+def _start(mark: bool, tmp_path, grace_s: float = 5.0, pidfd: bool = True
+           ) -> tuple[subprocess.Popen, psutil.Process, str]:
     log = str(tmp_path / "child.log")
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop(parent_death.PARENT_ENV, None)
-    actor = subprocess.Popen([sys.executable, "-c", ACTOR, "mark" if mark else "none", CHILD, log, str(grace_s)],
+    actor = subprocess.Popen([sys.executable, "-c", ACTOR, "mark" if mark else "none", CHILD, log, str(grace_s),
+                              "pidfd" if pidfd else "nopidfd"],
                              env=env, stdout=subprocess.PIPE, text=True)
     child = psutil.Process(int(actor.stdout.readline()))
     deadline = time.monotonic() + 30
@@ -83,6 +90,23 @@ def test_a_marked_child_is_asked_to_stop_when_its_parent_is_killed_9(tmp_path):
             except (OSError, psutil.Error):
                 pass
     # asked to stop (its SIGTERM handler ran), well before the SIGKILL that would follow 5 s later
+    assert (took is not None and took < 4.0, open(log).read().split()) == (True, ["following", "sigterm"]), took
+
+
+def test_without_pidfds_a_marked_child_notices_the_reparenting_and_stops(tmp_path):
+    actor, child, log = _start(True, tmp_path, pidfd=False)
+    try:
+        t0 = time.monotonic()
+        actor.kill()
+        actor.wait()
+        took = _ended_after(child, t0)
+    finally:
+        for p in (actor, child):
+            try:
+                p.kill()
+            except (OSError, psutil.Error):
+                pass
+    # asked to stop at its next check (every 0.5 s here), not by the SIGKILL 5 s later
     assert (took is not None and took < 4.0, open(log).read().split()) == (True, ["following", "sigterm"]), took
 
 

@@ -2,9 +2,9 @@
 
 vLLM runs its engine core (and, with TP/PP > 1, its workers) as child
 processes of the EngineActor. When the actor is killed (-9, OOM), vLLM does not
-terminate them: they are re-parented to init and keep their memory. They stop
-themselves (`actors.engine.vllm.parent_death`); this is the fallback for a host
-where they cannot watch their parent (no pidfd). Ray's own subreaper is off by
+terminate them. Ray's raylet kills a dead worker's process group, and they
+stop themselves when their parent dies (`actors.engine.vllm.parent_death`); this
+is the last fallback, for a process that escaped both. Ray's own subreaper is off by
 default, so raypd keeps a small record per engine on the node: after start, the engine's child pids (with their start times, so a
 reused pid is never mistaken for one of ours); before the next start on that
 node, the previous incarnation's recorded processes still alive are killed.

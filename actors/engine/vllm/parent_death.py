@@ -1,19 +1,24 @@
 """vLLM's processes of a raypd engine end when their parent does.
 
 vLLM's engine core is a child process of the EngineActor (its workers, with TP/PP > 1, children of
-the core). vLLM's workers watch the core through a pipe, but nothing makes the core follow the
-actor: when the actor dies without its shutdown (kill -9, the OOM killer, its raylet stopped with a
-SIGTERM to a whole process group), the core is re-parented to init and keeps its memory, its KV
-cache and its threads' CPU. `actors.engine.vllm.orphans` reaps such a core when the engine restarts on
-the same node; this makes it stop on its own, at once, whether or not an engine ever starts there again.
+the core). vLLM's workers watch the core through a pipe, but nothing in vLLM makes the core follow
+the actor. Ray 2.60's raylet SIGKILLs a dead worker's process group (`RAY_process_group_cleanup_enabled`),
+which holds the core, within milliseconds of a kill -9 or an OOM kill of the actor. It cannot when it is
+gone too (a SIGTERM to the whole process group of `raypd up` stops the raylet and leaves the workers to
+exit on their own) or when that cleanup is off: then the core is re-parented and keeps its memory, its
+KV cache and its threads' CPU. `actors.engine.vllm.orphans` reaps such a core when the engine restarts
+on the same node; this makes it stop on its own, at once, whether or not an engine ever starts there
+again. Whichever of the raylet and this watch acts first, the core is gone.
 
 How: the actor names itself in its environment (`PARENT_ENV`) before vLLM spawns the core, so every
 vLLM process below it inherits the mark. raypd's vLLM plugin (`actors.engine.vllm.plugin`) calls
 `follow_parent` in each vLLM process it is loaded in; a marked process that is not the actor itself
-opens a pidfd on its parent and one daemon thread blocks in poll() on it (no CPU while it waits).
-When the parent exits, the process sends itself SIGTERM (vLLM's handler shuts the core down and
-cleans its shared memory), then SIGKILL `grace_s` later if it is still alive. A parent already gone
-when it is checked (re-parented: `os.getppid()` changed) counts the same.
+opens a pidfd on its parent and one daemon thread blocks in poll() on it. The poll also wakes every
+`CHECK_EVERY_S` to compare `os.getppid()` with the parent: a kernel or sandbox without pidfds, or
+whose pidfds never signal, still notices the re-parenting within that time (one wake-up per few
+seconds; no CPU in between). When the parent exits, the process sends itself SIGTERM (vLLM's handler
+shuts the core down and cleans its shared memory), then SIGKILL `grace_s` later if it is still alive.
+A parent already gone when it is checked (re-parented) counts the same.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 
 PARENT_ENV = "RAYPD_ENGINE_ACTOR_PID"
 GRACE_S = 5.0
+CHECK_EVERY_S = 2.0
 
 _following_in: int | None = None  # the pid whose thread follows (a forked child inherits the global, not the thread)
 
@@ -41,7 +47,7 @@ def should_follow(env_value: str | None, pid: int) -> bool:
     return bool(env_value) and env_value != str(pid)
 
 
-def follow_parent(grace_s: float = GRACE_S) -> threading.Thread | None:
+def follow_parent(grace_s: float = GRACE_S, check_every_s: float = CHECK_EVERY_S) -> threading.Thread | None:
     """In a vLLM process: end when the parent does (see the module docstring). The watching thread,
     or None when this process is not below a raypd engine actor (or already follows)."""
     global _following_in
@@ -55,26 +61,28 @@ def follow_parent(grace_s: float = GRACE_S) -> threading.Thread | None:
     if parent == 1 or os.getppid() != parent:  # re-parented before the pidfd named the right process
         _stop_self(parent, grace_s)
         return None
-    if pidfd is None:
-        return None  # left to the next incarnation's reaper (orphans.reap_previous)
-    thread = threading.Thread(target=_wait_then_stop, args=(pidfd, parent, grace_s),
+    thread = threading.Thread(target=_wait_then_stop, args=(pidfd, parent, grace_s, check_every_s),
                               name="raypd-follow-parent", daemon=True)
     thread.start()
     _following_in = os.getpid()
     return thread
 
 
-def _wait_then_stop(pidfd: int, parent: int, grace_s: float) -> None:
+def _wait_then_stop(pidfd: int | None, parent: int, grace_s: float, check_every_s: float) -> None:
     poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    while not poller.poll():  # blocks until the parent exits
-        pass
+    if pidfd is not None:
+        poller.register(pidfd, select.POLLIN)
+    while not poller.poll(check_every_s * 1000) and os.getppid() == parent:
+        pass  # woken by the pidfd (the parent exited) or the timeout (re-parented?)
     _stop_self(parent, grace_s)
 
 
 def _stop_self(parent: int, grace_s: float) -> None:
-    print(f"raypd: the parent (pid {parent}) of vLLM process {os.getpid()} exited; stopping it",
-          file=sys.stderr, flush=True)
+    try:
+        print(f"raypd: the parent (pid {parent}) of vLLM process {os.getpid()} exited; stopping it",
+              file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr was the dead parent's pipe, or closed: stop all the same
+        pass
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
     os.kill(os.getpid(), signal.SIGKILL)
