@@ -253,9 +253,14 @@ def _prefill_side(e: EngineEstimate, prompt_tokens: int, config: PlacementConfig
     return _PrefillSide(u, wait, done, streams, steps, s + chunk_s, streams * min(past_budget, past_gap))
 
 
+def _prefill_share(x: EngineEstimate, config: PlacementConfig) -> float:
+    """The share of X's time spent prefilling, as the model uses it (capped at `max_prefill_busy`)."""
+    return min(config.max_prefill_busy, max(0.0, x.prefill_busy))
+
+
 def _mean_gap(x: EngineEstimate, config: PlacementConfig) -> float:
     """A stream's mean gap on X: its step, stretched by the share of X's time spent prefilling."""
-    return x.decode_step_s / (1.0 - min(config.max_prefill_busy, max(0.0, x.prefill_busy)))
+    return x.decode_step_s / (1.0 - _prefill_share(x, config))
 
 
 def _mean_itl_target(x: EngineEstimate, config: PlacementConfig) -> float:
@@ -263,8 +268,7 @@ def _mean_itl_target(x: EngineEstimate, config: PlacementConfig) -> float:
 
 
 def _decode_side(x: EngineEstimate, prompt_tokens: int, config: PlacementConfig, answer_tokens: int) -> _DecodeSide:
-    busy = min(config.max_prefill_busy, max(0.0, x.prefill_busy))
-    own_itl = (x.decode_step_s + x.step_per_stream_s) / (1.0 - busy)
+    own_itl = (x.decode_step_s + x.step_per_stream_s) / (1.0 - _prefill_share(x, config))
     local_chunk = min(x.queued_prefill_tokens, x.chunk_budget_tokens) / x.prefill_tokens_per_s
     return _DecodeSide(own_itl, x.decode_step_s + x.step_per_stream_s, local_chunk,
                        prompt_tokens - min(x.cached_tokens, prompt_tokens),

@@ -38,6 +38,7 @@ NAME = "chaos"
 MODEL = "synthetic-tiny"
 DURATION_S = float(os.environ.get("RAYPD_CHAOS_S", "120"))  # 7-15 faults; the product soak runs beside it
 KILL_EVERY_S = (8.0, 16.0)
+SEED = int(os.environ.get("RAYPD_CHAOS_SEED", "5"))  # which faults, in which order
 PROMPTS = [f"chaos prompt {i} " * (1 + i % 5) for i in range(10)]
 LENGTHS = (4, 12, 30)
 
@@ -134,7 +135,7 @@ def test_chaos_soak(coordinator):
         with UvicornThread(create_app(cfg, router), port):
             async def soak():
                 load = MixedLoad(f"http://127.0.0.1:{port}", MODEL, PROMPTS, 8, workers=6).start()
-                await chaos(random.Random(5), time.monotonic() + DURATION_S)
+                await chaos(random.Random(SEED), time.monotonic() + DURATION_S)
                 await asyncio.sleep(5.0)  # the last kill heals under load too
                 return await load.stop()
 
