@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import weakref
 from collections import Counter, deque
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -62,10 +63,17 @@ from serving.routing.stream import RoutedStream
 @dataclass(frozen=True)
 class Attempt:
     """What `pick_prefill` is choosing for: the request's task and the decode engine. The router awaits
-    `admit_probe` and the prefill call inside tasks of their own (`asyncio.wait_for`), which inherit it."""
+    `admit_probe` and the prefill call inside tasks of their own (`asyncio.wait_for`), which inherit it.
+    The task is held weakly: the attempt lives in the task's own context, and a strong reference would
+    make every request a cycle that only the collector's full pass frees (the harness's garbage, not
+    the router's, stalling the routing it measures)."""
 
-    task: asyncio.Task | None
+    task_ref: weakref.ReferenceType[asyncio.Task] | None
     decode_id: str
+
+    @property
+    def task(self) -> asyncio.Task | None:
+        return self.task_ref() if self.task_ref is not None else None
 
 
 ATTEMPT: ContextVar[Attempt | None] = ContextVar("attempt", default=None)
@@ -116,7 +124,8 @@ class CountingRouter(Router):
 
     async def pick_prefill(self, decode_id: str, *args: Any, **kwargs: Any) -> str | None:
         self.pick_prefill_calls += 1
-        ATTEMPT.set(Attempt(asyncio.current_task(), decode_id))
+        task = asyncio.current_task()
+        ATTEMPT.set(Attempt(weakref.ref(task) if task is not None else None, decode_id))
         return await super().pick_prefill(decode_id, *args, **kwargs)
 
 
