@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.pdbench.procs import CLK_TCK, tree  # noqa: E402
 from serving.bench.provenance import git_state, header_line  # noqa: E402
+from serving.cluster.ray_profile import SERVING_NODE_ENV  # noqa: E402
 
 PROFILES = {"S": "serving", "R": "ray"}
 URL = "http://127.0.0.1:8000"
@@ -141,7 +142,7 @@ def ready(timeout_s: float) -> None:
 
 def one_run(profile: str, args) -> dict:
     env = dict(os.environ, RAYPD_RAY_PROFILE=profile, RAY_USAGE_STATS_ENABLED="0")
-    for k in ("RAY_task_events_report_interval_ms", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "REPORTER_UPDATE_INTERVAL_MS"):
+    for k in SERVING_NODE_ENV:
         env.pop(k, None)  # the profile alone decides them
     up = subprocess.Popen([str(ROOT / ".venv/bin/raypd"), "up", "--config", "configs/local.yaml",
                            "--temp-dir", "/tmp/raypd-bench-ray"], cwd=ROOT, env=env,
