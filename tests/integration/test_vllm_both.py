@@ -72,8 +72,9 @@ def test_slo_placement_colocates_on_idle_engines_and_splits_prefill_from_busy_de
         router = Router({"bx-X": RayEngineClient("bx-X", both["X"]), "bx-Y": RayEngineClient("bx-Y", both["Y"])},
                         {"bx-X": RayEngineClient("bx-X", both["X"]), "bx-Y": RayEngineClient("bx-Y", both["Y"])},
                         RayDirectory(ray.get_actor(COORDINATOR_NAME, namespace="raypd")),
-                        # the tiny model prefills in milliseconds: a tight ITL target makes its stall count
-                        RouterConfig(policy="least_outstanding", slo=PlacementConfig(itl_target_s=0.01)))
+                        # the tiny model prefills in milliseconds: a per-step ITL target under any step
+                        # makes its stall count, however fast this machine runs it
+                        RouterConfig(policy="least_outstanding", slo=PlacementConfig(itl_target_s=0.001)))
         for _ in range(100):  # both registered and paired with each other
             routes = await router.routes(force=True)
             if {r.prefill_id for rs in routes.decodes.values() for r in rs} >= {"bx-X", "bx-Y"}:
@@ -88,6 +89,12 @@ def test_slo_placement_colocates_on_idle_engines_and_splits_prefill_from_busy_de
         # fast this machine prefills the tiny model (a fixed count left it at 0.2 on a fast CPU)
         y_rate = router.pool.rates.rates("bx-Y").prefill_tokens_per_s
         with router.pool.prefilling("bx-Y", int(100 * y_rate * router.pool.rates.config.prefill_busy_window_s)):
+            pass
+        # ...and X's streams are already past their TPOT budget (X spent half its time prefilling), so a
+        # stall costs them in full: with slack left, a fast moment's stall fit in it (CI once placed the
+        # busy prompt colocated on X)
+        x_rate = router.pool.rates.rates("bx-X").prefill_tokens_per_s
+        with router.pool.prefilling("bx-X", int(0.5 * x_rate * router.pool.rates.config.prefill_busy_window_s)):
             pass
         long_prompt = [rng.randrange(1000, 40000) for _ in range(400)]
         busy = await router.open(request(f"busy{time.monotonic_ns()}", token_ids=long_prompt, max_tokens=4))
