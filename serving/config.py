@@ -88,7 +88,7 @@ class EngineGroupConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
     cpu_bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
-    compute_nice: int = Field(10, ge=0, le=19)  # CPU hosts: vLLM's worker threads yield to the serving path
+    compute_nice: int = Field(10, ge=0, le=19)  # CPU hosts: vLLM's compute this much nicer than its actor
     shm_busy_loop_s: float | None = Field(None, ge=0)  # vLLM's shared-memory readers' spin (None: vLLM's 1 s)
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of this role (over the shared ones)
 

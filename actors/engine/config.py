@@ -134,8 +134,9 @@ class EngineConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
-    # CPU hosts: the nice value of vLLM's worker threads, so that the serving path preempts the
-    # compute (actors/engine/vllm/compute_priority.py); 0 leaves them at the actor's priority
+    # CPU hosts: how far above the engine actor's own nice value vLLM's compute threads run (capped at
+    # 19), so that the serving path preempts the compute (actors/engine/vllm/compute_priority.py); 0
+    # leaves them at the actor's priority
     compute_nice: int = Field(10, ge=0, le=19)
     # how long vLLM's shared-memory readers (engine core, workers) spin on sched_yield after a read
     # before sleeping on the writer's notification (actors/engine/vllm/plugin.py); None: vLLM's own
