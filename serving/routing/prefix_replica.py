@@ -23,7 +23,11 @@ Cost: applying an op is O(its hashes); a lookup is O(leading blocks held by anyo
 engines holding them), never O(engines x blocks), and the prompt is hashed only as far as
 some engine holds it. One routing decision looks a prompt up and claims it for one or two
 engines: the last prompt's hashes are kept per scheme (`PromptHashes`), so it is hashed once
-(sha256 per block was a fifth of a decision's CPU at 256 engines). Pure Python: no Ray, no vLLM.
+(sha256 per block was a fifth of a decision's CPU at 256 engines). The per-block maps are split
+into `SHARDS` dicts by the hash's low bits: a dict that outgrows its table (or fills with deleted
+slots, as blocks churn) rebuilds the whole table in one go, page faults included, and at 256 engines
+(131k blocks) one rebuild held the router's event loop for 13 ms idle and 80-97 ms with the coordinator
+busy (benchmarks/control_plane.py); a shard's rebuild is 1/64 of that. Pure Python: no Ray, no vLLM.
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
 from actors.prefix_wire import HashScheme, IndexCursor, IndexOp, IndexUpdate
+
+SHARDS = 64  # per-block maps split by `hash & SHARD_MASK` (a power of two)
+SHARD_MASK = SHARDS - 1
+
+
+def _shards() -> list[dict]:
+    return [{} for _ in range(SHARDS)]
 
 
 class PromptHashes:
@@ -68,16 +79,18 @@ class PrefixReplica:
     def clear(self) -> None:
         """Forget everything (a full snapshot follows)."""
         self.epoch, self.seq = "", 0
-        self._holders: dict[int, int] = {}  # block hash -> bitmask of the engines holding it
+        self._holders: list[dict[int, int]] = _shards()  # block hash -> bitmask of the engines holding it
         self._bit: dict[str, int] = {}  # engine -> its bit
         self._engine_at: list[str | None] = []  # bit -> engine
         self._free: list[int] = []
         self._scheme: dict[str, HashScheme] = {}
         self._scheme_mask: dict[HashScheme, int] = {}  # scheme -> the engines hashing with it
         self._count: dict[str, int] = {}  # engine -> blocks held
-        self._claimed: dict[int, int] = {}  # block hash -> bitmask of engines this router placed it on
+        self._claimed: list[dict[int, int]] = _shards()  # block hash -> bitmask of engines this router placed it on
+        self._claimed_blocks = 0  # hashes in `_claimed`
         self._claims: deque[tuple[float, str, tuple[int, ...]]] = deque()  # (expiry, engine, hashes), oldest first
-        self._claim_until: dict[tuple[int, int], float] = {}  # (hash, engine's bit) -> its latest claim's expiry
+        # (hash, engine's bit) -> its latest claim's expiry, sharded by the hash
+        self._claim_until: list[dict[tuple[int, int], float]] = _shards()
         self._last_prompt: dict[HashScheme, PromptHashes] = {}  # the last prompt hashed, per scheme
 
     @property
@@ -125,9 +138,10 @@ class PrefixReplica:
             self._scheme_mask[scheme] = self._scheme_mask.get(scheme, 0) | (1 << bit)
         mask, holders, added = 1 << bit, self._holders, 0
         for h in hashes:
-            cur = holders.get(h, 0)
+            shard = holders[h & SHARD_MASK]
+            cur = shard.get(h, 0)
             if not cur & mask:
-                holders[h] = cur | mask
+                shard[h] = cur | mask
                 added += 1
         self._count[engine_id] += added
 
@@ -138,13 +152,14 @@ class PrefixReplica:
         self._unclaim(1 << bit, hashes)
         mask, holders, gone = 1 << bit, self._holders, 0
         for h in hashes:
-            cur = holders.get(h, 0)
+            shard = holders[h & SHARD_MASK]
+            cur = shard.get(h, 0)
             if cur & mask:
                 gone += 1
                 if cur == mask:
-                    del holders[h]
+                    del shard[h]
                 else:
-                    holders[h] = cur ^ mask
+                    shard[h] = cur ^ mask
         self._count[engine_id] -= gone
 
     def _clear_engine(self, engine_id: str) -> None:
@@ -152,13 +167,14 @@ class PrefixReplica:
         if bit is None:
             return
         mask = 1 << bit
-        self._unclaim(mask, [h for h, cur in self._claimed.items() if cur & mask])
-        for h, cur in list(self._holders.items()):
-            if cur & mask:
-                if cur == mask:
-                    del self._holders[h]
-                else:
-                    self._holders[h] = cur ^ mask
+        self._unclaim(mask, [h for shard in self._claimed for h, cur in shard.items() if cur & mask])
+        for shard in self._holders:
+            for h, cur in list(shard.items()):
+                if cur & mask:
+                    if cur == mask:
+                        del shard[h]
+                    else:
+                        shard[h] = cur ^ mask
         self._engine_at[bit] = None
         self._free.append(bit)
         scheme = self._scheme.pop(engine_id)
@@ -182,10 +198,14 @@ class PrefixReplica:
             self._store(engine_id, (), scheme)  # the engine gets its bit (holding nothing confirmed)
         hashes = tuple(self._hashes(scheme, token_ids))
         bit, until = self._bit[engine_id], now + self.claim_ttl_s
-        mask, claimed = 1 << bit, self._claimed
+        mask, claimed, claim_until = 1 << bit, self._claimed, self._claim_until
         for h in hashes:
-            claimed[h] = claimed.get(h, 0) | mask
-            self._claim_until[(h, bit)] = until
+            shard = claimed[h & SHARD_MASK]
+            cur = shard.get(h, 0)
+            if not cur:
+                self._claimed_blocks += 1
+            shard[h] = cur | mask
+            claim_until[h & SHARD_MASK][(h, bit)] = until
         self._claims.append((until, engine_id, hashes))
         return len(hashes)
 
@@ -196,21 +216,23 @@ class PrefixReplica:
             bit = self._bit.get(engine_id)
             if bit is not None:
                 until = self._claim_until
-                self._unclaim(1 << bit, [h for h in hashes if until.get((h, bit), 0.0) <= now])
+                self._unclaim(1 << bit, [h for h in hashes if until[h & SHARD_MASK].get((h, bit), 0.0) <= now])
 
     def _unclaim(self, mask: int, hashes: Iterable[int]) -> None:
-        claimed = self._claimed
-        if not claimed:
+        if not self._claimed_blocks:
             return
+        claimed, claim_until = self._claimed, self._claim_until
         bit = mask.bit_length() - 1
         for h in hashes:
-            cur = claimed.get(h, 0)
+            shard = claimed[h & SHARD_MASK]
+            cur = shard.get(h, 0)
             if cur & mask:
-                self._claim_until.pop((h, bit), None)
+                claim_until[h & SHARD_MASK].pop((h, bit), None)
                 if cur == mask:
-                    del claimed[h]
+                    del shard[h]
+                    self._claimed_blocks -= 1
                 else:
-                    claimed[h] = cur ^ mask
+                    shard[h] = cur ^ mask
 
     # -------------------------------------------------------------- query
     def engines(self) -> dict[str, int]:
@@ -236,7 +258,7 @@ class PrefixReplica:
                 continue
             holders, claimed = self._holders, self._claimed
             for key in self._hashes(scheme, token_ids):
-                held = alive & (holders.get(key, 0) | claimed.get(key, 0))
+                held = alive & (holders[key & SHARD_MASK].get(key, 0) | claimed[key & SHARD_MASK].get(key, 0))
                 self._settle(alive & ~held, n, scheme.block_size, cap, out)
                 alive = held
                 if not alive:
