@@ -4,6 +4,7 @@ removals, clears, caps and scheme changes; a big update leaves the event loop fr
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 
 from actors.control.prefix_index import PrefixIndex
@@ -140,3 +141,20 @@ def test_a_decisions_lookup_and_its_two_claims_hash_the_prompt_once(monkeypatch)
     claimed = (replica.note_held("b", prompt, now=0.0), replica.note_held("c", prompt, now=0.0))
     again = replica.cached_prefix_tokens(tuple(list(prompt)))  # an equal prompt, another tuple: hashed afresh
     assert (looked_up, claimed, again, calls) == ({"a": 64}, (8, 8), {"a": 64, "b": 127, "c": 127}, [128, 128])
+
+
+def test_claims_add_no_collector_tracked_object_per_block():
+    # the router claims every routed prompt's blocks: one tracked object per block made the cyclic
+    # collector run twice as often at 256 engines (benchmarks/control_plane.py's router GC pauses)
+    _, replica = _replica_with(S16, "a", list(range(500, 532)))
+    prompts = [tuple(range(i * 1000, i * 1000 + 512)) for i in range(50)]  # 32 blocks each
+    gc.collect()
+    gc.disable()  # a pass would untrack int-only tuples, after they counted toward starting it
+    try:
+        before = len(gc.get_objects())
+        for i, prompt in enumerate(prompts):
+            replica.note_held("ab"[i % 2], prompt, now=0.0)  # all within the claim TTL
+        added = len(gc.get_objects()) - before
+    finally:
+        gc.enable()
+    assert added < 10 * len(prompts)  # per claim, not per block (50 claims x 32 blocks = 1600)
