@@ -158,3 +158,29 @@ def test_claims_add_no_collector_tracked_object_per_block():
     finally:
         gc.enable()
     assert added < 10 * len(prompts)  # per claim, not per block (50 claims x 32 blocks = 1600)
+
+
+def test_thousands_of_blocks_over_every_shard_answer_as_the_owner_does():
+    rng = random.Random(5)
+    prompts = [[rng.randrange(49152) for _ in range(16 * rng.randrange(8, 40))] for _ in range(60)]
+    owner, replica = PrefixIndex(max_blocks_per_engine=400), PrefixReplica()
+    engines = [f"e{i}" for i in range(9)]
+    for step in range(600):
+        e, prompt = rng.choice(engines), rng.choice(prompts)
+        keys = S16.block_hashes(prompt)
+        r = rng.random()
+        if r < 0.65:
+            ev = BlocksStored(tuple(keys))
+        elif r < 0.98:
+            ev = BlocksRemoved(tuple(rng.sample(keys, rng.randrange(1, len(keys) + 1))))
+        else:
+            ev = AllBlocksCleared()
+        owner.apply(e, KVEventsBatch(S16, (ev,)))
+        if step % 7 == 0:
+            replica.apply_update(owner.updates_since(replica.cursor if replica.epoch else None))
+    replica.apply_update(owner.updates_since(replica.cursor))
+    assert sum(owner.engines().values()) > 2000  # blocks in every one of the 64 shards
+    for prompt in prompts:
+        want = {e: n for e, n in owner.cached_prefix_tokens(prompt, engines).items() if n}
+        assert replica.cached_prefix_tokens(prompt, engines) == want
+    assert replica.engines() == owner.engines()

@@ -51,7 +51,7 @@ def lower_compute_priority(offset: int, root_pid: int | None = None) -> list[int
     root = root_pid or os.getpid()
     own = os.getpriority(os.PRIO_PROCESS, root)  # the root's main thread (Ray sets the worker's there)
     nice = compute_nice_for(offset, own)
-    if offset <= 0 or nice <= own:
+    if nice <= own:  # offset 0, or this process already at 19
         return []
     try:
         from vllm.platforms import current_platform
