@@ -201,6 +201,8 @@ def test_a_decode_rank_killed_between_reporting_and_the_verdict_yields_exactly_o
             with pytest.raises(TransferFailed, match="died mid-pull"):
                 await pull
             took = time.monotonic() - t0
+            # the salvage travels in the engine's next ledger batch (fire and forget): wait for its answer
+            assert await d.ledger.flush(timeout_s=10.0)
             ledger = await coordinator.transfers.remote()
             events = [e["event"] for e in await coordinator.recent_events.remote() if e["engine_id"] == "sv-D"]
             return took, before, before_ended, ledger, events
