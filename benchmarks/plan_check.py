@@ -8,7 +8,9 @@
 For every shape `raypd config --plan` considers on this box (or those named), in one run: the deployment
 the planner would write (serving/planner/deployment.py) is started with `raypd up`, and the planner's
 workload is sent through its front (pdbench's open-loop client: Poisson arrivals, random token-id
-prompts of the given lengths, `ignore_eos`, streamed). Goodput is counted as the planner counts it:
+prompts of the given lengths, `ignore_eos`, streamed). The prediction simulates those very requests
+(their arrival times and prompt lengths), so an overloaded shape's queue grows for as long in both.
+Goodput is counted as the planner counts it:
 requests whose TTFT and mean time per output token after the first met both targets, per second of
 offered load. Prints predicted and measured goodput per shape and rate, their ratio, and whether the
 planner's choice measured best. Shapes run in the planner's order, one round (their order alternates
@@ -41,7 +43,7 @@ from serving.config import load_config  # noqa: E402
 from serving.planner.deployment import deployment_yaml  # noqa: E402
 from serving.planner.plan import plan  # noqa: E402
 from serving.planner.profile import load_profile  # noqa: E402
-from serving.planner.workload import SloTargets, Workload  # noqa: E402
+from serving.planner.workload import Request, SloTargets, Workload  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
 RAYPD = [sys.executable, "-m", "serving.cli"]
@@ -61,8 +63,20 @@ def measured_goodput(records: list[client.Record], count: int, rate: float, slo:
     return good / (count / rate), failed
 
 
+def sent_requests(args: argparse.Namespace, workload: Workload) -> dict[float, list[client.Request]]:
+    """Per rate, the requests the client sends every shape (the same ones: one seed, one stream per rate)."""
+    mix = dict(workload.prompt_mix)
+    return {rate: client.poisson_requests(args.seed, i, rate, args.requests, mix, workload.output_tokens, VOCAB)
+            for i, rate in enumerate(workload.rates)}
+
+
+def as_arrivals(sent: dict[float, list[client.Request]]) -> dict[float, tuple[Request, ...]]:
+    """The planner's view of the requests sent: arrival times and prompt lengths."""
+    return {rate: tuple(Request(r.at_s, r.length) for r in reqs) for rate, reqs in sent.items()}
+
+
 def run_shape(yaml_text: str, args: argparse.Namespace, workload: Workload, slo: SloTargets,
-              model: str) -> list[tuple[float, int]]:
+              model: str, sent: dict[float, list[client.Request]]) -> list[tuple[float, int]]:
     """One shape up, its load at every rate, down; (goodput, failed) per rate."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "shape.yaml"
@@ -85,11 +99,9 @@ def run_shape(yaml_text: str, args: argparse.Namespace, workload: Workload, slo:
                 if time.monotonic() > deadline:
                     raise RuntimeError("raypd up not healthy after 420 s")
                 time.sleep(1)
-            mix = dict(workload.prompt_mix)
             out = []
-            for i, rate in enumerate(workload.rates):
-                reqs = client.poisson_requests(args.seed, i, rate, args.requests, mix, workload.output_tokens, VOCAB)
-                records, _ = asyncio.run(client.poisson(url, model, reqs, 300.0, args.drain_s))
+            for rate in workload.rates:
+                records, _ = asyncio.run(client.poisson(url, model, sent[rate], 300.0, args.drain_s))
                 out.append(measured_goodput(records, args.requests, rate, slo))
             return out
         finally:
@@ -124,7 +136,10 @@ def main() -> int:
                         rates=parse_rates(args.rates))
     slo = SloTargets(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s)
     base_data = base.model_dump(mode="json", exclude_defaults=True)
-    planned = plan(profile, workload, slo, base_data)
+    sent = sent_requests(args, workload)
+    # predicted for the very requests measured (arrivals and prompt lengths): an overloaded shape's
+    # goodput depends on how long its queue had to grow, so a longer simulated run is not like for like
+    planned = plan(profile, workload, slo, base_data, arrivals=as_arrivals(sent))
     wanted = {s.strip() for s in args.shapes.split(",")} if args.shapes else None
     chosen = planned.chosen.shape.label
     load_before, t0 = os.getloadavg(), time.monotonic()
@@ -134,7 +149,7 @@ def main() -> int:
         if wanted is not None and label not in wanted:
             continue
         measured = run_shape(deployment_yaml(pred.shape, base_data, profile.unit), args, workload, slo,
-                             base.served_model_name)
+                             base.served_model_name, sent)
         total = sum(g for g, _ in measured)
         best = max(best, (label, total), key=lambda x: x[1])
         for r, (goodput, failed) in zip(pred.results, measured):
@@ -149,8 +164,8 @@ def main() -> int:
         f"# host: {os.cpu_count()} CPUs, {platform.platform()}; load average before {load_before[0]:.2f}, "
         f"wall {time.monotonic() - t0:.0f} s",
         f"profile {args.profile}; prompt tokens {args.prompt_tokens}, {args.output_tokens} output tokens; "
-        f"SLO TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s; predicted from {workload.requests_per_rate} "
-        f"simulated requests per rate, measured from {args.requests} per rate through each shape's `raypd up` front",
+        f"SLO TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s; {args.requests} requests per rate, "
+        "the same ones simulated (predicted) and sent through each shape's `raypd up` front (measured)",
         "  shape           rate  predicted  measured  pred/meas  failed",
         *rows,
         f"planner's choice: {chosen}; best measured (goodput summed over the rates): {best[0]}",

@@ -12,7 +12,7 @@ the rates; ties go to fewer engines, then to colocated, then to the lower median
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from serving.planner.deployment import deployment_config, shape_limits
 from serving.planner.profile import HardwareProfile
 from serving.planner.shapes import Shape, enumerate_shapes
 from serving.planner.simulate import RateResult, simulate
-from serving.planner.workload import SloTargets, Workload
+from serving.planner.workload import Request, SloTargets, Workload
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,11 @@ class Plan:
 
 
 def plan(profile: HardwareProfile, workload: Workload, slo: SloTargets, base: Mapping[str, Any] | None = None,
-         sizes: tuple[int, ...] | None = None) -> Plan:
+         sizes: tuple[int, ...] | None = None, arrivals: Mapping[float, Sequence[Request]] | None = None) -> Plan:
     """Simulate every shape of `profile`'s box with engine `sizes` (default: the measured ones) at
     every rate of `workload`, each as a deployment made from `base` (default: raypd's defaults);
-    shapes raypd's config refuses are left out and listed in `Plan.refused`."""
+    shapes raypd's config refuses are left out and listed in `Plan.refused`. `arrivals`: per rate, the
+    requests to simulate instead of the workload's own draw (a benchmark's very requests)."""
     base = base or {}
     predictions, refused = [], []
     for shape in enumerate_shapes(profile.total_units, sizes or profile.sizes):
@@ -72,7 +73,8 @@ def plan(profile: HardwareProfile, workload: Workload, slo: SloTargets, base: Ma
             refused.append(RefusedShape(shape, str(exc)))
             continue
         placement = cfg.router.slo if cfg.router.placement == "slo" else None  # the router's model places
-        results = tuple(simulate(shape, profile, workload, rate, slo, limits, placement) for rate in workload.rates)
+        results = tuple(simulate(shape, profile, workload, rate, slo, limits, placement,
+                                 requests=(arrivals or {}).get(rate)) for rate in workload.rates)
         sizes_used = {*shape.colocated, *shape.prefill, *shape.decode}
         predictions.append(ShapePrediction(shape, results, all(profile.for_size(k).measured for k in sizes_used)))
     if not predictions:

@@ -1,6 +1,6 @@
 """One shape under one workload at one rate, simulated step by step: what each request would see.
 
-  simulate(shape, profile, workload, rate, slo, limits, placement, role_rates) -> RateResult
+  simulate(shape, profile, workload, rate, slo, limits, placement, role_rates, requests) -> RateResult
   StepLimits / ShapeLimits   what a step may carry on each role's engines (vLLM's
                              max_num_batched_tokens and max_num_seqs; deployment.shape_limits reads them)
 
@@ -33,13 +33,13 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from serving.placement_config import PlacementConfig
 from serving.planner.profile import EngineProfile, HardwareProfile
 from serving.planner.shapes import Shape
-from serving.planner.workload import SloTargets, Workload
+from serving.planner.workload import Request, SloTargets, Workload
 from serving.routing.placement import EngineEstimate, TransferEstimate, place
 from serving.routing.pool import GivenRate
 from serving.routing.shortlist import shortlist
@@ -190,10 +190,12 @@ _ARRIVE, _RUN_END, _KV_READY = 0, 1, 2
 
 def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: float, slo: SloTargets,
              limits: ShapeLimits = ShapeLimits(), placement: PlacementConfig | None = None,
-             role_rates: Mapping[str, EngineProfile] | None = None) -> RateResult:
+             role_rates: Mapping[str, EngineProfile] | None = None,
+             requests: Sequence[Request] | None = None) -> RateResult:
     """`workload`'s requests at `rate` on `shape`'s engines (rates: `profile.for_size`, or `role_rates`
     of the engine's role where given: what a live pool measured), deterministic; `placement`: the
-    router's SLO model places each request on `both` engines (None: least loaded)."""
+    router's SLO model places each request on `both` engines (None: least loaded). `requests`: these
+    arrivals instead of `workload.requests(rate)` (a benchmark predicting the very requests it sends)."""
     role_rates = role_rates or {}
     decode_steps = workload.output_tokens - 1  # tokens after the first, one per decode step
     engines: list[_Engine] = []
@@ -204,13 +206,16 @@ def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: f
     takers = [e for e in engines if e.role in ("both", "prefill")]  # where prompts go
     # where prefill engines hand their KV: the decode engines, else the role-flexible ones
     decoders = [e for e in engines if e.role == "decode"] or [e for e in engines if e.role == "both"]
-    requests = [_Request(i, r.arrival_s, r.prompt_tokens) for i, r in enumerate(workload.requests(rate))]
+    given = workload.requests(rate) if requests is None else sorted(requests, key=lambda r: r.arrival_s)
+    if not given:
+        raise ValueError("simulate: no requests to simulate")
+    sent = [_Request(i, r.arrival_s, r.prompt_tokens) for i, r in enumerate(given)]
     window_s = (placement or PlacementConfig()).prefill_busy_window_s
     pull = TransferEstimate(profile.transfer_tokens_per_s, profile.transfer_overhead_s)
     placed = placement is not None and len(takers) > 1 and all(e.role == "both" for e in takers)
 
     order = itertools.count()  # ties in time: first scheduled first
-    events: list[tuple[float, int, int, object, int]] = [(r.arrival, next(order), _ARRIVE, r, 0) for r in requests]
+    events: list[tuple[float, int, int, object, int]] = [(r.arrival, next(order), _ARRIVE, r, 0) for r in sent]
     heapq.heapify(events)
 
     def run(engine: _Engine, now: float) -> None:
@@ -261,7 +266,7 @@ def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: f
                     heapq.heappush(events, (now + profile.transfer_s(req.prompt), next(order), _KV_READY,
                                             (req, target), 0))
             run(engine, now)
-    return _summary(requests, rate, slo, decode_steps)
+    return _summary(sent, rate, slo, decode_steps)
 
 
 def _shortlist(takers: list[_Engine]) -> list[_Engine]:

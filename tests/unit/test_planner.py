@@ -108,6 +108,25 @@ def test_goodput_falls_past_capacity_and_runs_are_deterministic():
     assert simulate(Shape(colocated=(1,)), profile, work, 2.0, slo) == results[3]
 
 
+def test_given_arrivals_are_simulated_instead_of_the_workloads_draw():
+    # plan_check predicts the very requests it sends: 48 of them, not the workload's 200. Past capacity
+    # that matters: a shorter run's queue has less time to grow.
+    profile = box(ONE_CORE)
+    work = Workload(prompt_mix=((512, 1.0),), output_tokens=64, rates=(1.5,))
+    slo = SloTargets(ttft_s=3.0, tpot_s=0.1)
+    shape = Shape(colocated=(1,))
+    drawn = work.requests(1.5)
+    assert simulate(shape, profile, work, 1.5, slo, requests=drawn) == simulate(shape, profile, work, 1.5, slo)
+    first = drawn[:12]
+    short = simulate(shape, profile, work, 1.5, slo, requests=tuple(reversed(first)))  # any order: by arrival
+    assert short.requests == 12
+    assert short.goodput > simulate(shape, profile, work, 1.5, slo).goodput
+    planned = plan(profile, work, slo, LOCAL, arrivals={1.5: first})
+    assert {r.requests for p in planned.predictions for r in p.results} == {12}
+    with pytest.raises(ValueError, match="no requests"):
+        simulate(shape, profile, work, 1.5, slo, requests=())
+
+
 def test_told_the_tpot_target_slo_placement_serves_more_within_it_than_least_loaded():
     # Two one-core `both` engines at 400 tok/s, 30 ms steps; 512- and 1024-token prompts at 0.5 req/s.
     # A local prefill's stall used to be priced per step (every second past the 0.25 s step target, for
