@@ -1,9 +1,14 @@
 """`raypd profile`: a short measured profile of the running deployment's engines, for the shape planner.
 
-1. A short load through the front (the path users take): waves of long prompts, one per engine at a
-   time, each prompt its own words (no prefix-cache hits), then one wave of concurrent short prompts
-   with long answers. The first teaches each engine its prefill rate and its step at a batch of one,
-   the second its step under a batch.
+1. A load through the front (the path users take), in rounds until `--seconds` have passed (default:
+   four half-lives of the engines' rate fits, `router.slo.rate_half_life_s`): each round one wave of
+   long prompts, one per engine, each prompt its own words (no prefix-cache hits), then one wave of
+   short prompts with long answers, `--batches` streams per engine in turn (1, 2, 4, 8). The long
+   prompts teach each engine its prefill rate, the short ones its step against the batch size.
+   Why this long: the engines' fits weigh samples by age (60 s half-life by default), and a fresh
+   engine is slower than a warm one for minutes (back-to-back loads on one deployment of two one-core
+   engines here fitted 475, 639 and 703 tokens/s over three 10 s loads; 644 then 786 over two of
+   120 s). Four half-lives leave the first one a 7 % share of the fit.
 2. Every engine's own rate fit is read back (`EngineActor.load()`: the record it publishes,
    `actors.rates.EngineRates`) and averaged per engine size, weighted by the engines' samples (the
    prefill rate by their prefill samples: a decode engine that only pulls KV adds its steps alone):
@@ -23,6 +28,7 @@ import asyncio
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -37,11 +43,23 @@ from serving.planner.profile import EngineProfile, ProfileError, load_profile, p
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="profile.yaml", help="the profile file to write (measured sizes replace theirs)")
     p.add_argument("--prompt-words", type=int, default=600, help="words per long prompt (~1.2 tokens each)")
-    p.add_argument("--waves", type=int, default=4, help="waves of long prompts, one prompt per engine per wave")
-    p.add_argument("--streams", type=int, default=8, help="concurrent short-prompt streams per engine")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="how long the load runs (default: four half-lives of the engines' rate fits)")
+    p.add_argument("--batches", type=_batches, default=(1, 2, 4, 8),
+                   help="streams per engine of the short-prompt waves, in turn (comma-separated)")
     p.add_argument("--api-key", default=None, help="Bearer key when the server requires one")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"streams per engine, comma-separated, each >= 1 (got {text!r})")
+    return sizes
 
 
 def engine_size(cfg: DeploymentConfig, role: str, index: int) -> int:
@@ -82,8 +100,9 @@ def _figure(x: float) -> float:
     return float(f"{x:.4g}")  # four significant digits: what a short measurement can tell
 
 
-async def _load(url: str, model: str, engines: int, args: argparse.Namespace) -> int:
-    """The short load; returns how many requests failed."""
+async def _load(url: str, model: str, engines: int, seconds: float, args: argparse.Namespace) -> int:
+    """The load: rounds until `seconds` have passed, at least one per batch size; returns how many
+    requests failed."""
     import httpx
 
     rng = random.Random(args.seed)
@@ -97,9 +116,12 @@ async def _load(url: str, model: str, engines: int, args: argparse.Namespace) ->
             sample = await stream_request(client, url, body, headers, False, Sample(ok=False))
             failed += not sample.ok
 
-        for _ in range(args.waves):
+        start, rounds = time.monotonic(), 0
+        while rounds < len(args.batches) or time.monotonic() - start < seconds:
             await asyncio.gather(*(one(args.prompt_words, 16) for _ in range(engines)))
-        await asyncio.gather(*(one(32, 64) for _ in range(engines * args.streams)))
+            batch = args.batches[rounds % len(args.batches)]
+            await asyncio.gather(*(one(32, 64) for _ in range(engines * batch)))
+            rounds += 1
     return failed
 
 
@@ -112,7 +134,9 @@ def run(args: argparse.Namespace, cfg: DeploymentConfig, url: str) -> int:
     if not handles:
         print(f"raypd profile: no engines of deployment {cfg.name!r} are running (raypd up first)", file=sys.stderr)
         return 1
-    failed = asyncio.run(_load(url, cfg.served_model_name, len(handles), args))
+    seconds = args.seconds if args.seconds is not None else 4 * cfg.router.slo.rate_half_life_s
+    print(f"raypd profile: {len(handles)} engine(s), a load of {seconds:.0f} s through {url}", flush=True)
+    failed = asyncio.run(_load(url, cfg.served_model_name, len(handles), seconds, args))
     if failed:
         print(f"raypd profile: {failed} request(s) failed; the profile would not be the engines' own",
               file=sys.stderr)

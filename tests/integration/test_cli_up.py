@@ -84,7 +84,7 @@ def test_up_with_ray_token_auth_serves_then_down_leaves_nothing(tmp_path):
         # the one-unit prefill engine's size (the TP-2 decode engine only pulls: no prefill of its own)
         out = tmp_path / "profile.yaml"
         profile = subprocess.run([*RAYPD, "profile", "--temp-dir", temp_dir, "--out", str(out), "--api-key",
-                                  "sk-cli-1", "--waves", "2", "--streams", "2", "--prompt-words", "300"],
+                                  "sk-cli-1", "--seconds", "1", "--batches", "1,2", "--prompt-words", "300"],
                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
         assert profile.returncode == 0, profile.stdout + profile.stderr
         assert load_profile(out).sizes == (1,), out.read_text()

@@ -1,10 +1,15 @@
-"""`raypd profile`'s pure parts: an engine's size from the deployment, and one size's rates pooled."""
+"""`raypd profile`'s pure parts: an engine's size from the deployment, one size's rates pooled, the load's rounds."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+
 import pytest
 
+import serving.cli.profile as profile_command
 from actors.rates import EngineRates
+from serving.bench.samples import Sample
 from serving.cli.profile import engine_size, pooled
 from serving.config import DeploymentConfig
 
@@ -35,3 +40,26 @@ def test_a_decode_engine_that_only_pulls_adds_its_steps_and_a_size_without_prefi
     p = pooled([prefill, decode], 1)
     assert (p.step_s, p.prefill_tokens_per_s) == (pytest.approx(0.035), pytest.approx(500))
     assert pooled([decode], 2) is None
+
+
+def test_the_load_runs_a_round_per_batch_size_at_least_long_prompts_first(monkeypatch):
+    # each round: one long prompt per engine, then `batch` short prompts with long answers per engine
+    sent: list[tuple[int, int]] = []
+
+    async def fake_stream(client, url, body, headers, chat, sample):
+        sent.append((len(body["prompt"].split()), body["max_tokens"]))
+        return Sample(ok=len(sent) != 5)  # one request fails: counted
+
+    monkeypatch.setattr(profile_command, "stream_request", fake_stream)
+    args = argparse.Namespace(seed=0, api_key=None, timeout=5.0, prompt_words=600, batches=(1, 2))
+    failed = asyncio.run(profile_command._load("http://127.0.0.1:1", "m", 2, 0.0, args))
+    long, short = (600, 16), (32, 64)
+    assert sent == [long, long, short, short, long, long, *[short] * 4]
+    assert failed == 1
+
+
+def test_batch_sizes_must_be_positive_integers():
+    assert profile_command._batches("1,2,4,8") == (1, 2, 4, 8)
+    for bad in ("", "0,2", "two"):
+        with pytest.raises(argparse.ArgumentTypeError, match="streams per engine"):
+            profile_command._batches(bad)
