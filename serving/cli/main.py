@@ -39,7 +39,7 @@ COMMANDS = {
     "config": "print the deployment YAML that `raypd up` would use with the same flags",
     "status": "show engines, roles, health, load, breaker states and in-flight transfers",
     "down": "stop the engines and the coordinator started by `raypd up`",
-    "profile": "measure the running engines' rates under a short load: a profile for `raypd config --plan`",
+    "profile": "measure the running engines' rates under a 4-minute load: a profile for `raypd config --plan`",
     "bench": "benchmark an OpenAI-compatible endpoint (TTFT/ITL/e2e, goodput) or the front's own overhead",
 }
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "local.yaml")
