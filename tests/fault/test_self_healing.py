@@ -104,6 +104,19 @@ async def served_by(engine, timeout_s: float = 60.0) -> int:
     return 0
 
 
+async def prefills_idle_after(prefills: dict, timeout_s: float) -> set[str]:
+    """The prefill engines that served no new request within `timeout_s` from now (the load running).
+    Placement may favour one engine for a while (its learned rate is better), so each gets a deadline,
+    not a fixed window."""
+    before = {p: (await h.stats.remote()).requests for p, h in prefills.items()}
+    idle = set(prefills)
+    deadline = time.monotonic() + timeout_s
+    while idle and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        idle = {p for p in idle if (await prefills[p].stats.remote()).requests <= before[p]}
+    return idle
+
+
 def test_prefill_engine_killed_under_load(service, coordinator):
     dep = service["dep"]
     victim_id, victim = next(iter(dep.prefills.items()))
@@ -186,16 +199,14 @@ def test_coordinator_killed_under_load(service, coordinator):
                 await asyncio.sleep(0.1)
         back_s = time.monotonic() - t0
         registered = {x.engine_id for x in await coordinator.engines.remote()}
-        before = {p: (await h.stats.remote()).requests for p, h in dep.prefills.items()}
-        await asyncio.sleep(2.0)
-        after = {p: (await h.stats.remote()).requests for p, h in dep.prefills.items()}
+        idle = await prefills_idle_after(dep.prefills, timeout_s=30.0)
         answers = await steady.stop()
-        return t0, back_s, registered, gens, before, after, answers
+        return t0, back_s, registered, gens, idle, answers
 
-    t0, back_s, registered, gens, before, after, answers = asyncio.run(go())
+    t0, back_s, registered, gens, idle, answers = asyncio.run(go())
     print(f"all engines re-registered {back_s:.1f}s after the coordinator was killed; {len(answers)} answers")
     assert registered >= set(dep.engines)
-    assert all(after[p] > before[p] for p in dep.prefills)  # P/D is used again, on both prefill engines
+    assert idle == set()  # P/D is used again, on both prefill engines
     check_answers(service, answers)  # every answer completed ([DONE], never cut), equal to its reference
     # A terminal outcome within the coordinator-loss bound for every request overlapping its absence (from
     # the kill until every engine was registered again), measured from the kill or, for one sent later,
