@@ -215,6 +215,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         install_handlers()  # Ray's core worker installs its own SIGTERM handler (logs and dies): take it back
         where = "started a local Ray cluster" if started_cluster else "joined Ray cluster"
         print(f"raypd: {where} ({ray.get_runtime_context().gcs_address}; {_auth_line()})", flush=True)
+        # recorded before the engines start, so that `raypd down` can stop a launch in progress
+        runstate.write_state(args.temp_dir, runstate.UpState(
+            pid=os.getpid(), create_time=runstate.process_create_time(os.getpid()), name=cfg.name, url=url,
+            config=args.config, gcs_address=ray.get_runtime_context().gcs_address,
+            started_cluster=started_cluster, ray_auth_mode=ray_auth_mode()))
         n = cfg.prefill.count + cfg.decode.count + cfg.both.count
         print(f"raypd: launching {cfg.name}: {engine_counts(cfg)} {cfg.backend} engine(s)...", flush=True)
         t0, t0_wall = time.monotonic(), time.time()
@@ -225,10 +230,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         serve.run(build_app(cfg.model_dump(mode="json")), name=cfg.name, route_prefix="/", blocking=False)
         health = _wait_healthy(url, 120.0)
-        runstate.write_state(args.temp_dir, runstate.UpState(
-            pid=os.getpid(), create_time=runstate.process_create_time(os.getpid()), name=cfg.name, url=url,
-            config=args.config, gcs_address=ray.get_runtime_context().gcs_address,
-            started_cluster=started_cluster, ray_auth_mode=ray_auth_mode()))
         state = "ready" if health and health.get("ready") else f"NOT ready ({(health or {}).get('reason')})"
         print(f"raypd: serving model {cfg.served_model_name!r} at {url}/v1 ({state})", flush=True)
         for line in engine_lines(dep):

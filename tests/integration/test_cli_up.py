@@ -106,3 +106,40 @@ def test_up_with_ray_token_auth_serves_then_down_leaves_nothing(tmp_path):
             proc.wait(30)
         kill_all(tree)
         subprocess.run(["rm", "-rf", temp_dir], check=False)
+
+
+@pytest.mark.slow
+def test_down_while_engines_launch_stops_the_launch_and_leaves_nothing(tmp_path):
+    """`raypd up` records itself before its engines start: a `raypd down` sent mid-launch finds it, and the
+    launch ends with nothing left (engines, Ray, the state file)."""
+    temp_dir = f"/tmp/raypd-cli-{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "cli.yaml"
+    config.write_text(yaml.safe_dump({  # every engine start held 15 s: `down` surely lands mid-launch
+        **SYNTHETIC, "name": "cli-down", "ray": {"num_cpus": 2}, "http": {"host": "127.0.0.1", "port": free_port()},
+        "synthetic": {**SYNTHETIC["synthetic"], "start_delay_s": 15.0}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", HOME=str(tmp_path),
+               XDG_RUNTIME_DIR=str(tmp_path / "run"), RAY_AUTH_MODE="disabled")
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*RAYPD, "up", "--config", str(config), "--temp-dir", temp_dir], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    tree: dict[int, str] = {}
+    try:
+        wait_for_line(log, proc, "placed on node", 120)  # engine processes exist, none has registered yet
+        tree = descendants(proc.pid)
+        down = subprocess.run([*RAYPD, "down", "--temp-dir", temp_dir], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert down.returncode == 0 and "raypd down: stopped" in down.stdout, down.stdout + down.stderr
+        text = log.read_text()
+        assert proc.wait(timeout=30) == 130, text
+        assert "Ctrl-C to stop" not in text and "raypd: stopped" in text, text
+        assert list((tmp_path / "run" / "raypd").glob("up-*.json")) == []
+        left = survivors(tree)
+        assert not left, "left behind: " + "; ".join(f"{p} {cmdline(p)}" for p in left)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        kill_all(tree)
+        subprocess.run(["rm", "-rf", temp_dir], check=False)
