@@ -4,6 +4,7 @@
   flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py                   # groups A,B,E,E0,AP, ~49 min
   flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --profile anchors  # + C,DC,D (1 round), ~70
   flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --profile stack    # A,E0,E (issue 30: the stack), ~30 min
+  flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --profile plan     # A,AP,EP (issue 28: the planner's shape)
   flock /tmp/raypd-cpu.lock .venv/bin/python benchmarks/pd_vs_vllm.py --quick            # development, ~9 min
   .venv/bin/python benchmarks/pd_vs_vllm.py [--quick] --plan   # the planned duration; starts nothing
 
@@ -17,6 +18,7 @@ engine; vLLM's own set-ups max_num_seqs 128, max_num_batched_tokens 2048):
   (e)  `raypd up` as shipped: 2 engines of role both (cores 0, 1), placement slo  group E
        (raypd picks these engines' max_num_batched_tokens; the table prints what they run)
   (e0) (e) with placement that never disaggregates (pdbench/colocated.py): the stack's cost    group E0
+  (ep) `raypd up` with the shape `raypd config --plan` picks for this load (pdbench/planned.py)  group EP
   (c)  vLLM NixlConnector P/D: two vLLM OpenAI servers + vLLM's documented proxy logic  group C
   (d)  Ray Serve LLM `build_pd_openai_app` (NixlConnector), as shipped; (dc) its twin `build_openai_app`
 Every request goes through the official `openai` client, streaming over HTTP
@@ -52,7 +54,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 from serving.bench.provenance import git_state  # noqa: E402
-from pdbench import client, faults, plot, procs, report, setups, summary  # noqa: E402
+from pdbench import client, faults, planned, plot, procs, report, setups, summary  # noqa: E402
 from pdbench.schedule import LOAD_SETUP, LOW_SETUP, make_schedule, plan, plan_line  # noqa: E402,F401
 
 CHECK_FAILED = 3  # exit status: the benchmark's own check failed (a hang kill with no fault injected)
@@ -66,6 +68,8 @@ PROFILES = {
     "anchors": dict(_FULL, groups="A,B,E,E0,AP,C,DC,D", setups="a,a2,ap,b,e,e0,c,d,dc"),
     # issue 30 alone: the stack's cost, raypd never disaggregating (e0) and its default (e) against (a)/(a2)
     "stack": dict(_FULL, groups="A,E0,E", setups="a,a2,e0,e"),
+    # issue 28: the shape `raypd config --plan` picks for this load (ep) against (a2) and (a')
+    "plan": dict(_FULL, groups="A,AP,EP", setups="a,a2,ap,ep"),
     "quick": dict(lengths="128,512", reps=2, rounds=1, low_max_tokens=8, rates="0.3,0.8",
                   load_requests=4, load_max_tokens=16, drain_s=30.0, idle_s=3.0, settle_s=2.0,
                   mix="128:0.6,512:0.4", groups="A,B,E,E0,AP", setups="a,a2,ap,b,e,e0",
@@ -77,6 +81,7 @@ OUTPUTS = {"full": dict(out="benchmarks/results/pd_vs_vllm.json", plot="benchmar
                            plot="benchmarks/results/pd_vs_vllm_anchors.png"),
            "stack": dict(out="benchmarks/results/pd_vs_vllm_stack.json",
                          plot="benchmarks/results/pd_vs_vllm_stack.png"),
+           "plan": dict(out="benchmarks/results/pd_vs_vllm_plan.json", plot="benchmarks/results/pd_vs_vllm_plan.png"),
            "quick": dict(out="benchmarks/out/pd_vs_vllm_quick.json", plot="benchmarks/out/pd_vs_vllm_quick.png")}
 ENGINE_SETTINGS = dict(served_model_name="smollm2", dtype="float32", max_model_len=2304, block_size=128,
                        enable_prefix_caching=True, max_num_seqs=128, max_num_batched_tokens=2048,
@@ -138,6 +143,8 @@ class Run:
         self.phase(rnd, key, "start", key, g.start)
         self.res["startup_s"].setdefault(key, []).append(round(time.monotonic() - t0, 1))
         self.res["seen_pids"] += g.all_pids()
+        if isinstance(g, setups.RaypdUp) and g.plan_table:
+            self.res.setdefault("plan", {})["table"] = g.plan_table
         if isinstance(g, setups.RaypdUp):
             self.trail = faults.FaultTrail(self.res["faults"].setdefault(g.setup, []))
             self.read_faults(rnd, "start")
@@ -254,7 +261,8 @@ class Run:
         self.model_path = str(resolve_model("smollm2"))
         cfg = json.loads((Path(self.model_path) / "config.json").read_text())
         self.vocab = int(cfg["vocab_size"])
-        self.settings = dict(ENGINE_SETTINGS, start_timeout_s=self.args.start_timeout_s)
+        self.settings = dict(ENGINE_SETTINGS, start_timeout_s=self.args.start_timeout_s,
+                             load=dict(rates=self.args.rates, mix=self.args.mix, max_tokens=self.args.load_max_tokens))
         self.res["settings"]["engines"] = self.settings
         self.res["model"] = {"path": self.model_path, "layers": cfg["num_hidden_layers"],
                              "kv_heads": cfg["num_key_value_heads"], "vocab": self.vocab}
@@ -264,6 +272,13 @@ class Run:
         self.res["planned"] = plan(self.args, schedule, self.vocab)
         self.res["planned_s"] = self.res["planned"]["total"]
         log(plan_line(self.res["planned"], schedule))
+        if "ep" in self.setups:  # the planner's prediction for the very requests the load phases send
+            streams = {(rnd, rate): client.poisson_requests(self.args.seed, rnd, rate, self.args.load_requests, self.mix,
+                                                            self.args.load_max_tokens, self.vocab)
+                       for rnd in range(1, self.args.rounds + 1) for rate in self.rates}
+            base = ROOT / self.settings["raypd_default_config"]
+            self.res["plan"] = planned.predicted(base, streams, self.args.mix, self.args.load_max_tokens)
+            log(f"planner: {self.res['plan']}")
         for rnd, key in schedule:
             self.start_group(rnd, key)
             self.pin(key, f"round {rnd} after start")
@@ -282,10 +297,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="full",
                    help="full: groups A,B,E,E0,AP (issues 18, 19, 30; ~49 min); anchors: + C,DC,D in round 1; "
-                        "stack: A,E0,E (issue 30, ~30 min); quick")
+                        "stack: A,E0,E (issue 30, ~30 min); plan: A,AP,EP (issue 28); quick")
     p.add_argument("--quick", action="store_true", help="= --profile quick (small sizes for development)")
-    p.add_argument("--groups", default=None, help="set-up groups, in round-1 order (A, AP, B, E, E0, C, DC, D)")
-    p.add_argument("--setups", default=None, help="which set-ups of those groups to measure (a,a2,ap,b,e,e0,c,d,dc)")
+    p.add_argument("--groups", default=None, help="set-up groups, in round-1 order (A, AP, B, E, E0, EP, C, DC, D)")
+    p.add_argument("--setups", default=None,
+                   help="which set-ups of those groups to measure (a,a2,ap,b,e,e0,ep,c,d,dc)")
     p.add_argument("--one-round-groups", default=None, help="groups that run in round 1 only (the slow anchors)")
     p.add_argument("--lengths", default=None, help="low-load prompt lengths (tokens)")
     p.add_argument("--reps", type=int, default=None, help="low-load requests per length per round")

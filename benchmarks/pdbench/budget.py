@@ -10,10 +10,10 @@ half speed (vLLM's NixlConnector thread shares their engine's core). Good to ~15
 
 from __future__ import annotations
 
-START_S = {"A": 30.0, "AP": 30.0, "B": 60.0, "E": 60.0, "E0": 60.0, "C": 60.0, "D": 100.0, "DC": 70.0}
-STOP_S = {"A": 5.0, "AP": 4.0, "B": 20.0, "E": 20.0, "E0": 20.0, "C": 8.0, "D": 25.0, "DC": 20.0}
-RAYPD_GROUPS = ("B", "E", "E0")  # + the bare idle actors' start and stop
-SPEED = {"c": 2.2, "d": 2.4, "ap": 0.6}  # compute time against one plain vLLM engine on one core
+START_S = {"A": 30.0, "AP": 30.0, "B": 60.0, "E": 60.0, "E0": 60.0, "EP": 70.0, "C": 60.0, "D": 100.0, "DC": 70.0}
+STOP_S = {"A": 5.0, "AP": 4.0, "B": 20.0, "E": 20.0, "E0": 20.0, "EP": 20.0, "C": 8.0, "D": 25.0, "DC": 20.0}
+RAYPD_GROUPS = ("B", "E", "E0", "EP")  # + the bare idle actors' start and stop
+SPEED = {"c": 2.2, "d": 2.4, "ap": 0.6, "ep": 0.6}  # compute time against one plain vLLM engine on one core
 PREFILL_TOKENS_PER_S = 330.0
 STEP_S = 0.055
 FIXED_TTFT_S = 0.04

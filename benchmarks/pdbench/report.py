@@ -112,7 +112,7 @@ def table(res: dict) -> str:
                 out.append(f"{'':>6} ({s}) vs others: " + "; ".join(
                     f"{k} {v[0]:.2f}/{v[1]:.2f} = {f_x(v[2])}" if "goodput" in k
                     else f"{k} {v[0]:.0f}/{v[1]:.0f} ms = {f_x(v[2])}" for k, v in h.items()))
-    out += _per_rate_p99(sm, rates) + _goals(sm) + _decisions(sm) + report_checks.sections(sm)
+    out += _per_rate_p99(sm, rates) + _goals(sm) + _planned(res) + _decisions(sm) + report_checks.sections(sm)
     return "\n".join(out + report_detail.sections(res, lengths, rates))
 
 
@@ -151,6 +151,21 @@ def _goals(sm: dict) -> list[str]:
     width = max(len(r["goal"]) for r in rows)
     return ["", "ISSUE 18 GOALS (raypd's default (e) against colocated serving on the same 2 cores):"] + [
         f"  {r['goal']:<{width}}  {r['value']:<44} {goals.verdict(r['met'])}" for r in rows]
+
+
+def _planned(res: dict) -> list[str]:
+    """(ep): what `raypd config --plan` printed, then its prediction against measurement (issue 28)."""
+    plan, rows = res.get("plan") or {}, res["summary"].get("planned") or {}
+    if not plan:
+        return []
+    out = ["", f"THE PLANNER'S SHAPE (ep): `raypd config --plan` on (e)'s file, for this load, chose "
+           f"{plan.get('shape')}; its table (200 simulated requests per rate):"]
+    out += [f"  {ln}" for ln in (plan.get("table") or "").splitlines()]
+    out.append("  predicted for the very requests sent (each round's arrivals and lengths) against measured, by the "
+               "planner's count (TTFT <= 3 s and TPOT <= 0.1 s, per second of offered load):")
+    for r, (pred, meas, ratio) in rows.items():
+        out.append(f"  {r:>6}/s  predicted {pred:.3f}  measured {meas:.3f}  predicted/measured {f_x(ratio)}")
+    return out
 
 
 def _decisions(sm: dict) -> list[str]:

@@ -11,8 +11,8 @@ import argparse
 from pdbench import budget, client
 
 # group -> the set-up it measures at low load / under load (group A: (a) alone, then (a2) behind the balancer)
-LOW_SETUP = {"A": "a", "AP": "ap", "B": "b", "E": "e", "E0": "e0", "C": "c", "D": "d", "DC": "dc"}
-LOAD_SETUP = {"A": "a2", "AP": "ap", "B": "b", "E": "e", "E0": "e0", "C": "c", "D": "d"}
+LOW_SETUP = {"A": "a", "AP": "ap", "B": "b", "E": "e", "E0": "e0", "EP": "ep", "C": "c", "D": "d", "DC": "dc"}
+LOAD_SETUP = {"A": "a2", "AP": "ap", "B": "b", "E": "e", "E0": "e0", "EP": "ep", "C": "c", "D": "d"}
 
 
 def make_schedule(args: argparse.Namespace) -> list[tuple[int, str]]:

@@ -7,6 +7,7 @@
   RaypdUp     (b)  `raypd up` with one prefill (core 0) and one decode (core 1) engine, its real front;
               (e)  `raypd up` as shipped: two role-flexible engines (cores 0, 1), SLO-aware placement
               (e0) (e) with placement that never disaggregates (pdbench/colocated.py)
+              (ep) the shape `raypd config --plan` picks for the benchmark's load (pdbench/planned.py)
   VllmNixlPD  (c)  two vLLM OpenAI servers with NixlConnector (prefill core 0, decode core 1) and a proxy
                    doing what vLLM's documented disaggregated proxy does
   ServeLLM    (d)  Ray Serve LLM's `build_pd_openai_app` (NixlConnector), as shipped;
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from pdbench import colocated, faults, procs
+from pdbench import colocated, faults, planned, procs
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -229,9 +230,11 @@ SERVE_TEMP = "/tmp/raypd-bench-serve"
 
 class RaypdUp(Group):
     """`raypd up --config <config>`: (b) with benchmarks/configs/pd_1p1d.yaml, (e) with pd_default.yaml,
-    (e0) with pd_default.yaml made colocated-only (written to the run directory at start)."""
+    (e0) with pd_default.yaml made colocated-only, (ep) with the planner's shape from pd_default.yaml
+    (both written to the run directory at start)."""
 
-    CONFIGS = {"B": ("b", "raypd_config"), "E": ("e", "raypd_default_config"), "E0": ("e0", "raypd_default_config")}
+    CONFIGS = {"B": ("b", "raypd_config"), "E": ("e", "raypd_default_config"), "E0": ("e0", "raypd_default_config"),
+               "EP": ("ep", "raypd_default_config")}
 
     def __init__(self, settings: dict, model_path: str, run_dir: Path, key: str = "B"):
         super().__init__(settings, model_path, run_dir)
@@ -240,12 +243,18 @@ class RaypdUp(Group):
         self.idle_driver: subprocess.Popen | None = None
         self.bare_actor_pids: list[int] = []
         self.url = ""
+        self.plan_table = ""  # (ep): what `raypd config --plan` printed
 
     def start(self) -> None:
         port = free_port()
         cfg = ROOT / self.s[self.config_key]
         if self.key == "E0":
             cfg = colocated.write_config(cfg, self.run_dir / "e0-config.yaml")
+        elif self.key == "EP":
+            load = self.s["load"]
+            self.plan_table = planned.write_config(cfg, self.run_dir / "ep-config.yaml", load["rates"], load["mix"],
+                                                   load["max_tokens"])
+            cfg = self.run_dir / "ep-config.yaml"
         self.spawn("raypd-up", [sys.executable, "-c", "import sys; from serving.cli.main import main; sys.exit(main())",
                                 "up", "--config", str(cfg), "--port", str(port), "--temp-dir", RAYPD_TEMP])
         url = f"http://127.0.0.1:{port}"

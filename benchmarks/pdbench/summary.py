@@ -7,21 +7,22 @@ Everything here is computed from the JSON alone (`--render` re-runs it on an ear
 
 from __future__ import annotations
 
-from pdbench import faults, goals, stack_goals, stats
+from pdbench import faults, goals, planned, stack_goals, stats
 
 NAMES = {"a": "(a) vLLM colocated, 1 engine", "a2": "(a2) vLLM colocated x2 + balancer",
          "ap": "(a') vLLM 1 engine on 2 cores", "b": "(b) raypd 1P+1D (raypd up)",
          "e": "(e) raypd default (2x both, slo)", "e0": "(e0) raypd 2x both, never disagg",
+         "ep": "(ep) raypd, the planner's shape",
          "c": "(c) vLLM NixlConnector P/D + proxy", "d": "(d) Ray Serve LLM P/D", "dc": "(dc) Ray Serve LLM colocated"}
-ORDER = ["a", "a2", "ap", "b", "e", "e0", "c", "d", "dc"]
-RAYPD = ("b", "e", "e0")  # the set-ups that answer X-Raypd-Trace and count placement decisions and faults
-GROUP_SETUP = {"B": "b", "E": "e", "E0": "e0"}  # raypd's groups -> their one set-up
+ORDER = ["a", "a2", "ap", "b", "e", "e0", "ep", "c", "d", "dc"]
+RAYPD = ("b", "e", "e0", "ep")  # the set-ups that answer X-Raypd-Trace and count placement decisions and faults
+GROUP_SETUP = {"B": "b", "E": "e", "E0": "e0", "EP": "ep"}  # raypd's groups -> their one set-up
 GROUP_NAMES = {"A": "(a)/(a2) plain vLLM", "AP": "(a') vLLM on 2 cores", "B": "(b) raypd up 1P+1D",
-               "E": "(e) raypd up default", "E0": "(e0) raypd up colocated-only", "C": "(c) vLLM NixlConnector",
+               "E": "(e) raypd up default", "E0": "(e0) raypd up colocated-only", "EP": "(ep) raypd up, planned", "C": "(c) vLLM NixlConnector",
                "D": "(d) Serve LLM P/D", "DC": "(dc) Serve LLM colocated"}
 ENGINE_CORE = "compute: VLLM::EngineCore"  # vLLM's engine core processes in procs.cpu_seconds_by_kind's labels
 RAYPD_ACTORS = ("ray::EngineActor", "ray::Coordinator", "ray::SyntheticRankActor")
-TTFT_RATIOS = (("b", "a"), ("e", "a"), ("e0", "a"), ("ap", "a"), ("c", "a"), ("d", "a"), ("dc", "a"), ("b", "c"),
+TTFT_RATIOS = (("b", "a"), ("e", "a"), ("e0", "a"), ("ep", "a"), ("ap", "a"), ("c", "a"), ("d", "a"), ("dc", "a"), ("b", "c"),
                ("b", "d"))
 
 
@@ -59,7 +60,7 @@ def summarize(res: dict) -> dict:
           "hops": {s: {"low": {n: stats.hop_stats(_low(res, s, n)) for n in lengths if _low(res, s, n)},
                        "load": {r: stats.hop_stats(_load_records(res, s, r)) for r in rates
                                 if _load_records(res, s, r)}} for s in RAYPD},
-          "decisions": decisions(res, rates),
+          "decisions": decisions(res, rates), "planned": planner_check(res, rates),
           "faults": {s: faults.per_phase(res["faults"][s]) for s in RAYPD if res.get("faults", {}).get(s)},
           "flagged_phases": [p for p in res["phases"] if p["load_above_cores"]]}
     sm["goals"] = goals.issue18(sm, lengths, rates)
@@ -73,7 +74,8 @@ def headline(load: dict, rates: list[float]) -> dict:
     """Per rate, raypd's set-ups against the others: [raypd's, the other's, ratio] per figure."""
     out: dict = {}
     for r in rates:
-        for s, others in (("e", ("a2", "ap", "b")), ("e0", ("a2", "e")), ("b", ("a2", "c", "d"))):
+        for s, others in (("e", ("a2", "ap", "b")), ("e0", ("a2", "e")), ("ep", ("a2", "ap", "e")),
+                          ("b", ("a2", "c", "d"))):
             x = load.get(s, {}).get(r)
             if not x:
                 continue
@@ -87,6 +89,22 @@ def headline(load: dict, rates: list[float]) -> dict:
                 a2 = load["a2"][r]
                 row[f"ITL p99 {s}/a2"] = [x["itl_p99"] * 1e3, a2["itl_p99"] * 1e3, stats.ratio(x["itl_p99"], a2["itl_p99"])]
             out.setdefault(r, {})[s] = row
+    return out
+
+
+def planner_check(res: dict, rates: list[float]) -> dict:
+    """(ep) by the planner's own count, per rate: [predicted, measured, predicted / measured] goodput
+    (pdbench/planned.py); {} without (ep)."""
+    plan = res.get("plan") or {}
+    runs = res.get("load", {}).get("ep", {})
+    if not plan.get("per_rate") or not runs:
+        return {}
+    sent = int(res["settings"]["load_requests"])
+    out = {}
+    for r in rates:
+        if str(r) in runs and str(r) in plan["per_rate"]:
+            pred, meas = plan["per_rate"][str(r)], planned.measured(runs[str(r)], r, sent)
+            out[r] = [pred, meas, stats.ratio(pred, meas)]
     return out
 
 

@@ -187,3 +187,30 @@ def test_raypd_engines_that_run_their_model_in_the_core_are_compared_by_their_wh
     assert (row["value"], row["met"]) == ("70.00 vs 75.00 ms = 0.93x", True)
     sm["cpu_per_token"]["e0"] = cpu(70.0, 10.0)  # mp: a worker computes beside the core
     assert "CPU per token, vLLM engine cores (e0) <= 1.10x (a2)'s" in {r["goal"] for r in stack_goals.issue30(sm, [], [])}
+
+
+def test_the_planners_shape_is_compared_with_its_prediction_by_the_planners_own_count():
+    from pdbench import planned
+
+    # within both targets: TTFT 2 s, then 15 tokens in 1.5 s (TPOT 0.1 s); over TPOT; over TTFT; failed
+    ok = {"ok": True, "ttft_s": 2.0, "token_times_s": [2.0 + 0.1 * i for i in range(16)], "completion_tokens": 16}
+    slow = dict(ok, token_times_s=[2.0 + 0.11 * i for i in range(16)])
+    late = dict(ok, ttft_s=3.5, token_times_s=[3.5 + 0.05 * i for i in range(16)])
+    failed = dict(ok, ok=False, ttft_s=None, token_times_s=[])
+    assert [planned.within_targets(r["ttft_s"], r["token_times_s"], r["completion_tokens"])
+            for r in (ok, slow, late)] == [True, False, False]
+    # 2 rounds of 5 sent at 0.5/s (10 s of offered load each), 3 within the targets in all: 3 / 20 s
+    runs = [{"records": [ok, ok, slow, failed]}, {"records": [ok, late]}]
+    assert math.isclose(planned.measured(runs, 0.5, 5), 0.15)
+
+    res = _fake_run(setups=("a", "a2", "ap", "e"))
+    res["load"]["ep"], res["low"]["ep"] = res["load"].pop("e"), res["low"].pop("e")
+    res["faults"] = {"ep": _faults()}
+    res["plan"] = {"shape": "1x2 both", "per_rate": {"0.3": 0.3, "0.6": 0.45}, "table": "> 1x2 both  2  0.300"}
+    res["summary"] = summary.summarize(res)
+    text = report.table(res)
+    assert "THE PLANNER'S SHAPE (ep): `raypd config --plan` on (e)'s file, for this load, chose 1x2 both" in text
+    assert "(ep) vs others: goodput ep/a2" in text and "goodput ep/ap" in text
+    pred, meas, ratio = res["summary"]["planned"][0.3]
+    assert pred == 0.3 and math.isclose(ratio, pred / meas)
+    assert math.isclose(meas, planned.measured(res["load"]["ep"]["0.3"], 0.3, 10))
