@@ -11,13 +11,16 @@ Faulty pairs (`FaultyPairs`). The first prefill engine has a faulty pair with a 
 engines (the SLO model's equal options go to the engine listed first, so these pairs stay in
 use). Every prefill of a faulty pair fails: the router retries on another prefill engine and
 reports the failure; the coordinator's ledger opens the pair's breaker (threshold), half-opens
-it after its cooldown, and the next request the router plans onto it awaits `admit_probe`; the
-probe's prefill fails and the breaker opens again.
+it after its cooldown; a request the router plans onto it takes the closed pair ranked next and
+the router asks `admit_probe` in the background (serving/routing/probes.py); a later request
+carries the granted probe, whose prefill fails, and the breaker opens again (a request awaits the
+probe itself only when no closed pair is left to it).
 
 Tally (`tally`). Per measured run: the planner's decisions by (decision, reason), each request's
 path as the router served it (`pd`: the first token from a prefill engine; `local`: colocated;
-`fallback`: a remote decision with no usable prefill engine), retries, the probes awaited and
-granted, `pick_prefill` calls, the breakers that opened, and the routing times per path.
+`fallback`: a remote decision with no usable prefill engine), retries, the probes asked, granted,
+carried by a request and awaited by one, `pick_prefill` calls, the breakers that opened, and the
+routing times per path.
 """
 
 from __future__ import annotations
@@ -122,6 +125,8 @@ class MixSummary:
     probe_asks: int  # admit_probe calls awaited by the requests
     probed_requests: int  # requests that awaited at least one
     probes_granted: int
+    probes_asked: int  # admit_probe calls in all (most in the background, awaited by no request)
+    probes_carried: int  # requests that ran on a half-open pair with the router's grant (the probes)
     pick_prefill_calls: int
     prefills_failed: int  # by the faulty pairs
     breaker_opens: int  # breakers that opened during the run (as the router's table lists them)
@@ -130,7 +135,8 @@ class MixSummary:
 
 
 def tally(routed: Sequence[RoutedPath], decisions: Mapping[str, int], pick_prefill_calls: int,
-          probes_granted: int, prefills_failed: int, before: BreakerCount, after: BreakerCount) -> MixSummary:
+          probes_granted: int, prefills_failed: int, before: BreakerCount, after: BreakerCount,
+          probes_asked: int = 0, probes_carried: int = 0) -> MixSummary:
     """One run's mix, from its requests' paths and the run's counter deltas."""
     paths = Counter(r.path for r in routed)
     served = len(routed) - paths[ERROR]
@@ -148,7 +154,8 @@ def tally(routed: Sequence[RoutedPath], decisions: Mapping[str, int], pick_prefi
         disaggregated_share=paths[PD] / served if served else 0.0,
         retried=sum(1 for r in routed if r.path == PD and r.attempts > 1),
         probe_asks=sum(r.probes for r in routed), probed_requests=sum(1 for r in routed if r.probes),
-        probes_granted=probes_granted, pick_prefill_calls=pick_prefill_calls, prefills_failed=prefills_failed,
+        probes_granted=probes_granted, probes_asked=probes_asked, probes_carried=probes_carried,
+        pick_prefill_calls=pick_prefill_calls, prefills_failed=prefills_failed,
         breaker_opens=after.opened - before.opened, breakers_after=after.states, times=times)
 
 

@@ -218,6 +218,7 @@ async def measure(router: CountingRouter, directory: CountingDirectory, marks: M
     awaited_before = Counter(directory.awaited)
     decisions_before = {f"{d}/{r}": c for (d, r), c in router.planner.decisions.items()}
     picks0, granted0, failed0 = router.pick_prefill_calls, directory.probes_granted, faults.failed if faults else 0
+    asked0, carried0 = router.probes.asked, router.probes.carried
     breakers0 = breakers_of(directory.table)
     streams: deque = deque()
     arrivals: dict[str, float] = {}
@@ -256,7 +257,8 @@ async def measure(router: CountingRouter, directory: CountingDirectory, marks: M
     awaited.subtract(awaited_before)
     paths = [RoutedPath(path, probes, attempts, ms.get(rid)) for rid, (path, attempts, probes) in routed.items()]
     mix = tally(paths, decisions, router.pick_prefill_calls - picks0, directory.probes_granted - granted0,
-                (faults.failed if faults else 0) - failed0, breakers0, breakers_of(directory.table))
+                (faults.failed if faults else 0) - failed0, breakers0, breakers_of(directory.table),
+                probes_asked=router.probes.asked - asked0, probes_carried=router.probes.carried - carried0)
     return RoutingResult(n, list(ms.values()), {k: v for k, v in awaited.items() if v}, decisions, mix, dict(errors))
 
 

@@ -11,7 +11,8 @@ Life cycle of one request (`Router.open`):
   2. remote attempts (a remote decision): the first of those prefill engines
      the directory lists as usable with that decode engine (compatible, pair
      breaker not open: the coordinator's ledger owns the breakers; a half-open
-     pair is used only if this router wins its one probe) runs the prompt and returns a
+     pair is used only if this router wins its one probe, asked in the background
+     while a closed pair can serve: `serving.routing.probes`) runs the prompt and returns a
      `PrefillResult`: the first token, streamed to the client at once, and the
      transfer params the decode engine pulls the KV with; the decode engine
      continues from token two and applies the transfer failure policy itself.
@@ -19,8 +20,8 @@ Life cycle of one request (`Router.open`):
      retried once on another prefill engine (`prefill_retries`); one refused
      because of the request is `InvalidRequest`, never retried, never reported;
      the half-open probe (`admit_probe`, within `probe_timeout_s`) is the only
-     coordinator call a request may wait for, and only for a half-open pair:
-     everything else is decided from the router's cached view
+     coordinator call a request may wait for, and only when half-open pairs are
+     all it has left: everything else is decided from the router's cached view
      (`serving.routing.directory`), refreshed in the background;
   3. local: a local decision (the uncached prompt is short, the prefill pool
      is saturated), or no (more) usable prefill engine: the decode engine
@@ -71,6 +72,7 @@ from serving.routing.errors import (
 from serving.routing.placers import RoutePlan
 from serving.routing.planner import RoutePlanner, planner_for
 from serving.routing.pool import DecodeCharge, EngineClient, EnginePool, EngineStatus
+from serving.routing.probes import ProbeGrants
 from serving.routing.protocols import PoolStatusSource
 from serving.routing.rates import RateEstimator, hop_of
 from serving.routing.status import Readiness, RouterSnapshot
@@ -90,7 +92,7 @@ class Router:
                  directory: Directory, config: RouterConfig | None = None,
                  directory_ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  resolve_engine: Callable[[str], EngineClient | None] | None = None,
-                 planner: RoutePlanner | None = None, probe_timeout_s: float = 0.5,
+                 planner: RoutePlanner | None = None, probe_timeout_s: float = 0.5, probe_hold_s: float = 2.5,
                  pull_timeout_s: float = 10.0, pool_status: PoolStatusSource | None = None):
         if not decodes:
             raise ValueError("a router needs at least one decode engine")
@@ -104,7 +106,8 @@ class Router:
         self.view = DirectoryView(directory, directory_ttl_s, clock, on_refresh=self.pool.sync)
         self.clock = clock
         self.planner = planner or planner_for(self.config)
-        self.probe_timeout_s = probe_timeout_s  # a request waits this long at most to win a probe
+        # half-open pairs' probes: asked off the request path, held well within the ledger's window
+        self.probes = ProbeGrants(lambda d, p: self.directory.admit_probe(d, p), probe_timeout_s, probe_hold_s, clock)
         self._rr = itertools.count()
         self._states: tuple[RouteTable | None, dict[str, dict[str, str]]] = (None, {})
         # the pools' status (the autoscaler's, when one runs), asked with the engine stats and shown beside them
@@ -117,20 +120,22 @@ class Router:
     # ----------------------------------------------------------- selection
     async def pick_prefill(self, decode_id: str, routes: RouteTable, ranked: tuple[str, ...],
                            exclude: set[str]) -> str | None:
-        """The first of `ranked` (the plan's order) that is usable and not excluded; a half-open
-        pair only if this router wins its probe."""
+        """The first of `ranked` (the plan's order) that is usable and not excluded: a closed pair, or
+        a half-open one whose probe this router holds (`serving.routing.probes`: asked in the
+        background when a closed pair ranked after it serves this request). With no closed pair at
+        all, the request waits to win a half-open pair's probe, within `probe_timeout_s`."""
         states = self._states_of(decode_id, routes)
+        half_open = []
         for p in ranked:
             if p not in states or p not in self.pool.prefills or p in exclude:
                 continue
-            if states[p] == "closed":
+            if states[p] == "closed" or self.probes.take(decode_id, p):
                 return p
-            try:  # half-open: one probe cluster-wide, asked of the ledger (the one awaited call)
-                self.pool.counters["probe_asks"] += 1
-                if await asyncio.wait_for(self.directory.admit_probe(decode_id, p), self.probe_timeout_s):
-                    return p
-            except Exception as exc:  # noqa: BLE001 - no answer in time: do not probe, take the next
-                logger.info("probe of %s->%s not admitted: %s", p, decode_id, exc)
+            half_open.append(p)
+            self.probes.ask_later(decode_id, p)
+        for p in half_open:
+            if await self.probes.ask_now(decode_id, p):
+                return p
         return None
 
     def _states_of(self, decode_id: str, routes: RouteTable) -> dict[str, str]:
@@ -344,6 +349,7 @@ class Router:
     async def drain(self) -> None:
         """Wait for background aborts and the view's refresh in flight (tests, shutdown)."""
         await self.pool.drain()
+        await self.probes.drain()
         await self.view.settle()
 
     # -------------------------------------------------------------- status

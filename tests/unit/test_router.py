@@ -276,8 +276,15 @@ def test_open_breaker_is_skipped_then_one_probe_after_cooldown():
         assert s.prefill_id == "p1"
         await collect(s)
         await router.drain()
-        s = await router.open(req("probe"))  # the refreshed view: the ledger offers the probe, won once
-        assert s.prefill_id == "p0" and directory.probes == 1
+        # the refreshed view: p0 half-open, p1 closed; this request takes p1 without waiting, and the
+        # router asks for p0's probe in the background: the ledger grants it, once
+        s = await router.open(req("asks"))
+        assert s.prefill_id == "p1" and router.probes.waited == 0
+        await collect(s)
+        await router.drain()
+        assert directory.probes == 1
+        s = await router.open(req("probe"))  # the next request ranked to p0 carries the probe
+        assert s.prefill_id == "p0" and directory.probes == 1 and router.probes.carried == 1
         await collect(s)  # the decode engine's verdict closes the breaker
         assert directory.state("d0", "p0") == "closed"
 

@@ -1,0 +1,90 @@
+"""A router's probes of half-open pairs, won off the request path where another engine can serve.
+
+A pair whose breaker is half-open takes one probe request, granted once cluster-wide by the
+coordinator's ledger (`Directory.admit_probe`); the probe's outcome closes or reopens the breaker.
+Asking is a coordinator round trip, and a busy coordinator answers in hundreds of ms
+(benchmarks/control_plane.py at 256 engines with KV events): a request must not wait for it while a
+closed pair can serve it. Life cycle of one pair's probe in this router:
+
+  1. asked      a request ranked the half-open pair ahead of the closed one it then took:
+                `ask_later` asks the ledger in a task of its own (one ask per pair at a time);
+  2. held       granted: the grant is held for `hold_s`, well within the ledger's probe window
+                (after which the ledger grants the probe to the next caller, here or elsewhere);
+  3. carried    the next request ranked to that pair takes the grant (`take`) and runs there;
+  4. lapsed     no request came within `hold_s`: the grant is dropped, and the ledger's window
+                lets another caller probe later (refused asks are forgotten at once).
+
+A request with no closed pair to take waits for the probe itself (`ask_now`, within its deadline,
+joining an ask already out), as there is nothing else it could do first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import Awaitable, Callable
+
+logger = logging.getLogger("raypd.router")
+
+Pair = tuple[str, str]  # (decode engine, prefill engine)
+
+
+class ProbeGrants:
+    def __init__(self, ask: Callable[[str, str], Awaitable[bool]], timeout_s: float, hold_s: float,
+                 clock: Callable[[], float]):
+        self.ask = ask  # the ledger's admit_probe
+        self.timeout_s = timeout_s  # an ask that has no answer by then counts as refused
+        self.hold_s = hold_s
+        self.clock = clock
+        self._held: dict[Pair, float] = {}  # granted pair -> when the grant lapses here
+        self._asking: dict[Pair, asyncio.Task] = {}
+        self.asked = self.waited = self.carried = 0  # asks sent; requests that waited; grants carried
+
+    def take(self, decode_id: str, prefill_id: str) -> bool:
+        """Whether this router holds a live grant for the pair; it is consumed (one request carries it)."""
+        until = self._held.pop((decode_id, prefill_id), None)
+        if until is None or self.clock() >= until:
+            return False
+        self.carried += 1
+        return True
+
+    def ask_later(self, decode_id: str, prefill_id: str) -> None:
+        """Ask for the pair's probe in the background (not when one is held or asked already)."""
+        pair = (decode_id, prefill_id)
+        if pair in self._asking or self._held.get(pair, -1.0) > self.clock():
+            return
+        # a fresh context: the ask belongs to no request (tracing and accounting see none)
+        task = asyncio.get_running_loop().create_task(self._ask(pair), context=contextvars.Context())
+        self._asking[pair] = task
+        task.add_done_callback(lambda _t, pair=pair: self._asking.pop(pair, None))
+
+    async def ask_now(self, decode_id: str, prefill_id: str) -> bool:
+        """Wait for the pair's probe (no closed pair to take instead): joins an ask already out; True
+        once won for this request (the grant is consumed)."""
+        self.waited += 1
+        if self.take(decode_id, prefill_id):
+            return True
+        pair = (decode_id, prefill_id)
+        task = self._asking.get(pair)
+        if task is None:
+            self.ask_later(decode_id, prefill_id)
+            task = self._asking.get(pair)
+        if task is not None:
+            await asyncio.wait({task}, timeout=self.timeout_s)  # the ask itself is bounded by timeout_s
+        return self.take(decode_id, prefill_id)
+
+    async def _ask(self, pair: Pair) -> None:
+        self.asked += 1
+        try:
+            granted = await asyncio.wait_for(self.ask(*pair), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - no answer in time: not granted, asked again later
+            logger.info("probe of %s->%s not admitted: %s", pair[1], pair[0], exc)
+            return
+        if granted:
+            self._held[pair] = self.clock() + self.hold_s
+
+    async def drain(self) -> None:
+        """Until the asks out have landed (tests, shutdown)."""
+        if self._asking:
+            await asyncio.wait(set(self._asking.values()))
