@@ -161,10 +161,14 @@ def _planned(res: dict) -> list[str]:
     out = ["", f"THE PLANNER'S SHAPE (ep): `raypd config --plan` on (e)'s file, for this load, chose "
            f"{plan.get('shape')}; its table (200 simulated requests per rate):"]
     out += [f"  {ln}" for ln in (plan.get("table") or "").splitlines()]
-    out.append("  predicted for the very requests sent (each round's arrivals and lengths) against measured, by the "
-               "planner's count (TTFT <= 3 s and TPOT <= 0.1 s, per second of offered load):")
-    for r, (pred, meas, ratio) in rows.items():
-        out.append(f"  {r:>6}/s  predicted {pred:.3f}  measured {meas:.3f}  predicted/measured {f_x(ratio)}")
+    out.append("  by the planner's count and the targets it was given (TTFT <= 3 s and TPOT <= 0.1 s, requests within "
+               "both per second of offered load): (ep) predicted for the very requests sent (each round's arrivals "
+               "and lengths) against measured, and every set-up measured:")
+    for r, row in rows.items():
+        pred, meas, ratio = row["prediction"]
+        others = "  ".join(f"({s}) {g:.3f}" for s, g in row["goodput"].items())
+        out.append(f"  {r:>6}/s  predicted {pred:.3f}  measured {meas:.3f}  predicted/measured {f_x(ratio)} | "
+                   f"{others} | (ep)/better of (a2),(a') {f_x(row['ep/better'])}")
     return out
 
 

@@ -93,18 +93,23 @@ def headline(load: dict, rates: list[float]) -> dict:
 
 
 def planner_check(res: dict, rates: list[float]) -> dict:
-    """(ep) by the planner's own count, per rate: [predicted, measured, predicted / measured] goodput
-    (pdbench/planned.py); {} without (ep)."""
+    """(ep) by the planner's own count and targets (pdbench/planned.py), per rate: "prediction":
+    [predicted, measured, predicted / measured] goodput; "goodput": every loaded set-up's goodput by
+    those targets, and "ep/better": (ep)'s against the better of (a2) and (a'). {} without (ep)."""
     plan = res.get("plan") or {}
-    runs = res.get("load", {}).get("ep", {})
-    if not plan.get("per_rate") or not runs:
+    load = res.get("load", {})
+    if not plan.get("per_rate") or not load.get("ep"):
         return {}
     sent = int(res["settings"]["load_requests"])
     out = {}
     for r in rates:
-        if str(r) in runs and str(r) in plan["per_rate"]:
-            pred, meas = plan["per_rate"][str(r)], planned.measured(runs[str(r)], r, sent)
-            out[r] = [pred, meas, stats.ratio(pred, meas)]
+        if str(r) not in load["ep"] or str(r) not in plan["per_rate"]:
+            continue
+        goodput = {s: planned.measured(load[s][str(r)], r, sent) for s in ORDER if str(r) in load.get(s, {})}
+        pred, meas = plan["per_rate"][str(r)], goodput["ep"]
+        better = max((goodput[s] for s in ("a2", "ap") if s in goodput), default=float("nan"))
+        out[r] = {"prediction": [pred, meas, stats.ratio(pred, meas)], "goodput": goodput,
+                  "ep/better": stats.ratio(meas, better)}
     return out
 
 

@@ -12,7 +12,10 @@ closed pair can serve it. Life cycle of one pair's probe in this router:
                 (after which the ledger grants the probe to the next caller, here or elsewhere);
   3. carried    the next request ranked to that pair takes the grant (`take`) and runs there;
   4. lapsed     no request came within `hold_s`: the grant is dropped, and the ledger's window
-                lets another caller probe later (refused asks are forgotten at once).
+                lets another caller probe later.
+
+A refused ask (another router holds the probe) or one left unanswered is not repeated for `hold_s`:
+the ledger would refuse again within its window, and each ask is a call on a busy coordinator.
 
 A request with no closed pair to take waits for the probe itself (`ask_now`, within its deadline,
 joining an ask already out), as there is nothing else it could do first.
@@ -38,6 +41,7 @@ class ProbeGrants:
         self.hold_s = hold_s
         self.clock = clock
         self._held: dict[Pair, float] = {}  # granted pair -> when the grant lapses here
+        self._refused: dict[Pair, float] = {}  # refused (or unanswered) pair -> when it may be asked again
         self._asking: dict[Pair, asyncio.Task] = {}
         self.asked = self.waited = self.carried = 0  # asks sent; requests that waited; grants carried
 
@@ -51,8 +55,8 @@ class ProbeGrants:
 
     def ask_later(self, decode_id: str, prefill_id: str) -> None:
         """Ask for the pair's probe in the background (not when one is held or asked already)."""
-        pair = (decode_id, prefill_id)
-        if pair in self._asking or self._held.get(pair, -1.0) > self.clock():
+        pair, now = (decode_id, prefill_id), self.clock()
+        if pair in self._asking or self._held.get(pair, -1.0) > now or self._refused.get(pair, -1.0) > now:
             return
         # a fresh context: the ask belongs to no request (tracing and accounting see none)
         task = asyncio.get_running_loop().create_task(self._ask(pair), context=contextvars.Context())
@@ -61,17 +65,17 @@ class ProbeGrants:
 
     async def ask_now(self, decode_id: str, prefill_id: str) -> bool:
         """Wait for the pair's probe (no closed pair to take instead): joins an ask already out; True
-        once won for this request (the grant is consumed)."""
-        self.waited += 1
+        once won for this request (the grant is consumed); False at once when refused within `hold_s`."""
         if self.take(decode_id, prefill_id):
             return True
         pair = (decode_id, prefill_id)
+        if pair not in self._asking:
+            self.ask_later(decode_id, prefill_id)
         task = self._asking.get(pair)
         if task is None:
-            self.ask_later(decode_id, prefill_id)
-            task = self._asking.get(pair)
-        if task is not None:
-            await asyncio.wait({task}, timeout=self.timeout_s)  # the ask itself is bounded by timeout_s
+            return False
+        self.waited += 1
+        await asyncio.wait({task}, timeout=self.timeout_s)  # the ask itself is bounded by timeout_s
         return self.take(decode_id, prefill_id)
 
     async def _ask(self, pair: Pair) -> None:
@@ -80,9 +84,12 @@ class ProbeGrants:
             granted = await asyncio.wait_for(self.ask(*pair), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - no answer in time: not granted, asked again later
             logger.info("probe of %s->%s not admitted: %s", pair[1], pair[0], exc)
-            return
+            granted = False
         if granted:
             self._held[pair] = self.clock() + self.hold_s
+            self._refused.pop(pair, None)
+        else:
+            self._refused[pair] = self.clock() + self.hold_s
 
     async def drain(self) -> None:
         """Until the asks out have landed (tests, shutdown)."""

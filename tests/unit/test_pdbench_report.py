@@ -211,6 +211,9 @@ def test_the_planners_shape_is_compared_with_its_prediction_by_the_planners_own_
     text = report.table(res)
     assert "THE PLANNER'S SHAPE (ep): `raypd config --plan` on (e)'s file, for this load, chose 1x2 both" in text
     assert "(ep) vs others: goodput ep/a2" in text and "goodput ep/ap" in text
-    pred, meas, ratio = res["summary"]["planned"][0.3]
+    row = res["summary"]["planned"][0.3]
+    pred, meas, ratio = row["prediction"]
     assert pred == 0.3 and math.isclose(ratio, pred / meas)
-    assert math.isclose(meas, planned.measured(res["load"]["ep"]["0.3"], 0.3, 10))
+    assert math.isclose(meas, planned.measured(res["load"]["ep"]["0.3"], 0.3, 10)) and row["goodput"]["ep"] == meas
+    better = max(planned.measured(res["load"][s]["0.3"], 0.3, 10) for s in ("a2", "ap"))
+    assert math.isclose(row["ep/better"], meas / better) and "(ep)/better of (a2),(a')" in text

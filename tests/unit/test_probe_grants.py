@@ -40,16 +40,22 @@ def test_one_ask_at_a_time_and_a_grant_is_carried_once_within_its_hold():
     assert asyncio.run(go()) == (True, False, False, 2, 1)
 
 
-def test_a_refused_or_unanswered_ask_holds_nothing_and_a_waiting_request_is_bounded():
+def test_a_refused_or_unanswered_ask_holds_nothing_is_not_repeated_within_the_hold_and_a_wait_is_bounded():
     async def go():
+        now = [0.0]
         ledger = Ledger([False, None])
-        grants = ProbeGrants(ledger.admit_probe, timeout_s=0.05, hold_s=2.0, clock=lambda: 0.0)
+        grants = ProbeGrants(ledger.admit_probe, timeout_s=0.05, hold_s=2.0, clock=lambda: now[0])
         refused = await grants.ask_now("d0", "p0")
+        grants.ask_later("d0", "p0")  # refused within the hold: the ledger is not asked again
+        again = await grants.ask_now("d0", "p0")
+        asked_within_hold = ledger.calls
+        now[0] += 2.0
         t0 = asyncio.get_running_loop().time()
         unanswered = await grants.ask_now("d0", "p0")
         took = asyncio.get_running_loop().time() - t0
         await grants.drain()
-        return refused, unanswered, took, grants.waited, grants.asked
+        return refused, again, asked_within_hold, unanswered, took, grants.waited, grants.asked
 
-    refused, unanswered, took, waited, asked = asyncio.run(go())
-    assert (refused, unanswered, waited, asked) == (False, False, 2, 2) and took < 0.5
+    refused, again, asked_within_hold, unanswered, took, waited, asked = asyncio.run(go())
+    assert (refused, again, asked_within_hold, unanswered) == (False, False, 1, False)
+    assert (waited, asked) == (2, 2) and took < 0.5
