@@ -69,6 +69,15 @@ def survivors(tree: dict[int, str], timeout_s: float = 20.0) -> dict[int, str]:
         time.sleep(0.25)
 
 
+def reap(proc: subprocess.Popen, tree: dict[int, str], temp_dir: str) -> None:
+    """After a test of `raypd up`, pass or fail: its process, what it started, its Ray temp dir gone."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+    kill_all(tree)
+    subprocess.run(["rm", "-rf", temp_dir], check=False)
+
+
 def kill_all(tree: dict[int, str]) -> None:
     """SIGKILL what is left of `tree` (never strand processes, even when a test failed)."""
     for pid, t in tree.items():

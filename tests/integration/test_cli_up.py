@@ -16,12 +16,23 @@ import httpx
 import pytest
 import yaml
 
-from process_helpers import cmdline, descendants, kill_all, survivors, wait_for_line
+from process_helpers import cmdline, descendants, reap, survivors, wait_for_line
 from service_helpers import SYNTHETIC, free_port
 from serving.planner.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 RAYPD = [sys.executable, "-m", "serving.cli"]
+
+
+def start_up(config: Path, temp_dir: str, log: Path, **env_vars: str) -> tuple[subprocess.Popen, dict[str, str]]:
+    """`raypd up --config` in a subprocess (its output into `log`), with Ray's variables of this
+    environment dropped and `env_vars` set; the process and its environment (for `raypd down`)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", **env_vars)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*RAYPD, "up", "--config", str(config), "--temp-dir", temp_dir], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    return proc, env
 
 
 @pytest.mark.slow
@@ -33,13 +44,9 @@ def test_up_with_ray_token_auth_serves_then_down_leaves_nothing(tmp_path):
                                       "http": {"host": "127.0.0.1", "port": port}, "ray": {"num_cpus": 2}}))
     home = tmp_path / "home"  # Ray creates its token in $HOME/.ray/auth_token, as `ray.init` does by default
     home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
-    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", HOME=str(home),
-               XDG_RUNTIME_DIR=str(tmp_path / "run"), RAYPD_API_KEYS="sk-cli-1,sk-cli-2")
     log = tmp_path / "up.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([*RAYPD, "up", "--config", str(config), "--temp-dir", temp_dir], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+    proc, env = start_up(config, temp_dir, log, HOME=str(home), XDG_RUNTIME_DIR=str(tmp_path / "run"),
+                         RAYPD_API_KEYS="sk-cli-1,sk-cli-2")
     tree: dict[int, str] = {}
     try:
         text = wait_for_line(log, proc, "Ctrl-C to stop", 180)
@@ -101,11 +108,7 @@ def test_up_with_ray_token_auth_serves_then_down_leaves_nothing(tmp_path):
         left = survivors(tree)
         assert not left, "left behind: " + "; ".join(f"{p} {cmdline(p)}" for p in left)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        kill_all(tree)
-        subprocess.run(["rm", "-rf", temp_dir], check=False)
+        reap(proc, tree, temp_dir)
 
 
 @pytest.mark.slow
@@ -117,13 +120,9 @@ def test_down_while_engines_launch_stops_the_launch_and_leaves_nothing(tmp_path)
     config.write_text(yaml.safe_dump({  # every engine start held 15 s: `down` surely lands mid-launch
         **SYNTHETIC, "name": "cli-down", "ray": {"num_cpus": 2}, "http": {"host": "127.0.0.1", "port": free_port()},
         "synthetic": {**SYNTHETIC["synthetic"], "start_delay_s": 15.0}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
-    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", HOME=str(tmp_path),
-               XDG_RUNTIME_DIR=str(tmp_path / "run"), RAY_AUTH_MODE="disabled")
     log = tmp_path / "up.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([*RAYPD, "up", "--config", str(config), "--temp-dir", temp_dir], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+    proc, env = start_up(config, temp_dir, log, HOME=str(tmp_path), XDG_RUNTIME_DIR=str(tmp_path / "run"),
+                         RAY_AUTH_MODE="disabled")
     tree: dict[int, str] = {}
     try:
         wait_for_line(log, proc, "placed on node", 120)  # engine processes exist, none has registered yet
@@ -138,8 +137,4 @@ def test_down_while_engines_launch_stops_the_launch_and_leaves_nothing(tmp_path)
         left = survivors(tree)
         assert not left, "left behind: " + "; ".join(f"{p} {cmdline(p)}" for p in left)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        kill_all(tree)
-        subprocess.run(["rm", "-rf", temp_dir], check=False)
+        reap(proc, tree, temp_dir)

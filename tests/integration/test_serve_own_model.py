@@ -15,7 +15,7 @@ import httpx
 import pytest
 import ray
 
-from process_helpers import descendants, kill_all, survivors, wait_for_line
+from process_helpers import descendants, reap, survivors, wait_for_line
 from service_helpers import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -70,11 +70,7 @@ def test_up_with_a_model_folder_serves_and_engine_args_reach_the_engines(tmp_pat
         assert proc.wait(timeout=60) == 0, log.read_text()
         assert not survivors(tree), "processes left behind"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        kill_all(tree)
-        subprocess.run(["rm", "-rf", temp_dir], check=False)
+        reap(proc, tree, temp_dir)
 
 
 def test_an_invalid_engine_argument_fails_the_start_naming_it(coordinator, smollm2_folder):

@@ -10,6 +10,17 @@ import asyncio
 from tests.unit.test_router import FakeClock, collect, make, req
 
 
+def never_answers_probes(directory) -> None:
+    """The coordinator gets `admit_probe` calls and answers none of them (for 10 s)."""
+    probe = directory.admit_probe
+
+    async def hung(decode_id, prefill_id):
+        await asyncio.sleep(10)
+        return await probe(decode_id, prefill_id)
+
+    directory.admit_probe = hung
+
+
 def test_no_request_waits_for_a_slow_directory_once_the_view_exists():
     async def go():
         clock = FakeClock()
@@ -52,13 +63,7 @@ def test_the_probe_is_asked_only_for_a_half_open_pair_and_never_awaited_while_a_
         asked_while_open = router.probes.asked
         clock.t += 10.0  # cooldown over: p0 is half-open
         await router.routes(force=True)
-        probe = directory.admit_probe
-
-        async def hung(decode_id, prefill_id):
-            await asyncio.sleep(10)  # the coordinator does not answer
-            return await probe(decode_id, prefill_id)
-
-        directory.admit_probe = hung
+        never_answers_probes(directory)
         ps["p1"].prefills.clear()
         t0 = asyncio.get_running_loop().time()
         s = await router.open(req("half-open"))  # p0 ranks first (least loaded ties keep order)
@@ -88,13 +93,7 @@ def test_a_request_with_only_a_half_open_pair_waits_for_its_probe_within_the_dea
             directory.ledger.prefill_failed("d0", "p0", "x")
         clock.t += 10.0
         await router.routes(force=True)
-        probe = directory.admit_probe
-
-        async def hung(decode_id, prefill_id):
-            await asyncio.sleep(10)  # the coordinator does not answer
-            return await probe(decode_id, prefill_id)
-
-        directory.admit_probe = hung
+        never_answers_probes(directory)
         t0 = asyncio.get_running_loop().time()
         s = await router.open(req("unanswered"))
         took = asyncio.get_running_loop().time() - t0
