@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
-from pdbench import client  # noqa: E402
+from pdbench import client, planned  # noqa: E402
 from serving.bench.provenance import git_state, header_line  # noqa: E402
 from serving.cli.plan import DEFAULT_PROFILE, parse_prompt_mix, parse_rates  # noqa: E402
 from serving.config import load_config  # noqa: E402
@@ -56,9 +56,7 @@ def measured_goodput(records: list[client.Record], count: int, rate: float, slo:
         if not rec.ok or rec.ttft_s is None:
             failed += 1
             continue
-        n = rec.completion_tokens or len(rec.token_times_s)
-        tpot = (rec.token_times_s[-1] - rec.ttft_s) / (n - 1) if n > 1 else 0.0
-        good += rec.ttft_s <= slo.ttft_s and tpot <= slo.tpot_s
+        good += planned.within_targets(rec.ttft_s, rec.token_times_s, rec.completion_tokens, slo)
     failed += count - len(records)  # given up at the drain limit
     return good / (count / rate), failed
 

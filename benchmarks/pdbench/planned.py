@@ -56,13 +56,14 @@ def predicted(base: Path, streams: dict[tuple[int, float], list], mix: str, outp
     return {"shape": shape, "per_rate": {str(rate): sum(g) / len(g) for rate, g in sums.items() if g}}
 
 
-def within_targets(ttft_s: float | None, token_times_s: list[float], completion_tokens: int | None) -> bool:
+def within_targets(ttft_s: float | None, token_times_s: list[float], completion_tokens: int | None,
+                   slo: SloTargets = SLO) -> bool:
     """The planner's count of one answered request: TTFT and mean time per output token after the first."""
     if ttft_s is None:
         return False
     n = completion_tokens or len(token_times_s)
     tpot = (token_times_s[-1] - ttft_s) / (n - 1) if n > 1 and token_times_s else 0.0
-    return ttft_s <= SLO.ttft_s and tpot <= SLO.tpot_s
+    return ttft_s <= slo.ttft_s and tpot <= slo.tpot_s
 
 
 def measured(runs: list[dict], rate: float, sent_per_run: int) -> float:
