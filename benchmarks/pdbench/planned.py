@@ -40,20 +40,22 @@ def write_config(base: Path, out: Path, rates: str, mix: str, output_tokens: int
 
 def predicted(base: Path, streams: dict[tuple[int, float], list], mix: str, output_tokens: int) -> dict:
     """The planner's choice and, per rate, its goodput predicted for the benchmark's requests (mean over
-    the rounds): {"shape": label, "per_rate": {str(rate): req/s}} (keys as the results JSON keeps them). `streams`: (round, rate) -> client.Request."""
+    the rounds) as deployed (the shape and chunk budget `raypd config --plan` writes for the workload):
+    {"shape": label, "budget": max_num_batched_tokens, "per_rate": {str(rate): req/s}} (keys as the results JSON keeps them). `streams`: (round, rate) -> client.Request."""
     rates = sorted({rate for _, rate in streams})
     workload = Workload(prompt_mix=parse_prompt_mix(mix), output_tokens=output_tokens, rates=tuple(rates))
     profile = load_profile(DEFAULT_PROFILE)
     data = load_config(str(base)).model_dump(mode="json", exclude_defaults=True)
-    shape, sums = None, {rate: [] for rate in rates}
+    deployed = plan(profile, workload, SLO, data).chosen  # what `write_config`'s command writes: shape and budget
+    sums: dict[float, list[float]] = {rate: [] for rate in rates}
     for rnd in sorted({r for r, _ in streams}):
         arrivals = {rate: tuple(Request(q.at_s, q.length) for q in streams[(rnd, rate)]) for rate in rates}
-        result = plan(profile, workload, SLO, data, arrivals=arrivals)
-        shape = shape or result.chosen.shape.label
-        chosen = next(p for p in result.predictions if p.shape.label == shape)
+        result = plan(profile, workload, SLO, data, arrivals=arrivals, budgets=(deployed.budget,))
+        chosen = next(p for p in result.predictions if p.shape == deployed.shape)
         for r in chosen.results:
             sums[r.rate].append(r.goodput)
-    return {"shape": shape, "per_rate": {str(rate): sum(g) / len(g) for rate, g in sums.items() if g}}
+    return {"shape": deployed.shape.label, "budget": deployed.budget_tokens,
+            "per_rate": {str(rate): sum(g) / len(g) for rate, g in sums.items() if g}}
 
 
 def within_targets(ttft_s: float | None, token_times_s: list[float], completion_tokens: int | None,

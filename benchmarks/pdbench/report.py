@@ -159,7 +159,8 @@ def _planned(res: dict) -> list[str]:
     if not plan:
         return []
     out = ["", f"THE PLANNER'S SHAPE (ep): `raypd config --plan` on (e)'s file, for this load, chose "
-           f"{plan.get('shape')}; its table (200 simulated requests per rate):"]
+           f"{plan.get('shape')}" + (f" with max_num_batched_tokens {plan['budget']}" if plan.get("budget") else "")
+           + "; its table (200 simulated requests per rate):"]
     out += [f"  {ln}" for ln in (plan.get("table") or "").splitlines()]
     out.append("  by the planner's count and the targets it was given (TTFT <= 3 s and TPOT <= 0.1 s, requests within "
                "both per second of offered load): (ep) predicted for the very requests sent (each round's arrivals "

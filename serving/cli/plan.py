@@ -6,7 +6,8 @@
 
 Prints the predicted goodput of every shape to stderr (serving.planner.plan.render_table) and the
 chosen deployment's YAML to stdout (or --plan-out): the base deployment (--config, else the
-embedded default) with only its engine groups and router.placement changed.
+embedded default) with only its engine groups, router.placement (and the targets placement `slo`
+judges by) and, where the plan chose one, the decode-capable engines' `max_num_batched_tokens` changed.
 """
 
 from __future__ import annotations
@@ -69,12 +70,13 @@ def run_plan(args: argparse.Namespace, base: DeploymentConfig) -> int:
                              f"tokens exceed the deployment's max_model_len {base.max_model_len}")
         base_data = base.model_dump(mode="json", exclude_defaults=True)  # validates back to `base`
         result = plan(profile, workload, slo, base_data)
-        text = deployment_yaml(result.chosen.shape, base_data, profile.unit, slo)
+        text = deployment_yaml(result.chosen.shape, base_data, profile.unit, slo, result.chosen.budget)
     except ValueError as exc:  # ProfileError, ConfigError and a bad flag alike
         print(f"raypd config --plan: {exc}", file=sys.stderr)
         return 2
     print(render_table(result), end="", file=sys.stderr)
-    head = (f"# planned by `raypd config --plan` ({args.profile}): {result.chosen.shape.label}, predicted goodput "
+    budget = f" (max_num_batched_tokens {result.chosen.budget})" if result.chosen.budget else ""
+    head = (f"# planned by `raypd config --plan` ({args.profile}): {result.chosen.shape.label}{budget}, predicted goodput "
             + ", ".join(f"{r.goodput:.3g} req/s at {r.rate:g}" for r in result.chosen.results) + "\n")
     if args.plan_out:
         Path(args.plan_out).write_text(head + text)

@@ -1,16 +1,20 @@
 """A shape as raypd's deployment: the config `raypd up` runs, and the step limits its engines get.
 
-  deployment_config(shape, base, unit, slo)  `base` (a deployment file's mapping) with the engine groups
-                                        and router.placement of `shape` (and the SLO targets the
-                                        router's model then places against), validated (DeploymentConfig)
-  deployment_yaml(shape, base, unit, slo)  the same as YAML (`raypd up --config` reads it back)
+  deployment_config(shape, base, unit, slo, budget)  `base` (a deployment file's mapping) with the engine
+                                        groups and router.placement of `shape` (and the SLO targets the
+                                        router's model then places against; `budget`: the chunk budget of
+                                        its decode-capable engines), validated (DeploymentConfig)
+  deployment_yaml(shape, base, unit, slo, budget)  the same as YAML (`raypd up --config` reads it back)
   shape_limits(config, unit)            what a step may carry on each role's engines of that deployment
                                         (vLLM's max_num_batched_tokens, max_num_seqs), for the simulation
+  budget_choices(config, unit)          the chunk budgets the planner tries on that deployment's
+                                        decode-capable engines (None: the deployment's own first)
   core_ranges(sizes)                    one VLLM_CPU_OMP_THREADS_BIND per engine, cores handed out in order
 
 Only the groups (`count`, `num_cpus`, `cpu_bind` on a CPU box, `tp_size` on a GPU box), the placement
 and, on a CPU box, a `ray.num_cpus` too small for the engines change: the model, engine_kwargs and
-everything else stay as the base says. Colocated shapes run placement `slo`, P/D shapes `disaggregate`.
+everything else stay as the base says; with a `budget`, the decode-capable groups' engine_kwargs also get
+`max_num_batched_tokens`. Colocated shapes run placement `slo`, P/D shapes `disaggregate`.
 With the plan's SLO targets, placement `slo` is told them (`slo_targets`): the TTFT target, and the TPOT
 target as each stream's mean-ITL budget, which is what a local prefill's stall is priced against. A
 target the base's `router.slo` sets stays the operator's.
@@ -24,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from serving.config import ROLES, DeploymentConfig
+from serving.config import DECODE_CAPABLE, ROLES, DeploymentConfig
 from serving.placement_config import vllm_default_budget
 from serving.planner.profile import Unit
 from serving.planner.shapes import Shape
@@ -52,9 +56,10 @@ def slo_targets(slo: SloTargets) -> dict[str, float]:
 
 
 def deployment_config(shape: Shape, base: Mapping[str, Any], unit: Unit,
-                      slo: SloTargets | None = None) -> DeploymentConfig:
+                      slo: SloTargets | None = None, budget: int | None = None) -> DeploymentConfig:
     """`base` reshaped to `shape` (with `slo`: placement `slo` told the targets, unless the base sets
-    them); ConfigError when raypd refuses the result (e.g. GPU tensor-parallel sizes of the two roles
+    them; with `budget`: the chunk budget of its decode-capable engines, `budget_choices`' values);
+    ConfigError when raypd refuses the result (e.g. GPU tensor-parallel sizes of the two roles
     that do not divide one another, an autoscaler's bounds the counts leave)."""
     data: dict[str, Any] = copy.deepcopy(dict(base))
     by_role = _sizes_by_role(shape)
@@ -70,6 +75,8 @@ def deployment_config(shape: Shape, base: Mapping[str, Any], unit: Unit,
             group.pop("tp_size", None)  # one rank per engine, on all its cores
         elif sizes:
             group["tp_size"] = sizes[0]
+        if sizes and budget is not None and role in DECODE_CAPABLE:
+            group["engine_kwargs"] = {**(group.get("engine_kwargs") or {}), "max_num_batched_tokens": budget}
         data[role] = group
     router = {**(data.get("router") or {}), "placement": "slo" if shape.is_colocated else "disaggregate"}
     if slo is not None:
@@ -82,10 +89,11 @@ def deployment_config(shape: Shape, base: Mapping[str, Any], unit: Unit,
     return DeploymentConfig.from_dict(data)
 
 
-def deployment_yaml(shape: Shape, base: Mapping[str, Any], unit: Unit, slo: SloTargets | None = None) -> str:
+def deployment_yaml(shape: Shape, base: Mapping[str, Any], unit: Unit, slo: SloTargets | None = None,
+                    budget: int | None = None) -> str:
     """`deployment_config` as YAML: what differs from raypd's defaults (name, backend, model and the
     engine count of each role that has engines always), `raypd up --config` reads it back."""
-    cfg = deployment_config(shape, base, unit, slo)
+    cfg = deployment_config(shape, base, unit, slo, budget)
     data = {"name": cfg.name, "backend": cfg.backend, "model": cfg.model,
             **cfg.model_dump(mode="json", exclude_defaults=True)}
     for role, sizes in _sizes_by_role(shape).items():
@@ -110,3 +118,28 @@ def shape_limits(cfg: DeploymentConfig, unit: Unit) -> ShapeLimits:
 
     return ShapeLimits(both=of("both"), prefill=of("prefill"), decode=of("decode"))
 
+
+
+def budget_choices(cfg: DeploymentConfig, unit: Unit) -> tuple[int | None, ...]:
+    """The chunk budgets (vLLM's max_num_batched_tokens) the planner tries on `cfg`'s decode-capable
+    engines: None first (what `cfg` runs: the operator's, else raypd's or vLLM's default), then, on a
+    CPU box, every block-size doubling from the smallest budget vLLM accepts up to vLLM's own default
+    (128, 256, ... 2048 at block size 128). Only None where the operator wrote a budget for a
+    decode-capable role (theirs stands), and on a GPU box: the profile's linear step model does not
+    know what a larger batch gains there, and no GPU engine runs below vLLM's default (issue 28)."""
+    roles = [r for r in DECODE_CAPABLE if getattr(cfg, r).count]
+    written = any("max_num_batched_tokens" in {**cfg.engine_kwargs, **getattr(cfg, r).engine_kwargs} for r in roles)
+    if unit != "cpu" or written or not roles:
+        return (None,)
+    tops, floors = [], []
+    for role in roles:
+        kwargs = {**cfg.engine_kwargs, **getattr(cfg, role).engine_kwargs}
+        block = getattr(cfg, role).block_size or 128  # vLLM's CPU default
+        tops.append(vllm_default_budget(kwargs))
+        floors.append((max(int(kwargs.get("max_num_seqs", 128)), block), block))
+    floor, block = max(floors)
+    choices, tokens = [], -(-floor // block) * block  # whole blocks: each chunk ends on a block boundary
+    while tokens <= min(tops):
+        choices.append(tokens)
+        tokens *= 2
+    return (None, *choices)

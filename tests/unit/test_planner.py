@@ -9,7 +9,7 @@ import yaml
 
 from serving.cli.main import main
 from serving.config import DeploymentConfig, read_config_file
-from serving.planner.deployment import core_ranges, deployment_config, deployment_yaml, shape_limits
+from serving.planner.deployment import budget_choices, core_ranges, deployment_config, deployment_yaml, shape_limits
 from serving.planner.plan import plan, render_table
 from serving.planner.profile import EngineProfile, HardwareProfile, ProfileError, load_profile
 from serving.planner.shapes import Shape, enumerate_shapes
@@ -224,6 +224,36 @@ def test_ties_go_to_fewer_engines_then_colocated():
                 SloTargets(ttft_s=30.0, tpot_s=5.0), LOCAL)
     assert all(p.total_goodput == pytest.approx(0.05) for p in easy.predictions)
     assert easy.chosen.shape.engines == 1 and easy.chosen.shape.is_colocated
+
+
+def test_the_chunk_budget_is_chosen_per_shape_and_deployed():
+    # a 0.2 s bare step: at raypd's derived 128-token budget a 2048-token prompt takes 16 steps
+    # (3.2 s of fixed cost, past the 3 s TTFT target); at 2048 one step (0.2 s + 2.05 s of compute)
+    profile = box(EngineProfile(cores=2, step_s=0.2, step_per_stream_s=0.001, prefill_tokens_per_s=1000.0))
+    work, slo = Workload(prompt_mix=((2048, 1.0),), output_tokens=16, rates=(0.1,)), SloTargets(3.0, 1.0)
+    own = plan(profile, work, slo, LOCAL, budgets=(None,)).chosen
+    result = plan(profile, work, slo, LOCAL)
+    chosen = result.chosen
+    assert (own.budget, own.budget_tokens, own.total_goodput) == (None, 128, 0.0)
+    assert (chosen.shape.label, chosen.budget, chosen.budget_tokens) == ("1x2 both", 2048, 2048)
+    assert chosen.total_goodput > 0.5 * 0.1  # most requests within the targets (an arrival may queue behind another)
+    cfg = DeploymentConfig.from_dict(yaml.safe_load(deployment_yaml(chosen.shape, LOCAL, "cpu", slo, chosen.budget)))
+    assert cfg.both.engine_kwargs == {"max_num_batched_tokens": 2048}  # the plan's budget, written down
+    assert shape_limits(cfg, "cpu").both.budget_tokens == 2048 == cfg.chunk_budget("both")
+    assert "2048*" in render_table(result) and "max_num_batched_tokens 2048" in render_table(result)
+
+
+def test_the_budgets_tried_and_an_operators_budget_stands():
+    colocated = deployment_config(Shape(colocated=(1, 1)), LOCAL, "cpu")
+    assert budget_choices(colocated, "cpu") == (None, 128, 256, 512, 1024, 2048)  # block 128 up to vLLM's default
+    mine = {**LOCAL, "both": {**LOCAL.get("both", {}), "engine_kwargs": {"max_num_batched_tokens": 384}}}
+    assert budget_choices(deployment_config(Shape(colocated=(1, 1)), mine, "cpu"), "cpu") == (None,)
+    gpu = deployment_config(Shape(colocated=(4,)), GPU_EXAMPLE, "gpu")
+    assert budget_choices(gpu, "gpu") == (None,)  # vLLM's own budget stands on a GPU
+    profile = box(EngineProfile(cores=2, step_s=0.2, step_per_stream_s=0.001, prefill_tokens_per_s=1000.0))
+    result = plan(profile, Workload(prompt_mix=((2048, 1.0),), output_tokens=16, rates=(0.1,)),
+                  SloTargets(3.0, 1.0), mine)
+    assert {(p.budget, p.budget_tokens) for p in result.predictions if p.shape.is_colocated} == {(None, 384)}
 
 
 # ------------------------------------------------------------------ the deployment
