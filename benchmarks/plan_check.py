@@ -3,7 +3,8 @@
 
   python benchmarks/plan_check.py [--profile P] [--shapes "2x1 both,1P(1)+1D(1)"] [--rates 0.25,0.5,1]
                                   [--requests N] [--prompt-tokens 512] [--output-tokens 64]
-                                  [--slo-ttft-s 3] [--slo-tpot-s 0.1] [--out benchmarks/results/plan_check.txt]
+                                  [--slo-ttft-s 3] [--slo-tpot-s 0.1] [--budgets plan,own,512,...]
+                                  [--out benchmarks/results/plan_check.txt]
 
 For every shape `raypd config --plan` considers on this box (or those named), in one run: the deployment
 the planner would write (serving/planner/deployment.py) is started with `raypd up`, and the planner's
@@ -14,7 +15,10 @@ Goodput is counted as the planner counts it:
 requests whose TTFT and mean time per output token after the first met both targets, per second of
 offered load. Prints predicted and measured goodput per shape and rate, their ratio, and whether the
 planner's choice measured best. Shapes run in the planner's order, one round (their order alternates
-between runs only if you pass --shapes yourself).
+between runs only if you pass --shapes yourself). Each shape runs with the chunk budget the plan gave it
+(`--budgets plan`, the default); `--budgets own,512,512,own` runs it once per item instead, in that order
+(`own`: the deployment's own budget; a number: that budget), each predicted with that budget: a
+side-by-side of budgets on the same requests.
 """
 
 from __future__ import annotations
@@ -125,6 +129,8 @@ def main() -> int:
     p.add_argument("--drain-s", type=float, default=90.0, help="give up on requests this long after the last arrival")
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budgets", default="plan",
+                   help="chunk budgets each shape runs with, in order: plan (the plan's), own (the deployment's), N")
     p.add_argument("--out", default=None, help="write the table here too (with its provenance header)")
     args = p.parse_args()
 
@@ -139,22 +145,27 @@ def main() -> int:
     # goodput depends on how long its queue had to grow, so a longer simulated run is not like for like
     planned = plan(profile, workload, slo, base_data, arrivals=as_arrivals(sent))
     wanted = {s.strip() for s in args.shapes.split(",")} if args.shapes else None
-    chosen = planned.chosen.shape.label
+    chosen = f"{planned.chosen.shape.label} @{planned.chosen.budget_tokens}"
     load_before, t0 = os.getloadavg(), time.monotonic()
     rows, best = [], (None, -1.0)
-    for pred in planned.predictions:
-        label = pred.shape.label
-        if wanted is not None and label not in wanted:
+    for planned_shape in planned.predictions:
+        if wanted is not None and planned_shape.shape.label not in wanted:
             continue
-        measured = run_shape(deployment_yaml(pred.shape, base_data, profile.unit), args, workload, slo,
-                             base.served_model_name, sent)
-        total = sum(g for g, _ in measured)
-        best = max(best, (label, total), key=lambda x: x[1])
-        for r, (goodput, failed) in zip(pred.results, measured):
-            ratio = f"{r.goodput / goodput:.2f}" if goodput else "-"
-            rows.append(f"  {label:<13} {r.rate:>6g} {r.goodput:>10.3f} {goodput:>9.3f} {ratio:>10} {failed:>7}"
-                        + ("   <- chosen" if label == chosen else ""))
-        print(rows[-1], flush=True)
+        for item in (b.strip() for b in args.budgets.split(",")):
+            budget = planned_shape.budget if item == "plan" else None if item == "own" else int(item)
+            pred = planned_shape if item == "plan" else next(
+                p for p in plan(profile, workload, slo, base_data, arrivals=as_arrivals(sent), budgets=(budget,)).predictions
+                if p.shape == planned_shape.shape)
+            label = f"{pred.shape.label} @{pred.budget_tokens}"
+            measured = run_shape(deployment_yaml(pred.shape, base_data, profile.unit, slo, budget), args, workload, slo,
+                                 base.served_model_name, sent)
+            total = sum(g for g, _ in measured)
+            best = max(best, (label, total), key=lambda x: x[1])
+            for r, (goodput, failed) in zip(pred.results, measured):
+                ratio = f"{r.goodput / goodput:.2f}" if goodput else "-"
+                mark = "   <- chosen" if (pred.shape, pred.budget) == (planned.chosen.shape, planned.chosen.budget) else ""
+                rows.append(f"  {label:<19} {r.rate:>6g} {r.goodput:>10.3f} {goodput:>9.3f} {ratio:>10} {failed:>7}{mark}")
+                print(rows[-1], flush=True)
     lines = [
         f"# {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}",
         "# command: " + " ".join(sys.argv),
@@ -164,7 +175,7 @@ def main() -> int:
         f"profile {args.profile}; prompt tokens {args.prompt_tokens}, {args.output_tokens} output tokens; "
         f"SLO TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s; {args.requests} requests per rate, "
         "the same ones simulated (predicted) and sent through each shape's `raypd up` front (measured)",
-        "  shape           rate  predicted  measured  pred/meas  failed",
+        "  shape @budget         rate  predicted  measured  pred/meas  failed",
         *rows,
         f"planner's choice: {chosen}; best measured (goodput summed over the rates): {best[0]}",
     ]
