@@ -32,13 +32,6 @@ What each costs you:
   1000+ files, applied from the first file). Files it knows are still read every 0.1 s;
   a new worker's first lines reach the driver up to 5 s later, none is lost
   (`benchmarks/results/log_monitor_idle.txt`).
-- `RAY_worker_niceness=0`: Ray starts its workers at nice 0 instead of 15. The serving path
-  (Serve's proxy, the ingress, the engine actors) runs in Ray workers; at 15 it waited behind
-  every nice-0 process of the host (the raylet, the GCS, the dashboard agent, a client) and got
-  only about 2.4x the CPU share of the engines' compute (at 19, `compute_nice` above it) when
-  both wanted a core. At 0 it runs level with Ray's own processes, as vLLM's API server does, and
-  ahead of the compute (then at nice 10). A task you run on the cluster runs at nice 0 too:
-  with Ray's 15, such work yields to Ray's own processes.
 """
 
 from __future__ import annotations
@@ -55,7 +48,6 @@ SERVING_NODE_ENV: dict[str, str] = {
     "REPORTER_UPDATE_INTERVAL_MS": "30000",
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     "LOG_NAME_UPDATE_INTERVAL_S": "5",
-    "RAY_worker_niceness": "0",
 }
 
 

@@ -9,12 +9,11 @@ after hop, and a request's first bytes take seconds to reach the engine under
 load (the trace's client -> front and response -> client hops). At
 `compute_nice` (default 10) above the engine actor's own nice value the worker
 still gets every cycle nobody else wants, but the serving path runs first.
-Relative, because Ray starts its workers at `RAY_worker_niceness` (Ray's
-default 15; raypd's serving profile sets 0, `serving/cluster/ray_profile.py`):
+Relative, because Ray starts its workers at nice 15 (`RAY_worker_niceness`):
 the Serve proxy, the ingress and the engine actors all run there, and an
-absolute nice 10 would have put the compute *ahead* of them at Ray's 15 (as
-root; others may not lower a nice value and the compute stayed level with
-them). The value is capped at 19, the lowest priority. Nice is per thread on Linux: every
+absolute nice 10 would have put the compute *ahead* of them (as root; others
+may not lower a nice value and the compute stayed level with them). The value
+is capped at 19, the lowest priority. Nice is per thread on Linux: every
 thread of each `VLLM::Worker` process below the engine actor is set (threads
 created later inherit it); an engine whose core runs the model itself (vLLM's uni
 executor, `actors.engine.vllm.uniproc`) has no worker: its `VLLM::EngineCore` is set. GPU hosts are left alone (the compute is not on the
