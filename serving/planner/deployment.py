@@ -119,7 +119,6 @@ def shape_limits(cfg: DeploymentConfig, unit: Unit) -> ShapeLimits:
     return ShapeLimits(both=of("both"), prefill=of("prefill"), decode=of("decode"))
 
 
-
 def budget_choices(cfg: DeploymentConfig, unit: Unit) -> tuple[int | None, ...]:
     """The chunk budgets (vLLM's max_num_batched_tokens) the planner tries on `cfg`'s decode-capable
     engines: None first (what `cfg` runs: the operator's, else raypd's or vLLM's default), then, on a
