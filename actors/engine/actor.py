@@ -75,6 +75,7 @@ from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, P
 from actors.transfer_params import TransferParams, TransferParamsError
 
 logger = logging.getLogger("raypd.engine")
+SHUTDOWN_STEP_S = 5.0  # each step of shutdown() before vLLM's own
 
 
 class EngineActor:
@@ -385,25 +386,40 @@ class EngineActor:
         rank_nodes = await asyncio.gather(*(r.node_id.remote() for r in ranks)) if ranks else []
         return {"node_id": ray.get_runtime_context().get_node_id(), "rank_nodes": list(rank_nodes)}
 
+    async def _unregister(self) -> None:
+        try:
+            await self._coordinator.unregister_engine.remote(self.engine_id, "shutdown", self._generation)
+        except ray.exceptions.RayError:
+            pass  # the coordinator is away: its watch on this actor ends with it
+
+    async def _shutdown_step(self, step: str, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait({task}, timeout=SHUTDOWN_STEP_S)
+        if not done:
+            task.cancel()  # not awaited: a step that ignores its cancellation must not hold the shutdown
+            logger.warning("%s: shutdown: %s did not end within %.0f s; going on", self.engine_id, step,
+                           SHUTDOWN_STEP_S)
+            return
+        task.result()
+
     def drop_engine(self, engine_id: str) -> None:
         """Coordinator notice: a remote engine incarnation is gone; drop its agents."""
         asyncio.get_running_loop().create_task(self.backend.drop_engine(engine_id))
 
     async def shutdown(self) -> None:
+        """Stops the relays, says goodbye to the coordinator, then stops vLLM. Each step before vLLM's
+        gets `SHUTDOWN_STEP_S` (an overrun is logged and left behind): the caller's wait is bounded."""
         self.closed = True
         if self._watcher is not None:
             self._watcher.cancel()
         if self._kv_relay is not None:
-            await self._kv_relay.stop()
+            await self._shutdown_step("the KV events relay", self._kv_relay.stop())
         if self.rates_publisher is not None:
-            await self.rates_publisher.stop()
+            await self._shutdown_step("the rates publisher", self.rates_publisher.stop())
         if self.ledger is not None:
-            await self.ledger.flush(timeout_s=5.0)
+            await self.ledger.flush(timeout_s=SHUTDOWN_STEP_S)
         if self._coordinator is not None:
-            try:
-                await self._coordinator.unregister_engine.remote(self.engine_id, "shutdown", self._generation)
-            except ray.exceptions.RayError:
-                pass
+            await self._shutdown_step("unregistering at the coordinator", self._unregister())
         await self.backend.shutdown()
         if self._outbox is not None:
             self._outbox.close()
