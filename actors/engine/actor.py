@@ -56,19 +56,8 @@ from actors.engine.vllm.trace import timer_for
 from actors.engine.load import EngineLoad, LoadMeter
 from actors.engine.rates_publisher import RatesPublisher
 from actors.engine.token_outbox import TokenOutbox
-from actors.protocol import (
-    Backend,
-    EngineRequest,
-    EngineInfo,
-    EngineRequestError,
-    EngineStart,
-    EngineStats,
-    InboxRoute,
-    ModelInfo,
-    PrefillResult,
-    Stamps,
-    TokenChunk,
-)
+from actors.protocol import (Backend, EngineInfo, EngineRequest, EngineRequestError, EngineStart, EngineStats,
+                             InboxRoute, ModelInfo, PrefillResult, Stamps, TokenChunk)
 from actors.actor_restart import reconstructed
 from actors.ray_names import NAMESPACE
 from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
