@@ -3,8 +3,10 @@ other and decodes the other's prefill. Every path gives the colocated greedy ans
 and the router's SLO placement uses both kinds of path."""
 
 import asyncio
+import os
 import random
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -15,7 +17,9 @@ from actors.engine.options import engine_actor_options
 from actors.engine.config import EngineConfig
 from actors.models.local import build_tiny_llama
 from actors.transfer_config import TransferConfig
+from actors.engine.vllm.compute_group import autogroup_enabled
 from engine_calls import collect, pd, request, token_ids
+from process_helpers import descendants
 from serving.cluster.clients import RayDirectory, RayEngineClient
 from serving.config import RouterConfig
 from serving.placement_config import PlacementConfig
@@ -107,3 +111,20 @@ def test_slo_placement_colocates_on_idle_engines_and_splits_prefill_from_busy_de
     assert (idle.route.path, len(idle_answer)) == ("local", 4)
     assert (busy.route.path, busy.prefill_id, busy.decode_id) == ("pd", "bx-Y", "bx-X")
     assert not any(c.failed or c.recomputed for c in busy_chunks)
+
+
+def test_the_compute_runs_in_a_scheduling_group_of_its_own_under_autogroup(both):
+    """actors/engine/vllm/compute_group.py: with the kernel's autogroup, each vLLM process of an
+    engine leads a session of its own, and the one that runs the model (here the worker) has the
+    compute's nice value; without autogroup, they stay in the engine actor's session."""
+    for handle in both.values():
+        actor = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+        titles = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0] for p in descendants(actor)}
+        vllm = [p for p, t in titles.items() if t.startswith(b"VLLM::")]
+        workers = [p for p in vllm if titles[p].startswith(b"VLLM::Worker")]
+        assert len(vllm) == 2 and len(workers) == 1
+        if autogroup_enabled():
+            assert [os.getsid(p) for p in vllm] == vllm
+            assert Path(f"/proc/{workers[0]}/autogroup").read_text().split()[-1] == "19"
+        else:
+            assert {os.getsid(p) for p in vllm} == {os.getsid(actor)}

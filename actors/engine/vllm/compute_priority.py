@@ -13,7 +13,8 @@ Relative, because Ray starts its workers at nice 15 (`RAY_worker_niceness`):
 the Serve proxy, the ingress and the engine actors all run there, and an
 absolute nice 10 would have put the compute *ahead* of them (as root; others
 may not lower a nice value and the compute stayed level with them). The value
-is capped at 19, the lowest priority. Nice is per thread on Linux: every
+is capped at 19, the lowest priority. Under the kernel's autogroup the compute's session gets the same
+value (`actors.engine.vllm.compute_group`). Nice is per thread on Linux: every
 thread of each `VLLM::Worker` process below the engine actor is set (threads
 created later inherit it); an engine whose core runs the model itself (vLLM's uni
 executor, `actors.engine.vllm.uniproc`) has no worker: its `VLLM::EngineCore` is set. GPU hosts are left alone (the compute is not on the
@@ -25,6 +26,8 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+
+from actors.engine.vllm.compute_group import set_group_nice
 
 logger = logging.getLogger("raypd.vllm")
 
@@ -72,6 +75,7 @@ def lower_compute_priority(offset: int, root_pid: int | None = None) -> list[int
         try:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            set_group_nice(pid, nice)  # its session's group, under autogroup (compute_group.py)
             done.append(pid)
         except (OSError, ValueError) as exc:
             logger.info("could not lower the priority of vLLM process %s: %s", pid, exc)

@@ -8,7 +8,9 @@ gone too (a SIGTERM to the whole process group of `raypd up` stops the raylet an
 exit on their own) or when that cleanup is off: then the core is re-parented and keeps its memory, its
 KV cache and its threads' CPU. `actors.engine.vllm.orphans` reaps such a core when the engine restarts
 on the same node; this makes it stop on its own, at once, whether or not an engine ever starts there
-again. Whichever of the raylet and this watch acts first, the core is gone.
+again. Whichever of the raylet and this watch acts first, the core is gone. (On a CPU host with the kernel's
+autogroup, vLLM's processes leave the actor's process group (`actors.engine.vllm.compute_group`): there this
+watch is what stops them.)
 
 How: the actor names itself in its environment (`PARENT_ENV`) before vLLM spawns the core, so every
 vLLM process below it inherits the mark. raypd's vLLM plugin (`actors.engine.vllm.plugin`) calls

@@ -1,5 +1,7 @@
 """raypd's vLLM general plugin: how vLLM's processes wait, on the CPU hosts raypd starts them on,
-and that they end with the engine actor that started them (`actors.engine.vllm.parent_death`).
+that they end with the engine actor that started them (`actors.engine.vllm.parent_death`), and,
+on a CPU host whose kernel groups processes by session, that each leads a session (a scheduling
+group) of its own (`actors.engine.vllm.compute_group`).
 
 vLLM loads every `vllm.general_plugins` entry point in each of its processes (engine core,
 workers); `register` runs there. It changes nothing unless the process was started by a raypd
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import os
 
+from actors.engine.vllm.compute_group import leave_session
 from actors.engine.vllm.parent_death import follow_parent
 
 BUSY_LOOP_ENV = "RAYPD_SHM_BUSY_LOOP_S"
@@ -42,7 +45,10 @@ SNDHWM_UNBOUNDED = 0
 
 
 def register() -> None:
-    follow_parent()  # a vLLM process below a raypd engine actor ends with its parent (parent_death.py)
+    if follow_parent() is not None:  # a vLLM process below a raypd engine actor ends with its parent
+        from vllm.platforms import current_platform
+
+        leave_session(current_platform.is_cpu())  # its own scheduling group (compute_group.py)
     value = os.environ.get(BUSY_LOOP_ENV)
     if value is None:
         return  # not a raypd engine: vLLM as shipped
