@@ -44,11 +44,24 @@ class SetupError(RuntimeError):
 
 
 def free_port() -> int:
+    """A port nothing listens on, below the kernel's ephemeral range: a port the kernel handed out
+    (bind to 0) may be handed out again to one of Ray's own sockets before the server binds it
+    (seen: Serve's proxy failed to bind its HTTP port)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.Random().sample(range(20000, max(20001, low)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise SetupError("no free port below the ephemeral range")
 
 
 def base_env() -> dict[str, str]:
