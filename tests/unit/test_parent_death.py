@@ -29,9 +29,11 @@ CHILD = textwrap.dedent("""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
         signal.signal(signal.SIGTERM, lambda *_: (print("sigterm", flush=True), sys.exit(0)))
-    if sys.argv[2] == "nopidfd":
+    if sys.argv[2].startswith("nopidfd"):
         del os.pidfd_open
     following = follow_parent(grace_s=float(sys.argv[1]), check_every_s=0.5)
+    if sys.argv[2].endswith("setsid"):
+        os.setsid()  # as raypd's plugin does under autogroup (compute_group.leave_session)
     print("following" if following else "not following", flush=True)
     time.sleep(600)
 """)
@@ -48,13 +50,13 @@ ACTOR = textwrap.dedent("""
 """)
 
 
-def _start(mark: bool, tmp_path, grace_s: float = 5.0, pidfd: bool = True
+def _start(mark: bool, tmp_path, grace_s: float = 5.0, pidfd: bool = True, own_session: bool = False
            ) -> tuple[subprocess.Popen, psutil.Process, str]:
     log = str(tmp_path / "child.log")
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop(parent_death.PARENT_ENV, None)
     actor = subprocess.Popen([sys.executable, "-c", ACTOR, "mark" if mark else "none", CHILD, log, str(grace_s),
-                              "pidfd" if pidfd else "nopidfd"],
+                              ("pidfd" if pidfd else "nopidfd") + ("-setsid" if own_session else "")],
                              env=env, stdout=subprocess.PIPE, text=True)
     child = psutil.Process(int(actor.stdout.readline()))
     deadline = time.monotonic() + 30
@@ -142,3 +144,21 @@ def test_only_processes_below_the_actor_follow():
     assert not parent_death.should_follow("1234", 1234)  # the actor itself (vLLM loads plugins there too)
     assert not parent_death.should_follow(None, 1234)  # not started by a raypd engine: vLLM as shipped
     assert not parent_death.should_follow("", 1234)
+
+
+def test_a_child_in_a_session_of_its_own_is_killed_at_once(tmp_path):
+    """Out of the actor's process group the raylet's SIGKILL of that group misses it: it kills itself."""
+    actor, child, log = _start(True, tmp_path, own_session=True)
+    try:
+        t0 = time.monotonic()
+        actor.kill()
+        actor.wait()
+        took = _ended_after(child, t0)
+    finally:
+        for p in (actor, child):
+            try:
+                p.kill()
+            except (OSError, psutil.Error):
+                pass
+    # no SIGTERM handler ran: killed, well before the 5 s grace a SIGTERM gets
+    assert (took is not None and took < 2.0, open(log).read().split()) == (True, ["following"]), took

@@ -20,9 +20,9 @@ nice value meant. Nothing changes without autogroup (the nice values already ran
 thread on the host), on GPU hosts, or for a process that is not below a raypd engine.
 
 Cost: the raylet's process-group cleanup (`RAY_process_group_cleanup_enabled`) no longer
-reaches a core that left the group; `actors.engine.vllm.parent_death` stops it when its
-parent dies (SIGTERM at once, SIGKILL 5 s later), and `actors.engine.vllm.orphans` reaps it
-when the engine restarts.
+reaches a core that left the group; `actors.engine.vllm.parent_death` does the same when its
+parent dies (SIGKILL at once: a CI run saw a core that was sent SIGTERM still alive 7 s after its
+actor's kill -9, when the restarted engine started).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ KV cache and its threads' CPU. `actors.engine.vllm.orphans` reaps such a core wh
 on the same node; this makes it stop on its own, at once, whether or not an engine ever starts there
 again. Whichever of the raylet and this watch acts first, the core is gone. (On a CPU host with the kernel's
 autogroup, vLLM's processes leave the actor's process group (`actors.engine.vllm.compute_group`): there this
-watch is what stops them.)
+watch is what stops them, and it SIGKILLs at once, as the raylet would have.)
 
 How: the actor names itself in its environment (`PARENT_ENV`) before vLLM spawns the core, so every
 vLLM process below it inherits the mark. raypd's vLLM plugin (`actors.engine.vllm.plugin`) calls
@@ -80,6 +80,10 @@ def _wait_then_stop(pidfd: int | None, parent: int, grace_s: float, check_every_
 
 
 def _stop_self(parent: int, grace_s: float) -> None:
+    if os.getsid(0) == os.getpid():
+        # it left the actor's process group (actors.engine.vllm.compute_group), so the raylet's
+        # cleanup, which SIGKILLs that group, cannot reach it: it does the same, at once
+        os.kill(os.getpid(), signal.SIGKILL)
     try:
         print(f"raypd: the parent (pid {parent}) of vLLM process {os.getpid()} exited; stopping it",
               file=sys.stderr, flush=True)
