@@ -78,53 +78,39 @@ def _ended_after(proc: psutil.Process, t0: float, timeout_s: float = 10.0) -> fl
     return None
 
 
-def test_a_marked_child_is_asked_to_stop_when_its_parent_is_killed_9(tmp_path):
-    actor, child, log = _start(True, tmp_path)
+def _kill_parent_then_time(actor: subprocess.Popen, child: psutil.Process) -> float | None:
+    """kill -9 the stand-in actor; seconds until the child stopped (None: still running 10 s later).
+    Both are killed afterwards, whatever happened."""
     try:
         t0 = time.monotonic()
         actor.send_signal(signal.SIGKILL)
         actor.wait()
-        took = _ended_after(child, t0)
+        return _ended_after(child, t0)
     finally:
         for p in (actor, child):
             try:
                 p.kill()
             except (OSError, psutil.Error):
                 pass
+
+
+def test_a_marked_child_is_asked_to_stop_when_its_parent_is_killed_9(tmp_path):
+    actor, child, log = _start(True, tmp_path)
+    took = _kill_parent_then_time(actor, child)
     # asked to stop (its SIGTERM handler ran), well before the SIGKILL that would follow 5 s later
     assert (took is not None and took < 4.0, open(log).read().split()) == (True, ["following", "sigterm"]), took
 
 
 def test_without_pidfds_a_marked_child_notices_the_reparenting_and_stops(tmp_path):
     actor, child, log = _start(True, tmp_path, pidfd=False)
-    try:
-        t0 = time.monotonic()
-        actor.kill()
-        actor.wait()
-        took = _ended_after(child, t0)
-    finally:
-        for p in (actor, child):
-            try:
-                p.kill()
-            except (OSError, psutil.Error):
-                pass
+    took = _kill_parent_then_time(actor, child)
     # asked to stop at its next check (every 0.5 s here), not by the SIGKILL 5 s later
     assert (took is not None and took < 4.0, open(log).read().split()) == (True, ["following", "sigterm"]), took
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     actor, child, log = _start(True, tmp_path, grace_s=0.5)
-    try:
-        t0 = time.monotonic()
-        actor.kill()
-        actor.wait()
-        took = _ended_after(child, t0)
-    finally:
-        for p in (actor, child):
-            try:
-                p.kill()
-            except (OSError, psutil.Error):
-                pass
+    took = _kill_parent_then_time(actor, child)
     assert took is not None and 0.5 <= took < 4.0, took
 
 
@@ -149,16 +135,6 @@ def test_only_processes_below_the_actor_follow():
 def test_a_child_in_a_session_of_its_own_is_killed_at_once(tmp_path):
     """Out of the actor's process group the raylet's SIGKILL of that group misses it: it kills itself."""
     actor, child, log = _start(True, tmp_path, own_session=True)
-    try:
-        t0 = time.monotonic()
-        actor.kill()
-        actor.wait()
-        took = _ended_after(child, t0)
-    finally:
-        for p in (actor, child):
-            try:
-                p.kill()
-            except (OSError, psutil.Error):
-                pass
+    took = _kill_parent_then_time(actor, child)
     # no SIGTERM handler ran: killed, well before the 5 s grace a SIGTERM gets
     assert (took is not None and took < 2.0, open(log).read().split()) == (True, ["following"]), took
