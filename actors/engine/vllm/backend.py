@@ -62,7 +62,7 @@ from actors.kv.handshake import decode_handshake
 from actors.engine.vllm.kv_events import KVEventsSource, endpoint_in, vllm_kv_events_config
 from actors.engine.vllm.leases import UnreadLeases, lease_ends_logger
 from actors.prefix_wire import DEFAULT_SEED, HashScheme
-from actors.engine.vllm.orphans import child_pids, forget, reap_children, reap_previous, record_children
+from actors.engine.vllm.orphans import Child, forget, live_pids, reap_children, reap_previous, record_children
 from actors.protocol import (
     BackendStats,
     EngineRequest,
@@ -85,6 +85,7 @@ class VllmBackend:
         self.cfg, self.engine_id = cfg, engine_id
         self.start_timeout_s = start_timeout_s
         self.llm: Any = None
+        self._children: tuple[Child, ...] = ()  # vLLM's processes, recorded once it started (orphans.py)
         self.coordinator: Any = None
         self.ledger: Any = None  # set by start()
         self._handshakes: list[bytes] = []
@@ -135,7 +136,7 @@ class VllmBackend:
         engine_args = self._engine_args(model_path)  # refuses a bad engine_kwargs key before any process starts
         with core_process_env(self.cfg):  # a `uni` engine's core runs the model: bound as a worker would be
             self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=self._stat_loggers())
-        record_children(self.engine_id)
+        self._children = record_children(self.engine_id)
         self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
         from actors.engine.vllm.decode import DecodePath, DecodeWiring, decode_caps
 
@@ -302,7 +303,7 @@ class VllmBackend:
         u = self._usage
         total = int(u["num_blocks"])
         return BackendStats("vllm", num_blocks=total, free_blocks=round((1.0 - float(u["kv_cache_usage"])) * total),
-                            held_leases=len(self._unread), child_pids=tuple(child_pids()),
+                            held_leases=len(self._unread), child_pids=tuple(live_pids(self._children)),
                             counters={**self.counters, "engine_running": u["running"],
                                       "engine_waiting": u["waiting"],
                                       **{k: v for k, v in u.items() if k.startswith(("prompt_", "compute_"))}})

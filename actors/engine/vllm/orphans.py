@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 logger = logging.getLogger("raypd.orphans")
@@ -28,21 +29,44 @@ def record_path(engine_id: str) -> Path:
     return Path(tempfile.gettempdir()) / f"raypd-{engine_id}.children.json"
 
 
-def record_children(engine_id: str) -> int:
-    """Write down this process's descendants; returns how many."""
+@dataclass(frozen=True)
+class Child:
+    """One recorded descendant: its pid and start time (a reused pid has another)."""
+
+    pid: int
+    create_time: float
+
+
+def record_children(engine_id: str) -> tuple[Child, ...]:
+    """Write down this process's descendants (vLLM's engine core and workers, started by now); returns them."""
     import psutil
 
     children = []
     for child in psutil.Process().children(recursive=True):
         try:
-            children.append({"pid": child.pid, "create_time": child.create_time()})
+            children.append(Child(child.pid, child.create_time()))
         except psutil.Error:
             continue
     path = record_path(engine_id)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"parent": os.getpid(), "children": children}))
+    tmp.write_text(json.dumps({"parent": os.getpid(), "children": [asdict(c) for c in children]}))
     os.replace(tmp, path)
-    return len(children)
+    return tuple(children)
+
+
+def live_pids(children: tuple[Child, ...]) -> list[int]:
+    """The recorded children still running: O(children). Listing them again (psutil's `children()`)
+    reads every process's /proc entry on the host, 3-30 ms on the engine actor's event loop per call."""
+    import psutil
+
+    alive = []
+    for child in children:
+        try:
+            if abs(psutil.Process(child.pid).create_time() - child.create_time) < 0.01:
+                alive.append(child.pid)
+        except psutil.Error:
+            continue
+    return alive
 
 
 def reap_previous(engine_id: str, grace_s: float = 3.0) -> list[int]:
@@ -75,13 +99,6 @@ def reap_previous(engine_id: str, grace_s: float = 3.0) -> list[int]:
 def forget(engine_id: str) -> None:
     """A clean shutdown reaped its own children: drop the record."""
     record_path(engine_id).unlink(missing_ok=True)
-
-
-def child_pids() -> list[int]:
-    """vLLM's engine core (and workers): what a kill of this engine's process tree must include."""
-    import psutil
-
-    return [c.pid for c in psutil.Process().children(recursive=True)]
 
 
 def reap_children(grace_s: float = 3.0) -> None:

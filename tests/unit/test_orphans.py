@@ -1,0 +1,46 @@
+"""The engine's record of vLLM's processes: written once, checked per stats call without listing the host."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from actors.engine.vllm.orphans import Child, forget, live_pids, record_children, record_path
+
+
+@pytest.fixture
+def child():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def engine_id():
+    eid = f"test-orphans-{uuid.uuid4().hex[:8]}"
+    yield eid
+    forget(eid)
+
+
+def test_the_recorded_children_are_the_ones_alive_and_in_the_record_file(child, engine_id):
+    recorded = record_children(engine_id)
+    assert [c.pid for c in recorded] == [child.pid]
+    assert live_pids(recorded) == [child.pid]
+    on_disk = json.loads(record_path(engine_id).read_text())
+    assert on_disk["children"] == [{"pid": child.pid, "create_time": recorded[0].create_time}]
+
+
+def test_a_child_that_exited_is_no_longer_live(child, engine_id):
+    recorded = record_children(engine_id)
+    child.kill()
+    child.wait()
+    assert live_pids(recorded) == []
+
+
+def test_a_reused_pid_is_not_taken_for_the_recorded_child(child):
+    assert live_pids((Child(child.pid, create_time=1.0),)) == []
