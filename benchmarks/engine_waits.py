@@ -1,11 +1,14 @@
-"""CPU per streamed token of one vLLM engine on one core, two comparisons (`--pair`):
+"""CPU per streamed token of one vLLM engine on one core, three comparisons (`--pair`):
   waits   vLLM's shared-memory readers as shipped (spinning on sched_yield for 1 s after each read)
           against `RAYPD_SHM_BUSY_LOOP_S=0` (they sleep on the writer's notification;
           `actors/engine/vllm/plugin.py`);
   layout  vLLM's CPU layout (a worker process beside the engine core, driven through a shared-memory
           queue: the mp executor) against raypd's default for one-rank CPU engines (the model in
           the engine-core process: the uni executor, `actors/engine/vllm/uniproc.py`); also the
-          engine's start (AsyncLLM's construction) and whether the greedy answers are the same.
+          engine's start (AsyncLLM's construction) and whether the greedy answers are the same;
+  async   the uni layout with vLLM's async scheduling (its default) against without it: the uni
+          executor computes a step inside `execute_model`, so a step's output leaves the core only
+          after the next step computed (vLLM's batch queue of two), with nothing overlapped.
 
 Each run is a fresh process with every thread on one core (`sched_setaffinity`, inherited by
 vLLM's engine core and worker, as a raypd engine's share of a 2-core box), the worker's OMP
@@ -13,10 +16,11 @@ thread bound to it (`VLLM_CPU_OMP_THREADS_BIND`) and at nice 10 (raypd's `comput
 same model and settings as the embedded default (SmolLM2, float32, enforce_eager). It streams
 `--requests` answers of `--tokens` tokens to `--prompt`-token random prompts, one at a time, and
 reads each process's CPU time (/proc) over them. Set-ups alternate (A B B A ...), and the
-ratios compare the runs' medians of ITL p50 and CPU per token.
+ratios compare the runs' medians of TTFT p50, first -> second token p50, ITL p50 and CPU per token.
 
   python benchmarks/engine_waits.py --rounds 2 --out benchmarks/results/engine_waits.txt
   python benchmarks/engine_waits.py --pair layout --rounds 3 --out benchmarks/results/engine_layout.txt
+  python benchmarks/engine_waits.py --pair async --rounds 2 --out benchmarks/results/engine_async.txt
 """
 
 from __future__ import annotations
@@ -35,13 +39,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+ASYNC_ENV = "ENGINE_WAITS_ASYNC_SCHEDULING"  # "0": vLLM's async_scheduling off (this script's knob only)
 # set-up -> (label, environment: None removes the variable)
 SETUPS: dict[str, tuple[str, dict[str, str | None]]] = {
     "A": ("vLLM as shipped (mp, busy_loop_s 1)", {"RAYPD_SHM_BUSY_LOOP_S": None}),
     "B": ("busy_loop_s 0 (mp)", {"RAYPD_SHM_BUSY_LOOP_S": "0"}),
     "U": ("raypd's layout (uni: model in the core)", {"RAYPD_SHM_BUSY_LOOP_S": None, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+    "S": ("uni, async scheduling off", {"RAYPD_SHM_BUSY_LOOP_S": None, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                        ASYNC_ENV: "0"}),
 }
-PAIRS = {"waits": ("A", "B"), "layout": ("A", "U")}
+PAIRS = {"waits": ("A", "B"), "layout": ("A", "U"), "async": ("U", "S")}
 
 
 async def _measure(args: argparse.Namespace) -> dict:
@@ -58,7 +65,8 @@ async def _measure(args: argparse.Namespace) -> dict:
     t_start = time.monotonic()
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, dtype="float32", max_model_len=2048,
                                                     enforce_eager=True, disable_log_stats=False,
-                                                    distributed_executor_backend="uni" if uni else None))
+                                                    distributed_executor_backend="uni" if uni else None,
+                                                    async_scheduling=False if os.environ.get(ASYNC_ENV) == "0" else None))
     start_s = time.monotonic() - t_start
     lower_compute_priority(10)
     me, rng = psutil.Process(), random.Random(0)
@@ -81,12 +89,17 @@ async def _measure(args: argparse.Namespace) -> dict:
     async for _ in llm.generate({"prompt_token_ids": prompt()}, sp, "warm-up"):
         pass
     before, gaps, tokens, t0, answers = cpu(), [], 0, time.monotonic(), []
+    ttfts, seconds = [], []  # per request: time to the first token, first -> second token
     for i in range(args.requests):
-        last, streamed, ids = None, 0, []
+        last, streamed, ids, sent = None, 0, [], time.monotonic()
         async for out in llm.generate({"prompt_token_ids": prompt()}, sp, f"r{i}"):
             now = time.monotonic()
-            if last is not None:
+            if last is None:
+                ttfts.append(now - sent)
+            else:
                 gaps.append(now - last)
+                if len(seconds) == i:  # this request's first gap
+                    seconds.append(now - last)
             last, streamed, ids = now, len(out.outputs[0].token_ids), out.outputs[0].token_ids  # cumulative
         tokens += streamed
         answers.append(list(ids))
@@ -97,6 +110,7 @@ async def _measure(args: argparse.Namespace) -> dict:
         if pid in before:
             per_process[name] = per_process.get(name, 0.0) + 1000 * (t - before[pid][1]) / max(1, tokens)
     return {"tokens": tokens, "wall_s": wall, "itl_p50_ms": 1000 * statistics.median(gaps),
+            "ttft_p50_ms": 1000 * statistics.median(ttfts), "second_p50_ms": 1000 * statistics.median(seconds),
             "cpu_ms_per_token": per_process, "start_s": start_s,
             "answers": hashlib.sha1(repr(answers).encode()).hexdigest()}
 
@@ -138,7 +152,7 @@ def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
              f"{args.prompt} prompt tokens -> {args.tokens} tokens, one at a time; runs alternate "
              f"{' '.join(s for s, _ in args.order)}", ""]
     names = sorted({n for rs in runs.values() for r in rs for n in r["cpu_ms_per_token"]})
-    head = (f"{'set-up':40s} {'runs':>4s} {'start s':>7s} {'ITL p50 ms':>10s} "
+    head = (f"{'set-up':40s} {'runs':>4s} {'start s':>7s} {'TTFT p50':>8s} {'tok1->2':>7s} {'ITL p50 ms':>10s} "
             + " ".join(f"{n[:18]:>18s}" for n in names) + f" {'total':>8s}")
     lines += ["CPU per streamed token (ms), medians over runs:", head]
     med: dict[str, dict[str, float]] = {}
@@ -146,16 +160,21 @@ def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
         row = {n: statistics.median(r["cpu_ms_per_token"].get(n, 0.0) for r in rs) for n in names}
         row["total"] = statistics.median(sum(r["cpu_ms_per_token"].values()) for r in rs)
         row["itl"] = statistics.median(r["itl_p50_ms"] for r in rs)
+        row["ttft"] = statistics.median(r["ttft_p50_ms"] for r in rs)
+        row["second"] = statistics.median(r["second_p50_ms"] for r in rs)
         row["start"] = statistics.median(r["start_s"] for r in rs)
         med[setup] = row
-        lines.append(f"{SETUPS[setup][0]:40s} {len(rs):4d} {row['start']:7.1f} {row['itl']:10.1f} "
+        lines.append(f"{SETUPS[setup][0]:40s} {len(rs):4d} {row['start']:7.1f} {row['ttft']:8.1f} "
+                     f"{row['second']:7.1f} {row['itl']:10.1f} "
                      + " ".join(f"{row[n]:18.2f}" for n in names) + f" {row['total']:8.2f}")
     first, second = PAIRS[args.pair]
     a, b = med[first], med[second]
     core = next((n for n in names if n == "engine core"), None)
     same = len({r["answers"] for rs in runs.values() for r in rs}) == 1
     lines += ["", f"{SETUPS[second][0]} / {SETUPS[first][0]}:",
-              f"  ITL p50 {b['itl'] / a['itl']:.2f}x, CPU per token {b['total'] / a['total']:.2f}x, "
+              f"  TTFT p50 {b['ttft'] / a['ttft']:.2f}x ({a['ttft']:.1f} -> {b['ttft']:.1f} ms), "
+              f"tok1->2 p50 {b['second'] / a['second']:.2f}x, "
+              f"ITL p50 {b['itl'] / a['itl']:.2f}x, CPU per token {b['total'] / a['total']:.2f}x, "
               f"start {b['start'] / a['start']:.2f}x ({a['start']:.1f} -> {b['start']:.1f} s)"
               + (f", engine core {b[core] / a[core]:.2f}x ({a[core]:.2f} -> {b[core]:.2f} ms/token)"
                  if core and args.pair == "waits" else ""),

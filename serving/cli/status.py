@@ -41,7 +41,8 @@ def vllm_summary(v: dict) -> str:
     return (f"dtype={v['dtype']} max_model_len={v['max_model_len']} max_num_seqs={v['max_num_seqs']} "
             f"max_num_batched_tokens={v['max_num_batched_tokens']} block_size={v['block_size']} "
             f"prefix_caching={'on' if v['enable_prefix_caching'] else 'off'} "
-            f"cuda_graphs/compile={'off' if v['enforce_eager'] else 'on'} kv_role={v['kv_role']}")
+            f"cuda_graphs/compile={'off' if v['enforce_eager'] else 'on'} kv_role={v['kv_role']} "
+            f"async_scheduling={'on' if v.get('async_scheduling') else 'off'}")
 
 
 def _effective(handle: Any, timeout_s: float) -> dict | None:

@@ -245,6 +245,7 @@ class EffectiveEngineConfig:
     kv_role: str | None
     num_kv_blocks: int
     mla_backend: str | None = None  # the MLA attention backend on a CPU (None: not MLA, or not a CPU)
+    async_scheduling: bool = False  # vLLM's batch queue of two steps (off on raypd's one-rank CPU engines)
 
     @classmethod
     def from_vllm_config(cls, vc: Any) -> "EffectiveEngineConfig":
@@ -262,6 +263,7 @@ class EffectiveEngineConfig:
             kv_role=kv.kv_role if kv is not None else None,
             num_kv_blocks=int(vc.cache_config.num_gpu_blocks or 0),
             mla_backend=_cpu_mla_backend(vc),
+            async_scheduling=bool(vc.scheduler_config.async_scheduling),
         )
 
 
