@@ -12,15 +12,12 @@ actors/engine/config.py). `check_engine_args` checks the rest against vLLM's
 own argument classes where vLLM is importable (the CLI calls it; the engines
 check again when they start).
 
-raypd sets four engine arguments where the operator wrote none (`EngineConfig.cpu_engine_defaults`
+raypd sets three engine arguments where the operator wrote none (`EngineConfig.cpu_engine_defaults`
 and `gpu_engine_defaults`, applied by the engine for its platform; `raypd config` prints them):
 
 - a one-rank engine on a CPU host runs its model in vLLM's engine-core process
   (`distributed_executor_backend: uni`, which vLLM's CPU platform would turn into `mp`:
-  actors/engine/vllm/uniproc.py has why, what raypd does to keep it, and the figures),
-  without vLLM's async scheduling (`async_scheduling: false`: the uni executor computes a step
-  inside the call that schedules it, so there is nothing to overlap, and vLLM's batch queue of
-  two would hand each step's tokens out only after the next step computed; uniproc.py has the figures);
+  actors/engine/vllm/uniproc.py has why, what raypd does to keep it, and the figures);
 
 - the chunk budget (`max_num_batched_tokens`) of decode-capable engines under SLO placement:
   derived from the rates the role's live engines measured when an engine is started with them
@@ -317,9 +314,6 @@ class DeploymentConfig(_Strict):
             cpu_defaults.update({k: v for k, v in PREFILL_DEFAULT_KWARGS.items() if k not in kwargs})
         if self.backend == "vllm" and group.tp_size * group.pp_size == 1 and "distributed_executor_backend" not in kwargs:
             cpu_defaults["distributed_executor_backend"] = "uni"  # the model runs in the core process (see above)
-        if (self.backend == "vllm" and group.tp_size * group.pp_size == 1 and "async_scheduling" not in kwargs
-                and kwargs.get("distributed_executor_backend", "uni") == "uni"):
-            cpu_defaults["async_scheduling"] = False  # uni overlaps nothing: it would only hold each output a step
         budget = self.chunk_budget_of(role, measured)
         if budget is not None and budget.source != "operator":
             cpu_defaults["max_num_batched_tokens"] = budget.tokens

@@ -64,10 +64,6 @@ def _pd_args(role: str, ecfg: EngineConfig) -> list[EngineArg]:
         args.append(EngineArg("distributed_executor_backend", ecfg.cpu_engine_defaults.get("distributed_executor_backend"),
                               None, "CPU host: one rank, the model runs in vLLM's engine-core process, no worker "
                               "process beside it (actors/engine/vllm/uniproc.py); GPU host: vLLM's default"))
-    if "async_scheduling" in ecfg.cpu_engine_defaults:
-        args.append(EngineArg("async_scheduling", ecfg.cpu_engine_defaults["async_scheduling"], None,
-                              "CPU host: the uni executor overlaps nothing, and vLLM's async scheduling would hand "
-                              "each step's tokens out a step late (actors/engine/vllm/uniproc.py); GPU host: vLLM's default"))
     if "speculative_config" not in ecfg.engine_kwargs:
         args.append(EngineArg("logits_processors", "+ ResumedPenalties", None,
                               "CPU host: a decode engine continues a resumed request without replaying its first token"))

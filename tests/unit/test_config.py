@@ -71,7 +71,7 @@ def test_engine_kwargs_reach_each_role_and_the_role_wins():
         "engine_kwargs": {"max_num_seqs": 64, "enable_prefix_caching": False},
         "decode": {"engine_kwargs": {"max-num-seqs": 8, "gpu_memory_utilization": 0.8}},
     })
-    uni = {"distributed_executor_backend": "uni", "async_scheduling": False}  # raypd's CPU default for one-rank engines
+    uni = {"distributed_executor_backend": "uni"}  # raypd's CPU default for one-rank engines
     assert on_cpu(cfg.engine_config("prefill")) == {"max_num_seqs": 64, "enable_prefix_caching": False, **uni}
     assert on_cpu(cfg.engine_config("decode")) == {"max_num_seqs": 8, "enable_prefix_caching": False,
                                                    "gpu_memory_utilization": 0.8, **uni,
@@ -92,7 +92,7 @@ def test_owned_engine_kwargs_move_into_raypds_fields():
 
 def test_defaults_follow_vllm_but_decode_capable_engines_get_a_chunk_budget_within_the_itl_target():
     cfg = DeploymentConfig.from_dict({})
-    uni = {"distributed_executor_backend": "uni", "async_scheduling": False}  # one rank: the model in the core process
+    uni = {"distributed_executor_backend": "uni"}  # one rank: the model in the core process
     assert cfg.dtype == "auto" and on_cpu(cfg.engine_config("prefill")) == {"max_num_seqs": 1, **uni}  # FCFS prefills
     # a step with a local prefill chunk stays near the ITL target (prior rates; vLLM's floor: one block)
     assert on_cpu(cfg.engine_config("decode")) == {"max_num_batched_tokens": 128, **uni}

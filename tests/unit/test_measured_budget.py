@@ -89,8 +89,7 @@ def test_prefill_engines_get_no_budget_and_batch_prompts_on_a_gpu():
     cfg = deployment()
     for measured in (None, FAST):
         e = cfg.engine_config("prefill", measured=measured)
-        assert platform_defaults(e, is_cpu=True) == {"max_num_seqs": 1, "distributed_executor_backend": "uni",
-                                                             "async_scheduling": False}
+        assert platform_defaults(e, is_cpu=True) == {"max_num_seqs": 1, "distributed_executor_backend": "uni"}
         assert platform_defaults(e, is_cpu=False) == {}
 
 

@@ -75,7 +75,7 @@ def test_on_a_cpu_host_the_default_gets_its_chunk_budget_and_fcfs_prefills():
     both = load_config(ROOT / "configs/local.yaml").engine_config("both")
     prefill = load_config(ROOT / "configs/local-pd.yaml").engine_config("prefill")
     assert (platform_defaults(both, is_cpu=True), platform_defaults(prefill, is_cpu=True)["max_num_seqs"]) == (
-        {"max_num_batched_tokens": 128, "distributed_executor_backend": "uni", "async_scheduling": False}, 1)
+        {"max_num_batched_tokens": 128, "distributed_executor_backend": "uni"}, 1)
 
 
 def test_a_value_the_operator_wrote_wins_on_a_cpu_host_too():

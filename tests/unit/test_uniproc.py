@@ -35,21 +35,6 @@ def test_one_rank_cpu_engines_run_uni_by_default_and_the_operator_can_keep_vllms
     assert "distributed_executor_backend" not in tp2.engine_config("both").cpu_engine_defaults
 
 
-def test_a_uni_engine_runs_without_async_scheduling_unless_the_operator_asks_for_it():
-    from serving.config import DeploymentConfig
-
-    base = {"name": "d", "backend": "vllm", "model": "m", "both": {"count": 1}}
-
-    def defaults(**over) -> dict:
-        return DeploymentConfig.from_dict({**base, **over}).engine_config("both").cpu_engine_defaults
-
-    assert defaults()["async_scheduling"] is False  # uni: nothing to overlap, each output a step late
-    assert defaults(engine_kwargs={"distributed_executor_backend": "uni"})["async_scheduling"] is False
-    assert "async_scheduling" not in defaults(engine_kwargs={"async_scheduling": True})  # the operator's
-    assert "async_scheduling" not in defaults(engine_kwargs={"distributed_executor_backend": "mp"})  # vLLM's
-    assert "async_scheduling" not in defaults(both={"count": 1, "tp_size": 2})  # mp: vLLM's
-
-
 def test_the_core_is_bound_to_the_engines_cores_as_vllms_mp_executor_binds_a_worker():
     uni = cfg(engine_kwargs={"distributed_executor_backend": "uni"}, cpu_bind="0,2-3")
     assert uniproc.core_omp_env(uni) == {"OMP_NUM_THREADS": "3", "OMP_PLACES": "{0,2,3}", "OMP_PROC_BIND": "true"}

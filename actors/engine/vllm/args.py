@@ -245,7 +245,7 @@ class EffectiveEngineConfig:
     kv_role: str | None
     num_kv_blocks: int
     mla_backend: str | None = None  # the MLA attention backend on a CPU (None: not MLA, or not a CPU)
-    async_scheduling: bool = False  # vLLM's batch queue of two steps (off on raypd's one-rank CPU engines)
+    async_scheduling: bool = False  # vLLM's batch queue of two steps (vLLM's default: on)
 
     @classmethod
     def from_vllm_config(cls, vc: Any) -> "EffectiveEngineConfig":
