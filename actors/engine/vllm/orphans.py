@@ -56,7 +56,7 @@ def record_children(engine_id: str) -> tuple[Child, ...]:
 
 def live_pids(children: tuple[Child, ...]) -> list[int]:
     """The recorded children still running: O(children). Listing them again (psutil's `children()`)
-    reads every process's /proc entry on the host, 3-30 ms on the engine actor's event loop per call."""
+    reads every process's /proc entry on the host, on the engine actor's event loop: 2.9 ms idle with 86 processes."""
     import psutil
 
     alive = []
