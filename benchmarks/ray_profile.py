@@ -1,17 +1,21 @@
-"""Ray's own processes on a serving node: raypd's serving profile against Ray's defaults, side by side.
+"""Ray's own processes on a serving node, two settings side by side.
 
 Each run starts `raypd up --config configs/local.yaml` (the embedded default: two `both` engines,
-one core each) with `RAYPD_RAY_PROFILE=serving` (raypd's default, serving/cluster/ray_profile.py)
-or `ray` (Ray's own defaults), waits until /health is ready, then reads every process of that
-`raypd up` tree from /proc:
+one core each) with one of the pair's two settings (`--pair`):
+  profile   `RAYPD_RAY_PROFILE=serving` (raypd's default, serving/cluster/ray_profile.py) against
+            `ray` (Ray's own defaults);
+  haproxy   the serving profile (Serve's HAProxy mode on) against the same profile with
+            `RAY_SERVE_ENABLE_HA_PROXY=0` (Serve's Python proxy relays every response);
+waits until /health is ready, then reads every process of that `raypd up` tree from /proc:
   idle   --idle-s seconds with no request: % of one core per process group;
   load   --load-s seconds of --concurrency closed-loop streaming completions (--prompt-words
          words, --tokens tokens each, ignore_eos): ms of CPU per streamed token per group, the
          tokens per second and the inter-token latency p50.
-The load client runs in this process, outside the measured tree. Profiles alternate
-(S R R S ...); the ratios compare the runs' medians.
+The load client runs in this process, outside the measured tree. Settings alternate
+(A B B A ...); the ratios (first / second) compare the runs' medians.
 
   python benchmarks/ray_profile.py --rounds 2 --out benchmarks/results/ray_profile.txt
+  python benchmarks/ray_profile.py --pair haproxy --rounds 2 --out benchmarks/results/front_haproxy.txt
 """
 
 from __future__ import annotations
@@ -35,9 +39,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.pdbench.procs import CLK_TCK, tree  # noqa: E402
 from serving.bench.provenance import git_state, header_line  # noqa: E402
-from serving.cluster.ray_profile import SERVING_NODE_ENV  # noqa: E402
+from serving.cluster.ray_profile import HAPROXY_PORT_ENV, PROFILE_ENV, SERVING_NODE_ENV  # noqa: E402
 
-PROFILES = {"S": "serving", "R": "ray"}
+# pair -> the two settings compared: (label, environment of `raypd up`), the first one is the ratio's numerator
+PAIRS: dict[str, tuple[tuple[str, dict[str, str]], tuple[str, dict[str, str]]]] = {
+    "profile": (("serving", {PROFILE_ENV: "serving"}), ("ray", {PROFILE_ENV: "ray"})),
+    "haproxy": (("haproxy", {PROFILE_ENV: "serving"}),
+                ("serve-proxy", {PROFILE_ENV: "serving", "RAY_SERVE_ENABLE_HA_PROXY": "0"})),
+}
 URL = "http://127.0.0.1:8000"
 # (group, test on (comm, cmdline)); the first match wins
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
@@ -46,6 +55,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("EngineActors", ("ray::EngineActo",)),
     ("Serve replica (ingress)", ("ray::ServeRepli",)),
     ("Serve proxy", ("ray::ProxyActor",)),
+    ("HAProxy (+ its manager)", ("haproxy", "ray::HAProxyMan")),
     ("Serve controller", ("ray::ServeContr",)),
     ("GCS", ("gcs_server",)),
     ("raylet", ("raylet",)),
@@ -95,10 +105,11 @@ def cpu_by_group(root: int, window) -> tuple[dict[str, float], object]:
     return seconds, result
 
 
-async def _stream(client: httpx.AsyncClient, i: int, args) -> list[float]:
+async def _stream(client: httpx.AsyncClient, i: int, args) -> tuple[float, list[float]]:
     body = {"model": "smollm2", "prompt": " ".join(f"word{(i * 7 + k) % 997}" for k in range(args.prompt_words)),
             "max_tokens": args.tokens, "stream": True, "ignore_eos": True, "temperature": 0}
     stamps: list[float] = []
+    sent = time.monotonic()
     async with client.stream("POST", URL + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -106,13 +117,14 @@ async def _stream(client: httpx.AsyncClient, i: int, args) -> list[float]:
                 stamps.append(time.monotonic())
     if not args.tokens - 2 <= len(stamps) <= args.tokens:  # a token may decode to no text of its own
         raise RuntimeError(f"request {i}: {len(stamps)} chunks with text, expected {args.tokens}")
-    return stamps
+    return sent, stamps
 
 
-def load(args) -> tuple[int, list[float]]:
-    """Closed-loop streams for args.load_s; (tokens streamed, each request's mean inter-token latency)."""
+def load(args) -> tuple[int, list[float], list[float]]:
+    """Closed-loop streams for args.load_s; (tokens streamed, each request's mean inter-token latency,
+    each request's time to first token)."""
     async def run():
-        tokens, gaps = 0, []
+        tokens, gaps, ttfts = 0, [], []
         end = time.monotonic() + args.load_s
         async with httpx.AsyncClient(timeout=120) as client:
             async def worker(k: int):
@@ -120,11 +132,12 @@ def load(args) -> tuple[int, list[float]]:
                 i = k * 100_000
                 while time.monotonic() < end:
                     i += 1
-                    stamps = await _stream(client, i, args)
+                    sent, stamps = await _stream(client, i, args)
                     tokens += args.tokens
                     gaps.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))  # the request's mean ITL
+                    ttfts.append(stamps[0] - sent)
             await asyncio.gather(*(worker(k) for k in range(args.concurrency)))
-        return tokens, gaps
+        return tokens, gaps, ttfts
     return asyncio.run(run())
 
 
@@ -140,10 +153,11 @@ def ready(timeout_s: float) -> None:
     raise TimeoutError(f"raypd up not ready within {timeout_s} s")
 
 
-def one_run(profile: str, args) -> dict:
-    env = dict(os.environ, RAYPD_RAY_PROFILE=profile, RAY_USAGE_STATS_ENABLED="0")
-    for k in SERVING_NODE_ENV:
-        env.pop(k, None)  # the profile alone decides them
+def one_run(setting: dict[str, str], args) -> dict:
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    for k in [*SERVING_NODE_ENV, *HAPROXY_PORT_ENV]:
+        env.pop(k, None)  # the setting alone decides them
+    env.update(setting)
     up = subprocess.Popen([str(ROOT / ".venv/bin/raypd"), "up", "--config", "configs/local.yaml",
                            "--temp-dir", "/tmp/raypd-bench-ray"], cwd=ROOT, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -152,7 +166,7 @@ def one_run(profile: str, args) -> dict:
         asyncio.run(_warm(args))
         time.sleep(args.settle_s)
         idle, _ = cpu_by_group(up.pid, lambda: time.sleep(args.idle_s))
-        busy, (tokens, gaps) = cpu_by_group(up.pid, lambda: load(args))
+        busy, (tokens, gaps, ttfts) = cpu_by_group(up.pid, lambda: load(args))
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -162,7 +176,8 @@ def one_run(profile: str, args) -> dict:
             up.wait()
     return {"idle_pct": {g: 100 * s / args.idle_s for g, s in idle.items()},
             "ms_per_token": {g: 1000 * s / tokens for g, s in busy.items()},
-            "tokens_per_s": tokens / args.load_s, "itl_p50_ms": 1000 * statistics.median(gaps)}  # p50 of mean ITLs
+            "tokens_per_s": tokens / args.load_s, "itl_p50_ms": 1000 * statistics.median(gaps),  # p50 of mean ITLs
+            "ttft_p50_ms": 1000 * statistics.median(ttfts)}
 
 
 async def _warm(args) -> None:
@@ -176,18 +191,20 @@ def med(runs: list[dict], key: str, group: str | None = None) -> float:
 
 
 def report(runs: dict[str, list[dict]], args, load_before: float, wall_s: float) -> str:
-    s, r = runs["S"], runs["R"]
+    (a_name, _), (b_name, _) = PAIRS[args.pair]
+    s, r = runs[a_name], runs[b_name]
     state = git_state(ROOT)
     lines = [f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
              f"# command: {' '.join([os.path.basename(sys.executable), *sys.argv])}",
              header_line(state),
              f"# host: {os.cpu_count()} CPUs; load average before {load_before:.2f} (1 min); wall {wall_s:.0f} s",
-             f"raypd up --config configs/local.yaml (2 x both, one core each); {args.rounds} round(s), profiles "
+             f"raypd up --config configs/local.yaml (2 x both, one core each); {args.rounds} round(s), "
+             f"{a_name} ({_env_text(PAIRS[args.pair][0][1])}) and {b_name} ({_env_text(PAIRS[args.pair][1][1])}) "
              f"alternating; idle {args.idle_s:.0f} s; load {args.load_s:.0f} s of {args.concurrency} closed-loop "
              f"streams ({args.prompt_words}-word prompts, {args.tokens} tokens each); medians of the runs",
              "",
              f"{'process group':<50} {'idle % of a core':>24} {'ms CPU per streamed token':>30}",
-             f"{'':<50} {'serving':>8} {'ray':>7} {'ratio':>7} {'serving':>10} {'ray':>9} {'ratio':>9}"]
+             f"{'':<50} {a_name[:8]:>8} {b_name[:7]:>7} {'ratio':>7} {a_name[:10]:>10} {b_name[:9]:>9} {'ratio':>9}"]
     for g in [name for name, _ in GROUPS] + [OTHER]:
         a, b = med(s, "idle_pct", g), med(r, "idle_pct", g)
         c, d = med(s, "ms_per_token", g), med(r, "ms_per_token", g)
@@ -200,13 +217,20 @@ def report(runs: dict[str, list[dict]], args, load_before: float, wall_s: float)
         lines.append(f"{'total, ' + label:<50} {a:8.2f} {b:7.2f} {a / b:7.2f} {c:10.2f} {d:9.2f} {c / d:9.2f}")
     ts, tr = med(s, "tokens_per_s"), med(r, "tokens_per_s")
     its, itr = med(s, "itl_p50_ms"), med(r, "itl_p50_ms")
-    lines += ["", f"tokens/s under load: serving {ts:.1f}, ray {tr:.1f} (ratio {ts / tr:.2f}); "
-                  f"mean ITL per request, p50: serving {its:.1f} ms, ray {itr:.1f} ms (ratio {its / itr:.2f})", ""]
+    fts, ftr = med(s, "ttft_p50_ms"), med(r, "ttft_p50_ms")
+    lines += ["", f"tokens/s under load: {a_name} {ts:.1f}, {b_name} {tr:.1f} (ratio {ts / tr:.2f}); "
+                  f"mean ITL per request, p50: {a_name} {its:.1f} ms, {b_name} {itr:.1f} ms (ratio {its / itr:.2f}); "
+                  f"TTFT p50: {a_name} {fts:.0f} ms, {b_name} {ftr:.0f} ms (ratio {fts / ftr:.2f})", ""]
     return "\n".join(lines)
+
+
+def _env_text(env: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in env.items())
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pair", choices=sorted(PAIRS), default="profile")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--idle-s", type=float, default=30.0)
     ap.add_argument("--load-s", type=float, default=60.0)
@@ -217,12 +241,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     load_before, t0 = os.getloadavg()[0], time.monotonic()
-    runs: dict[str, list[dict]] = {"S": [], "R": []}
-    order = "".join("SR" if k % 2 == 0 else "RS" for k in range(args.rounds))
-    for key in order:
-        res = one_run(PROFILES[key], args)
-        runs[key].append(res)
-        print(f"{PROFILES[key]:8} {res['tokens_per_s']:.1f} tok/s, ITL p50 {res['itl_p50_ms']:.1f} ms", flush=True)
+    first, second = PAIRS[args.pair]
+    runs: dict[str, list[dict]] = {first[0]: [], second[0]: []}
+    for k in range(args.rounds):
+        for name, setting in (first, second) if k % 2 == 0 else (second, first):
+            res = one_run(setting, args)
+            runs[name].append(res)
+            print(f"{name:11} {res['tokens_per_s']:.1f} tok/s, ITL p50 {res['itl_p50_ms']:.1f} ms, "
+                  f"TTFT p50 {res['ttft_p50_ms']:.0f} ms", flush=True)
     text = report(runs, args, load_before, time.monotonic() - t0)
     print(text)
     if args.out:

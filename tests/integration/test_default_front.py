@@ -1,8 +1,10 @@
 """The embedded default's token path through the real front: configs/local.yaml (two role-flexible `both`
-SmolLM2 engines on vLLM) as the Serve app in its default mode (Serve's HTTP proxy -> the ingress replica
--> the engine actors), over HTTP, with the settings `make run` uses (only the name and the CPU
-reservation differ: the session cluster's CPUs are shared by the test modules).
+SmolLM2 engines on vLLM) as the Serve app in its default mode (HAProxy on the HTTP port -> the ingress
+replica's own HTTP server -> the engine actors: Serve's HAProxy mode, serving/cluster/ray_profile.py),
+over HTTP, with the settings `make run` uses (only the name and the CPU reservation differ: the session
+cluster's CPUs are shared by the test modules).
 
+0. The front's port is HAProxy's (Serve's Python proxy relays no response).
 1. A streamed greedy completion is the engine's own greedy answer (the same prompt ids alone on the
    engine's actor, batch 1), token for token or split at a near tie (tests/greedy.py), and ends with
    [DONE]. Its chunks came by the ingress's token inbox (same node), not as Ray items.
@@ -119,6 +121,15 @@ def counted(url: str, name: str, label: str | None = None) -> dict[str, float]:
 
 def aborts(url: str) -> float:
     return sum(counted(url, "raypd_aborts_total").values())
+
+
+def test_the_fronts_port_is_served_by_haproxy(front):
+    import psutil
+
+    port = int(front["url"].rsplit(":", 1)[1])
+    listeners = {psutil.Process(c.pid).name() for c in psutil.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid}
+    assert listeners == {"haproxy"}
 
 
 def test_a_streamed_answer_through_the_serve_front_is_the_engines_greedy_answer(front):

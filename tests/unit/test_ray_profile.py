@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.cluster.ray_profile import SERVING_NODE_ENV, RayProfileError, apply_ray_profile
+from serving.cluster.ray_profile import HAPROXY_PORT_ENV, SERVING_NODE_ENV, RayProfileError, apply_ray_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = [ROOT / "k8s" / "base" / "rayservice.yaml", ROOT / "k8s" / "overlays" / "cpu" / "rayservice.yaml"]
@@ -17,8 +17,32 @@ MANIFESTS = [ROOT / "k8s" / "base" / "rayservice.yaml", ROOT / "k8s" / "overlays
 
 def test_the_serving_profile_is_the_default():
     env: dict[str, str] = {}
-    assert apply_ray_profile(env) == SERVING_NODE_ENV
-    assert env == SERVING_NODE_ENV
+    added = apply_ray_profile(env)
+    assert env == added
+    assert {k: env[k] for k in SERVING_NODE_ENV} == SERVING_NODE_ENV
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+
+
+def test_a_local_cluster_gets_free_ports_for_haproxys_other_listeners():
+    env: dict[str, str] = {}
+    apply_ray_profile(env)
+    ports = [int(env[k]) for k in HAPROXY_PORT_ENV]
+    assert set(env) == set(SERVING_NODE_ENV) | set(HAPROXY_PORT_ENV)
+    assert len(set(ports)) == 2 and min(ports) > 1024 and {8404, 9101}.isdisjoint(ports)
+
+
+def test_haproxys_ports_the_operator_set_win():
+    env = {"RAY_SERVE_HAPROXY_STATS_PORT": "18404"}
+    added = apply_ray_profile(env)
+    assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+    assert "RAY_SERVE_HAPROXY_STATS_PORT" not in added and "RAY_SERVE_HAPROXY_METRICS_PORT" in added
+
+
+def test_serves_own_proxy_when_the_operator_turns_haproxy_off():
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    added = apply_ray_profile(env)
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    assert not set(HAPROXY_PORT_ENV) & set(added)
 
 
 def test_a_variable_the_operator_set_wins():
