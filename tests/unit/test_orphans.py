@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from actors.engine.vllm.orphans import Child, forget, live_pids, record_children, record_path
+from actors.engine.vllm.orphans import Child, forget, live_pids, reap_previous, record_children, record_path
 
 
 @pytest.fixture
@@ -49,3 +49,20 @@ def test_a_child_that_exited_is_no_longer_live(child, engine_id):
 
 def test_a_reused_pid_is_not_taken_for_the_recorded_child(child):
     assert live_pids((Child(child.pid, create_time=1.0),)) == []
+
+
+def _record_of_an_earlier_incarnation(engine_id: str, entries: list[dict]) -> None:
+    record_path(engine_id).write_text(json.dumps({"parent": -1, "children": entries}))
+
+
+def test_an_earlier_incarnations_recorded_child_is_reaped(child, engine_id):
+    import psutil
+
+    started = psutil.Process(child.pid).create_time()
+    _record_of_an_earlier_incarnation(engine_id, [{"pid": child.pid, "create_time": started}])
+    assert (reap_previous(engine_id, grace_s=5.0), child.wait(timeout=10) is not None) == ([child.pid], True)
+
+
+def test_a_process_that_only_shares_a_recorded_pid_is_not_reaped(child, engine_id):
+    _record_of_an_earlier_incarnation(engine_id, [{"pid": child.pid, "create_time": 1.0}])
+    assert (reap_previous(engine_id), child.poll()) == ([], None)

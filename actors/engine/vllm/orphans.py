@@ -21,6 +21,10 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import psutil
 
 logger = logging.getLogger("raypd.orphans")
 
@@ -35,6 +39,16 @@ class Child:
 
     pid: int
     create_time: float
+
+    def process(self) -> psutil.Process | None:
+        """The running process this record names; None once it ended (or its pid now names another)."""
+        import psutil
+
+        try:
+            proc = psutil.Process(self.pid)
+            return proc if abs(proc.create_time() - self.create_time) < 0.01 else None
+        except psutil.Error:
+            return None
 
 
 def record_children(engine_id: str) -> tuple[Child, ...]:
@@ -57,22 +71,11 @@ def record_children(engine_id: str) -> tuple[Child, ...]:
 def live_pids(children: tuple[Child, ...]) -> list[int]:
     """The recorded children still running: O(children). Listing them again (psutil's `children()`)
     reads every process's /proc entry on the host, on the engine actor's event loop: 2.9 ms idle with 86 processes."""
-    import psutil
-
-    alive = []
-    for child in children:
-        try:
-            if abs(psutil.Process(child.pid).create_time() - child.create_time) < 0.01:
-                alive.append(child.pid)
-        except psutil.Error:
-            continue
-    return alive
+    return [child.pid for child in children if child.process() is not None]
 
 
 def reap_previous(engine_id: str, grace_s: float = 3.0) -> list[int]:
     """Kill the recorded children of an earlier incarnation that are still alive; their pids."""
-    import psutil
-
     path = record_path(engine_id)
     try:
         record = json.loads(path.read_text())
@@ -83,11 +86,11 @@ def reap_previous(engine_id: str, grace_s: float = 3.0) -> list[int]:
     procs = []
     for entry in record.get("children", []):
         try:
-            proc = psutil.Process(int(entry["pid"]))
-            if abs(proc.create_time() - float(entry["create_time"])) < 0.01:
-                procs.append(proc)
-        except (psutil.Error, KeyError, TypeError, ValueError):
+            proc = Child(int(entry["pid"]), float(entry["create_time"])).process()
+        except (KeyError, TypeError, ValueError):
             continue
+        if proc is not None:
+            procs.append(proc)
     _stop(procs, grace_s)
     path.unlink(missing_ok=True)
     if procs:
