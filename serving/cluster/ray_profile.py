@@ -39,7 +39,10 @@ What each costs you:
   in docs/operations.md). It also listens on two ports of every interface of each node: its
   statistics page (`RAY_SERVE_HAPROXY_STATS_PORT`, read-only) and its Prometheus exporter
   (`RAY_SERVE_HAPROXY_METRICS_PORT`); a local cluster gets free ports for them (two clusters on
-  one host must not ask for the same), a RayService's pods keep Ray's 8404 and 9101.
+  one host must not ask for the same), a RayService's pods keep Ray's 8404 and 9101. They are
+  drawn from `HAPROXY_PORT_RANGE`: below the kernel's ephemeral range, where Ray's processes get
+  their own ports (a port free when the cluster starts stays free for the HAProxy of every later
+  `serve.start`), and below Serve's replica ports (30000 and up).
 - `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2`: a stopping ingress replica stays up 2 s
   (Ray's default: 30) for HAProxy to take it out of its servers (Ray broadcasts the change in
   0.1 s and HAProxy retries a refused connection on another replica); `serve.shutdown()` waits
@@ -49,6 +52,7 @@ What each costs you:
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import MutableMapping
 
@@ -66,6 +70,7 @@ SERVING_NODE_ENV: dict[str, str] = {
 }
 # HAProxy's listeners besides the front's (on every interface): a local cluster gets free ports
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+HAPROXY_PORT_RANGE = (20000, 29999)  # above Ray's worker ports (10002-19999), below the ephemeral ones
 
 
 class RayProfileError(ValueError):
@@ -88,12 +93,26 @@ def apply_ray_profile(environ: MutableMapping[str, str] | None = None) -> dict[s
         return {}
     added = {k: v for k, v in SERVING_NODE_ENV.items() if k not in env}
     if env.get("RAY_SERVE_ENABLE_HA_PROXY", added.get("RAY_SERVE_ENABLE_HA_PROXY")) == "1":
-        added.update({k: str(_free_port()) for k in HAPROXY_PORT_ENV if k not in env})
+        taken = {env[k] for k in HAPROXY_PORT_ENV if k in env}
+        for k in HAPROXY_PORT_ENV:
+            if k not in env:
+                added[k] = str(_free_port(taken))
+                taken.add(added[k])
     env.update(added)
     return added
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))  # where HAProxy binds them: every interface
-        return sock.getsockname()[1]
+def _free_port(taken: set[str]) -> int:
+    """A random free port of `HAPROXY_PORT_RANGE` (random: two clusters started at once rarely draw the same)."""
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randint(*HAPROXY_PORT_RANGE)
+        if str(port) in taken:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))  # where HAProxy binds them: every interface
+            except OSError:
+                continue
+        return port
+    raise OSError(f"no free port in {HAPROXY_PORT_RANGE} for HAProxy's listeners")

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.cluster.ray_profile import HAPROXY_PORT_ENV, SERVING_NODE_ENV, RayProfileError, apply_ray_profile
+from serving.cluster.ray_profile import (HAPROXY_PORT_ENV, HAPROXY_PORT_RANGE, SERVING_NODE_ENV, RayProfileError,
+                                         apply_ray_profile)
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = [ROOT / "k8s" / "base" / "rayservice.yaml", ROOT / "k8s" / "overlays" / "cpu" / "rayservice.yaml"]
@@ -28,7 +29,10 @@ def test_a_local_cluster_gets_free_ports_for_haproxys_other_listeners():
     apply_ray_profile(env)
     ports = [int(env[k]) for k in HAPROXY_PORT_ENV]
     assert set(env) == set(SERVING_NODE_ENV) | set(HAPROXY_PORT_ENV)
-    assert len(set(ports)) == 2 and min(ports) > 1024 and {8404, 9101}.isdisjoint(ports)
+    low, high = HAPROXY_PORT_RANGE
+    # below the kernel's ephemeral ports: no Ray process is handed one of them later
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert (len(set(ports)), all(low <= p <= high for p in ports), high < ephemeral_low) == (2, True, True)
 
 
 def test_haproxys_ports_the_operator_set_win():
