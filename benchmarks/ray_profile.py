@@ -1,7 +1,8 @@
 """Ray's own processes on a serving node, two settings side by side.
 
 Each run starts `raypd up --config configs/local.yaml` (the embedded default: two `both` engines,
-one core each) with one of the pair's two settings (`--pair`):
+one core each; `--config` another, e.g. benchmarks/configs/synthetic_both.yaml: the serving
+processes alone at a GPU-class token rate) with one of the pair's two settings (`--pair`):
   profile   `RAYPD_RAY_PROFILE=serving` (raypd's default, serving/cluster/ray_profile.py) against
             `ray` (Ray's own defaults);
   haproxy   the serving profile (Serve's HAProxy mode on) against the same profile with
@@ -16,6 +17,8 @@ The load client runs in this process, outside the measured tree. Settings altern
 
   python benchmarks/ray_profile.py --rounds 2 --out benchmarks/results/ray_profile.txt
   python benchmarks/ray_profile.py --pair haproxy --rounds 2 --out benchmarks/results/front_haproxy.txt
+  python benchmarks/ray_profile.py --pair haproxy --config benchmarks/configs/synthetic_both.yaml \
+      --concurrency 16 --rounds 2 --out benchmarks/results/front_haproxy_synthetic.txt
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.pdbench.procs import CLK_TCK, tree  # noqa: E402
 from serving.bench.provenance import git_state, header_line  # noqa: E402
 from serving.cluster.ray_profile import HAPROXY_PORT_ENV, PROFILE_ENV, SERVING_NODE_ENV  # noqa: E402
+from serving.config import load_config  # noqa: E402
 
 # pair -> the two settings compared: (label, environment of `raypd up`), the first one is the ratio's numerator
 PAIRS: dict[str, tuple[tuple[str, dict[str, str]], tuple[str, dict[str, str]]]] = {
@@ -47,7 +51,6 @@ PAIRS: dict[str, tuple[tuple[str, dict[str, str]], tuple[str, dict[str, str]]]] 
     "haproxy": (("haproxy", {PROFILE_ENV: "serving"}),
                 ("serve-proxy", {PROFILE_ENV: "serving", "RAY_SERVE_ENABLE_HA_PROXY": "0"})),
 }
-URL = "http://127.0.0.1:8000"
 # (group, test on (comm, cmdline)); the first match wins
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("vLLM workers", ("VLLM::Worker",)),
@@ -106,11 +109,11 @@ def cpu_by_group(root: int, window) -> tuple[dict[str, float], object]:
 
 
 async def _stream(client: httpx.AsyncClient, i: int, args) -> tuple[float, list[float]]:
-    body = {"model": "smollm2", "prompt": " ".join(f"word{(i * 7 + k) % 997}" for k in range(args.prompt_words)),
+    body = {"model": args.model, "prompt": " ".join(f"word{(i * 7 + k) % 997}" for k in range(args.prompt_words)),
             "max_tokens": args.tokens, "stream": True, "ignore_eos": True, "temperature": 0}
     stamps: list[float] = []
     sent = time.monotonic()
-    async with client.stream("POST", URL + "/v1/completions", json=body) as r:
+    async with client.stream("POST", args.url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
@@ -141,11 +144,11 @@ def load(args) -> tuple[int, list[float], list[float]]:
     return asyncio.run(run())
 
 
-def ready(timeout_s: float) -> None:
+def ready(url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(URL + "/health", timeout=2).json().get("ready"):
+            if httpx.get(url + "/health", timeout=2).json().get("ready"):
                 return
         except (httpx.HTTPError, ValueError):
             pass
@@ -158,11 +161,11 @@ def one_run(setting: dict[str, str], args) -> dict:
     for k in [*SERVING_NODE_ENV, *HAPROXY_PORT_ENV]:
         env.pop(k, None)  # the setting alone decides them
     env.update(setting)
-    up = subprocess.Popen([str(ROOT / ".venv/bin/raypd"), "up", "--config", "configs/local.yaml",
+    up = subprocess.Popen([str(ROOT / ".venv/bin/raypd"), "up", "--config", args.config,
                            "--temp-dir", "/tmp/raypd-bench-ray"], cwd=ROOT, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        ready(600)
+        ready(args.url, 600)
         asyncio.run(_warm(args))
         time.sleep(args.settle_s)
         idle, _ = cpu_by_group(up.pid, lambda: time.sleep(args.idle_s))
@@ -198,7 +201,7 @@ def report(runs: dict[str, list[dict]], args, load_before: float, wall_s: float)
              f"# command: {' '.join([os.path.basename(sys.executable), *sys.argv])}",
              header_line(state),
              f"# host: {os.cpu_count()} CPUs; load average before {load_before:.2f} (1 min); wall {wall_s:.0f} s",
-             f"raypd up --config configs/local.yaml (2 x both, one core each); {args.rounds} round(s), "
+             f"raypd up --config {args.config} ({_engines_text(args.config)}); {args.rounds} round(s), "
              f"{a_name} ({_env_text(PAIRS[args.pair][0][1])}) and {b_name} ({_env_text(PAIRS[args.pair][1][1])}) "
              f"alternating; idle {args.idle_s:.0f} s; load {args.load_s:.0f} s of {args.concurrency} closed-loop "
              f"streams ({args.prompt_words}-word prompts, {args.tokens} tokens each); medians of the runs",
@@ -224,6 +227,16 @@ def report(runs: dict[str, list[dict]], args, load_before: float, wall_s: float)
     return "\n".join(lines)
 
 
+def _engines_text(path: str) -> str:
+    cfg = load_config(path)
+    text = f"{cfg.both.count} x both, {cfg.backend}"
+    if cfg.backend == "synthetic":
+        text += f", a token every {cfg.synthetic.token_latency_s * 1000:g} ms per stream"
+    else:
+        text += ", one core each"
+    return text
+
+
 def _env_text(env: dict[str, str]) -> str:
     return " ".join(f"{k}={v}" for k, v in env.items())
 
@@ -231,6 +244,7 @@ def _env_text(env: dict[str, str]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pair", choices=sorted(PAIRS), default="profile")
+    ap.add_argument("--config", default="configs/local.yaml", help="the deployment `raypd up` serves")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--idle-s", type=float, default=30.0)
     ap.add_argument("--load-s", type=float, default=60.0)
@@ -240,6 +254,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    cfg = load_config(args.config)
+    args.model, args.url = cfg.served_model_name, f"http://127.0.0.1:{cfg.http.port}"
     load_before, t0 = os.getloadavg()[0], time.monotonic()
     first, second = PAIRS[args.pair]
     runs: dict[str, list[dict]] = {first[0]: [], second[0]: []}
