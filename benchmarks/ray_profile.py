@@ -110,16 +110,23 @@ def cpu_by_group(root: int, window) -> tuple[dict[str, float], object]:
 
 async def _stream(client: httpx.AsyncClient, i: int, args) -> tuple[float, list[float]]:
     body = {"model": args.model, "prompt": " ".join(f"word{(i * 7 + k) % 997}" for k in range(args.prompt_words)),
-            "max_tokens": args.tokens, "stream": True, "ignore_eos": True, "temperature": 0}
-    stamps: list[float] = []
+            "max_tokens": args.tokens, "stream": True, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    stamps: list[float] = []  # events with text (one event may carry several tokens: a lagging consumer's)
+    tokens = 0
     sent = time.monotonic()
     async with client.stream("POST", args.url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event["choices"] and event["choices"][0]["text"]:
                 stamps.append(time.monotonic())
-    if not args.tokens - 2 <= len(stamps) <= args.tokens:  # a token may decode to no text of its own
-        raise RuntimeError(f"request {i}: {len(stamps)} chunks with text, expected {args.tokens}")
+    if tokens != args.tokens or len(stamps) < 2:
+        raise RuntimeError(f"request {i}: {tokens} tokens in {len(stamps)} events with text, expected {args.tokens}")
     return sent, stamps
 
 
@@ -137,7 +144,7 @@ def load(args) -> tuple[int, list[float], list[float]]:
                     i += 1
                     sent, stamps = await _stream(client, i, args)
                     tokens += args.tokens
-                    gaps.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))  # the request's mean ITL
+                    gaps.append((stamps[-1] - stamps[0]) / (args.tokens - 1))  # the request's mean ITL
                     ttfts.append(stamps[0] - sent)
             await asyncio.gather(*(worker(k) for k in range(args.concurrency)))
         return tokens, gaps, ttfts
