@@ -70,7 +70,7 @@ SERVING_NODE_ENV: dict[str, str] = {
 }
 # HAProxy's listeners besides the front's (on every interface): a local cluster gets free ports
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
-HAPROXY_PORT_RANGE = (20000, 29999)  # above Ray's worker ports (10002-19999), below the ephemeral ones
+HAPROXY_PORT_RANGE = (20000, 29999)  # above `ray start`'s worker ports (10002-19999), below the ephemeral ones (ray.init's)
 
 
 class RayProfileError(ValueError):
