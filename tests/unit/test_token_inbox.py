@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 
 import pytest
@@ -103,3 +104,25 @@ def test_outside_an_event_loop_there_is_no_inbox_and_streams_go_by_ray_items(mon
     # A connected Ray worker calling without a running loop: the inbox's reader needs a loop.
     monkeypatch.setattr(token_inbox.ray, "is_initialized", lambda: True)
     assert TokenInbox.here() is None
+
+
+def test_a_burst_longer_than_one_drain_arrives_whole_and_in_order(monkeypatch):
+    monkeypatch.setattr(token_inbox, "DRAIN_BATCH", 4)  # ten frames: three reader callbacks
+
+    async def run():
+        inbox, push, route, call, stream = await _setup()
+        await _send(push, route.key, *(_chunk(i) for i in range(9)), _chunk(9, last=True))
+        return [c async for c in stream]
+
+    chunks = asyncio.run(run())
+    assert [t for c in chunks for t in c.token_ids] == list(range(10))
+
+
+def test_the_loop_ending_closes_the_inbox_socket_and_its_directory():
+    async def run():
+        inbox = TokenInbox("node-a")
+        await asyncio.sleep(0)  # the reader holds the socket
+        return inbox
+
+    inbox = asyncio.run(run())
+    assert (inbox._sock.closed, os.path.exists(inbox._dir)) == (True, False)
