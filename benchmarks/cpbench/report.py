@@ -29,6 +29,11 @@ def disaggregated_share(run: dict[str, Any]) -> float | None:
     return None if mix is None else mix["disaggregated_share"]
 
 
+def kv_delivered_text(routing: dict[str, Any]) -> str:
+    rate = routing.get("kv_events_per_s")
+    return "" if rate is None else f", {rate:,.0f} KV events/s delivered meanwhile"
+
+
 def goals(res: dict[str, Any]) -> list[tuple[str, str, bool]]:
     """(goal, measured, met) for the issues' goals, judged at the largest engine count."""
     sizes = res["sizes"]
@@ -47,8 +52,9 @@ def goals(res: dict[str, Any]) -> list[tuple[str, str, bool]]:
         (f"routing p99 < {GOAL_P99_MS} ms at {big['engines']} engines on the disaggregated mix, KV events at the "
          f"goal rate (same 2 cores)",
          f"{w['p99_ms']:.3f} ms with {share_text(share)} of the decisions disaggregated"
+         f"{kv_delivered_text(r)}"
          f"{'' if on_mix else ' (not the disaggregated mix: not judged)'}; router alone {r['p99_ms']:.3f} ms",
-         on_mix and w["p99_ms"] < GOAL_P99_MS),
+         on_mix and w["p99_ms"] < GOAL_P99_MS and r.get("kv_events_per_s", GOAL_KV_EVENTS) >= 0.95 * GOAL_KV_EVENTS),
     ]
     runs = [(s["engines"], run) for s in sizes for run in (s["routing"], s["routing"]["with_kv_load"])]
     mixes = [(n, mix_of(run)) for n, run in runs]
@@ -173,7 +179,8 @@ def table(res: dict[str, Any]) -> str:
                      f"{r['p90_ms']:.3f} p99 {r['p99_ms']:.3f} max {r['max_ms']:.2f} ms; awaited coordinator calls "
                      f"{r['awaited'] or 0}; errors {r['errors'] or 0}{held}{faulty}")
         lines += mix_line("router alone", r)
-        lines.append(f"    routing, KV events at the goal rate meanwhile (same 2 cores): p50 {w['p50_ms']:.3f} p90 "
+        delivered = f" ({r['kv_events_per_s']:,.0f} events/s delivered)" if "kv_events_per_s" in r else ""
+        lines.append(f"    routing, KV events at the goal rate meanwhile{delivered} (same 2 cores): p50 {w['p50_ms']:.3f} p90 "
                      f"{w['p90_ms']:.3f} p99 {w['p99_ms']:.3f} max {w['max_ms']:.2f} ms; awaited {w['awaited'] or 0}; "
                      f"errors {w['errors'] or 0}; keeping the index copy costs the router {r['index_upkeep_core']:.1%} of "
                      f"a core; router GC pauses {r['gc_pauses']} (thresholds {tuple(r.get('gc_threshold', ()))}; max "

@@ -112,9 +112,9 @@ class SloPlacer:
               cached: dict[str, int], turn: int) -> RoutePlan:
         n = len(live)
         live = live[turn % n:] + live[:turn % n]  # equal predictions: round robin
-        live = shortlist(live, cached, lambda d: ((x := pool.decode_load[d]).requests, x.tokens))
+        live = shortlist(live, cached, keys=pool.decode_keys(live))
         short = PrefillShortlist(pool, cached)
-        prefills_of = {d: short.of(pool.usable_prefills(d, routes, ordered=False)) for d in live}
+        prefills_of = {d: short.of(*pool.usable_prefill_set(d, routes)) for d in live}
         ids = list(dict.fromkeys(live + [p for d in live for p in prefills_of[d]]))
         engines = [self.estimates.of(pool, e, cached.get(e, 0)) for e in ids]
         usable = {d: set(ps) for d, ps in prefills_of.items()}
@@ -147,7 +147,7 @@ class SloPlacer:
         the stall its recompute imposes on the engine's streams), as `place` ranks first placements."""
         n = len(live)
         live = live[turn % n:] + live[:turn % n]  # equal predictions: round robin
-        live = shortlist(live, cached, lambda d: ((x := pool.decode_load[d]).requests, x.tokens))
+        live = shortlist(live, cached, keys=pool.decode_keys(live))
         engines = [self.estimates.of(pool, d, cached.get(d, 0)) for d in live]
         chosen = place(max(1, req.num_prompt_tokens), engines, self.estimates.slo, pool.rates.transfer,
                        lambda prefill_id, decode_id: prefill_id is None, answer_tokens=req.max_tokens)

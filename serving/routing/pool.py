@@ -29,7 +29,7 @@ import contextlib
 import logging
 import math
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence, Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -141,7 +141,7 @@ class EnginePool:
         self._given: dict[str, GivenRate] = {}  # prompt tokens given to each engine to prefill, recently
         self._tasks: set[asyncio.Task] = set()
         # per directory table: decode engine -> its listed prefill engines that this pool knows
-        self._routed: tuple[RouteTable | None, dict[str, tuple[str, ...]]] = (None, {})
+        self._routed: tuple[RouteTable | None, dict[str, tuple[tuple[str, ...], frozenset[str]]]] = (None, {})
 
     # ---------------------------------------------------------- membership
     def sync(self, routes: RouteTable) -> None:
@@ -186,22 +186,44 @@ class EnginePool:
                         ordered: bool = True) -> list[str]:
         """Usable per the ledger, known here, not excluded, not suspected hung; least loaded first
         (`ordered=False`: in the directory's order, for a caller that picks its own)."""
-        if self._routed[0] is not routes:
-            self._routed = (routes, {})
-        routed = self._routed[1].get(decode_id)
-        if routed is None:  # once per table and decode engine, not per request: O(prefills)
-            known = self.prefills
-            routed = self._routed[1][decode_id] = tuple(
-                r.prefill_id for r in routes.decodes.get(decode_id, ()) if r.prefill_id in known)
+        routed, _ = self._routed_prefills(decode_id, routes)
         ids = [p for p in routed if p not in exclude] if exclude else list(routed)
         if self.deadlines.suspects:
             ids = [p for p in ids if not self.hung(p, routes)]
         return sorted(ids, key=self.prefill_order) if ordered else ids
 
+    def usable_prefill_set(self, decode_id: str, routes: RouteTable) -> tuple[Sequence[str], AbstractSet[str]]:
+        """`usable_prefills(decode_id, routes, ordered=False)` and the same engines as a set: the table's
+        own (shared, not to be changed) while no engine is suspected hung, a shortlist's per request."""
+        if self.deadlines.suspects:
+            ids = self.usable_prefills(decode_id, routes, ordered=False)
+            return ids, set(ids)
+        return self._routed_prefills(decode_id, routes)
+
+    def _routed_prefills(self, decode_id: str, routes: RouteTable) -> tuple[tuple[str, ...], frozenset[str]]:
+        """The table's prefill engines for `decode_id` that this pool knows, once per table and decode
+        engine (not per request: O(prefills))."""
+        if self._routed[0] is not routes:
+            self._routed = (routes, {})
+        routed = self._routed[1].get(decode_id)
+        if routed is None:
+            known = self.prefills
+            ids = tuple(r.prefill_id for r in routes.decodes.get(decode_id, ()) if r.prefill_id in known)
+            routed = self._routed[1][decode_id] = (ids, frozenset(ids))
+        return routed
+
     def prefill_order(self, prefill_id: str) -> tuple[int, int]:
         """Least loaded first: requests, then queued prompt tokens."""
         x = self.prefill_load[prefill_id]
         return x.requests, x.tokens
+
+    def prefill_keys(self, prefill_ids: list[str]) -> list[tuple[int, int]]:
+        """`prefill_order` of each of `prefill_ids`, in one pass (a shortlist sorts by them per request)."""
+        return [(x.requests, x.tokens) for x in map(self.prefill_load.__getitem__, prefill_ids)]
+
+    def decode_keys(self, decode_ids: list[str]) -> list[tuple[int, int]]:
+        """Each decode engine's load, least loaded first: streams, then their tokens."""
+        return [(x.requests, x.tokens) for x in map(self.decode_load.__getitem__, decode_ids)]
 
     # ------------------------------------------------------------- charges
     def charge_decode(self, decode_id: str, tokens: int) -> DecodeCharge:

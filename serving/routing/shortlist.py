@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence, Set as AbstractSet
 from typing import Any
 
 from serving.routing.pool import EnginePool
@@ -19,12 +19,17 @@ SHORTLIST = 4
 
 
 def shortlist(ids: list[str], cached: dict[str, int], load: Callable[[str], Any] | None = None,
-              k: int = SHORTLIST) -> list[str]:
-    """Of `ids` (in order, least loaded first when `load` is None): the `k` least loaded and the `k`
-    holding the most cached prompt tokens, in their given order (ties keep the caller's rotation)."""
+              k: int = SHORTLIST, keys: Sequence[Any] | None = None) -> list[str]:
+    """Of `ids` (in order, least loaded first when neither `load` nor `keys` is given): the `k` least
+    loaded and the `k` holding the most cached prompt tokens, in their given order (ties keep the
+    caller's rotation). `keys[i]`: the load of `ids[i]`, computed by the caller in one pass."""
     if len(ids) <= k:
         return ids
-    keep = set(heapq.nsmallest(k, ids, key=load) if load is not None else ids[:k])
+    if keys is None and load is not None:
+        keys = list(map(load, ids))
+    # a stable sort of the indexes (C's, not heapq.nsmallest's Python loop): ties keep the given order
+    least = sorted(range(len(ids)), key=keys.__getitem__)[:k] if keys is not None else range(k)
+    keep = {ids[i] for i in least}
     keep.update(heapq.nlargest(k, (e for e in ids if cached.get(e)), key=cached.__getitem__))
     return [e for e in ids if e in keep]
 
@@ -37,14 +42,18 @@ class PrefillShortlist:
 
     def __init__(self, pool: EnginePool, cached: dict[str, int], k: int = SHORTLIST):
         self.k, self.cached = k, cached
-        self.ranked = sorted(pool.prefills, key=pool.prefill_order)
+        ids = list(pool.prefills)
+        keys = pool.prefill_keys(ids)
+        self.ranked = [ids[i] for i in sorted(range(len(ids)), key=keys.__getitem__)]
         # engines holding some of the prompt, most first (ties: in the index lookup's order)
         self.holders = sorted((e for e in cached if cached[e]), key=cached.__getitem__, reverse=True)
 
-    def of(self, usable: list[str]) -> list[str]:
+    def of(self, usable: Sequence[str], allowed: AbstractSet[str] | None = None) -> list[str]:
+        """The shortlist of `usable` (in its order); `allowed`: the same engines as a set, when the caller has it."""
         if len(usable) <= self.k:
-            return usable
-        allowed = set(usable)
+            return list(usable)
+        if allowed is None:
+            allowed = set(usable)
         keep = set(itertools.islice((p for p in self.ranked if p in allowed), self.k))
         keep.update(itertools.islice((e for e in self.holders if e in allowed), self.k))
-        return [e for e in usable if e in keep]
+        return sorted(keep, key=usable.index)  # at most 2k of them

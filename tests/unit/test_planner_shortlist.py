@@ -39,6 +39,9 @@ class _Pool:
         x = self.prefill_load[p]
         return x.requests, x.tokens
 
+    def prefill_keys(self, ids):
+        return [self.prefill_order(p) for p in ids]
+
 
 def test_one_ranking_gives_each_decode_engine_the_shortlist_of_its_own_prefill_engines():
     """The walk down one load ranking equals `shortlist` over each decode engine's usable prefill engines,
