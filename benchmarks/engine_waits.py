@@ -6,9 +6,9 @@
           queue: the mp executor) against raypd's default for one-rank CPU engines (the model in
           the engine-core process: the uni executor, `actors/engine/vllm/uniproc.py`); also the
           engine's start (AsyncLLM's construction) and whether the greedy answers are the same;
-  async   the uni layout with vLLM's async scheduling (its default: a batch queue of two steps)
-          against without it. The uni executor computes a step inside the call that schedules it,
-          so the queue has nothing to overlap; whether it costs latency is what this measures.
+  async   the uni layout with vLLM's async scheduling left to vLLM (its default: a batch queue of
+          two steps) against explicitly off. On a CPU host vLLM's platform turns it off in both
+          (vllm/platforms/cpu.py), so the two arms run alike: the pair measures this benchmark's noise.
 
 Each run is a fresh process with every thread on one core (`sched_setaffinity`, inherited by
 vLLM's engine core and worker, as a raypd engine's share of a 2-core box), the worker's OMP

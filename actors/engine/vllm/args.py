@@ -245,7 +245,7 @@ class EffectiveEngineConfig:
     kv_role: str | None
     num_kv_blocks: int
     mla_backend: str | None = None  # the MLA attention backend on a CPU (None: not MLA, or not a CPU)
-    async_scheduling: bool = False  # vLLM's batch queue of two steps (vLLM's default: on)
+    async_scheduling: bool = False  # vLLM's batch queue of two steps (vLLM's default: on, but off on CPU)
 
     @classmethod
     def from_vllm_config(cls, vc: Any) -> "EffectiveEngineConfig":

@@ -9,10 +9,11 @@ prompts, 64 greedy tokens, 4 runs each, alternating): `uni` starts in 44.1 s aga
 process fewer to spawn and import), ITL p50 0.92x, CPU per token 0.95x (no queue between two processes
 that share the core), and every answer is the same.
 
-vLLM's async scheduling (a batch queue of two steps) stays on, as vLLM sets it: the uni executor
-computes a step inside the call that schedules it, so the queue overlaps nothing, but turning it off
-measured no better (`benchmarks/results/engine_async.txt`: TTFT p50 1.02x, ITL p50 1.02x, CPU per
-token 1.06x without it).
+vLLM's async scheduling (a batch queue of two steps) is off on every CPU engine, plain vLLM's too:
+vLLM's CPU platform turns it off whatever was asked (`vllm/platforms/cpu.py`, "not required on CPU";
+`raypd status` reads back `async_scheduling=off`). So the two arms of
+`benchmarks/results/engine_async.txt` (vLLM's default against explicitly off) ran alike: the ratios
+between them (TTFT p50 1.02x, ITL p50 1.02x, CPU per token 1.06x) are that benchmark's run-to-run noise.
 
 raypd's default for one-rank engines on a CPU host (`EngineConfig.cpu_engine_defaults`, set by
 `serving.config`); an operator's `engine_kwargs: {distributed_executor_backend: mp}` keeps vLLM's.
