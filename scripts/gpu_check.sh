@@ -45,6 +45,7 @@ log "## environment"
 
 log "## wheels"
 LIB=$(mktemp -d "${TMPDIR:-/tmp}/raypd-pylib.XXXXXX")
+trap 'rm -rf "$LIB"' EXIT  # the wheels' temporary install goes with the run
 shopt -s nullglob
 WHEELS=(gpu_wheels/*.whl)
 if [ ${#WHEELS[@]} -eq 0 ]; then
