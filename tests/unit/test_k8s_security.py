@@ -4,7 +4,7 @@ Same documents as tests/unit/test_k8s_manifests.py (shipped files and k8s/render
 Ray token auth, pod hardening, API keys from a Secret, the NetworkPolicies (only the Serve
 port from outside the release; everything inside it; the dashboard only for the KubeRay
 operator), the Pod Security level each variant needs, the PodMonitors, and the validators
-(k8s/posture.py, k8s/policies.py) refusing manifests that break any of it.
+(k8s/posture.py, k8s/policies.py, k8s/release_fit.py) refusing manifests that break any of it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import yaml
 from test_k8s_manifests import BASE, BENCH, CPU, DOCS, K8S, RENDERS, SERVICES, cluster_of, ids, load
 
-import policies  # noqa: E402  (k8s/policies.py, on sys.path via test_k8s_manifests)
-import posture  # noqa: E402
+import posture  # noqa: E402  (k8s/posture.py, on sys.path via test_k8s_manifests)
+import release_fit  # noqa: E402
 import render  # noqa: E402
 import validate  # noqa: E402
 
@@ -190,7 +190,7 @@ def test_dashboard_is_admitted_only_to_the_kuberay_operator_on_the_head():
 @pytest.mark.parametrize("name, service", SERVICES[:2], ids=ids(SERVICES[:2]))
 def test_every_release_pod_is_under_an_ingress_policy(name, service):
     covered = {g for g, t in templates(service) for np in POLICIES
-               if policies.selects(np["spec"]["podSelector"], t["metadata"]["labels"])}
+               if release_fit.selects(np["spec"]["podSelector"], t["metadata"]["labels"])}
     assert covered == {g for g, _ in templates(service)}
 
 
@@ -198,7 +198,7 @@ def test_bench_pods_are_outside_the_release():
     job = load(BENCH)
     labels = [t["metadata"]["labels"] for t in (job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"],
                                                 job["spec"]["submitterPodTemplate"])]
-    assert not any(policies.selects(np["spec"]["podSelector"], lab) for np in POLICIES for lab in labels)
+    assert not any(release_fit.selects(np["spec"]["podSelector"], lab) for np in POLICIES for lab in labels)
 
 
 # ----------------------------------------------------------------- monitoring
