@@ -10,10 +10,10 @@ crd_errors       (crd.py) RayService/RayCluster/RayJob against the KubeRay CRD's
                  schema (k8s/kuberay_crds, vendored), strict like `kubectl apply`.
 core_errors      (kube_rules.py) the core Kubernetes rules for the pod templates KubeRay turns
                  into Pods, and the KubeRay operator's own checks.
-security_errors  (posture.py) Ray token auth (authOptions), no exposed head Service, and the
-                 pod hardening raypd ships: non-root, no privilege escalation, capabilities
-                 dropped (IPC_LOCK only for RDMA), RuntimeDefault seccomp, read-only root with
-                 /tmp writable, no service-account token, API keys only from a Secret.
+security_errors  (posture.py) raypd's own security rules: Ray token auth (authOptions), no
+                 exposed head Service, no uid 0, IPC_LOCK the only added capability and only
+                 for RDMA, /tmp writable under a read-only root, API keys only from a Secret.
+                 The generic pod hardening is checkov's (checkov_scan.py).
 document_errors  (policies.py) NetworkPolicy, PodMonitor and Secret against small schemas of
                  our own plus their rules; Ray pods' metrics port and prometheus.io annotations.
 raypd_errors     the raypd deployment inside a RayService: Ray Serve's schema for
