@@ -53,6 +53,11 @@ def test_every_skipped_check_still_fails_somewhere(shipped):
     assert set(SKIPS) - {f.check_id for f in report.failed} == set()
 
 
+def test_the_command_line_passes_the_cpu_release(capsys):
+    files = [str(K8S / "security" / "networkpolicy.yaml"), str(K8S / "overlays" / "cpu" / "rayservice.yaml")]
+    assert (checkov_scan.main(files), capsys.readouterr().out.count("FAILED")) == (0, 0)
+
+
 # ------------------------------------------------- checkov says no (the mapping)
 def _pod(docs: list, group: str) -> dict:
     return next(d for d in checkov_scan.as_pods(docs) if d["kind"] == "Pod" and d["metadata"]["name"].endswith(group))

@@ -140,6 +140,14 @@ def test_gpu_pods_without_rdma_meet_restricted():
     assert posture.document_security_level(doc)[0] == "restricted"
 
 
+def test_a_pod_without_run_as_non_root_falls_out_of_restricted():
+    """checkov's CKV_K8S_23 takes runAsUser 1000 for non-root; a `restricted` namespace still refuses it."""
+    doc = load(CPU)
+    cluster_of(doc)["headGroupSpec"]["template"]["spec"]["securityContext"].pop("runAsNonRoot")
+    assert posture.document_security_level(doc) == ("baseline", [
+        "head: containers[0]: runAsNonRoot is not true"])
+
+
 # ------------------------------------------------------------------ API keys
 @pytest.mark.parametrize("name, doc", SERVICES, ids=ids(SERVICES))
 def test_api_keys_reach_every_ray_container_from_a_secret(name, doc):
