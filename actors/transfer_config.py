@@ -24,6 +24,12 @@ class TransferConfig(BaseModel):
     failure_policy: FailurePolicy = "fail"
     lease_ttl_s: float = Field(30.0, gt=0)  # a producer holds a prefill's blocks this long for its reader
     read_timeout_s: float = Field(10.0, gt=0)  # a pull not done by then fails (a dead peer never hangs it)
+    # the slowest link a pull may cross: a pull of B bytes gets read_timeout_s + B at this rate, so a slow
+    # link is not mistaken for a partition (0: read_timeout_s alone)
+    min_link_mbps: float = Field(100.0, ge=0)
+    # the longest a synchronous load may hold the decode engine's step (every stream on the engine waits
+    # meanwhile); a pull not done by then fails and the failure policy applies (recompute: prefilled here)
+    sync_wait_s: float = Field(2.0, gt=0)
     # the coordinator's ledger gives a handoff this long to reach its verdict (actors.control.ledger)
     handoff_deadline_s: float = Field(60.0, gt=0)
     # vLLM decode: a pull of at most this many tokens loads synchronously, before the step's forward (the

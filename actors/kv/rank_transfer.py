@@ -222,6 +222,12 @@ class RankTransfer:
             for key in stage.notify:
                 self._send_quietly(key, self._notice(pull, req_id, 1, False))
 
+    def fail_pull(self, req_id: str, reason: str) -> None:
+        """End a pull now as failed: the next `step` reports it and tells its producers, as for a
+        pull the transport failed."""
+        if req_id in self._pulls:
+            self.transport.fail_request(req_id, reason)
+
     def cancel(self, req_id: str) -> None:
         self._pulls.pop(req_id, None)
         self.transport.cancel(req_id)

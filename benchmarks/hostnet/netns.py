@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -62,6 +63,11 @@ class HostNet:
     @property
     def bridge(self) -> str:
         return f"rpdb{self.run_id}"
+
+    @property
+    def workdir(self) -> Path:
+        """The run's files (Ray's temp dir, tokens, logs): short, since Ray's unix sockets live below."""
+        return Path(f"/tmp/rpdh{self.run_id}")
 
     @property
     def gateway(self) -> str:
@@ -160,6 +166,7 @@ class HostNet:
     def down(self, wait_s: float = 10) -> None:
         """Remove everything of the run; waits (bounded) until the kernel has let go of its links."""
         _remove(self.bridge, [h.netns for h in self.hosts], self._shm_before, [h.port for h in self.hosts])
+        shutil.rmtree(self.workdir, ignore_errors=True)
         deadline = time.monotonic() + wait_s
         while leftovers(self.run_id) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -194,6 +201,7 @@ def reap_stale() -> list[str]:
         if _start_time(state["pid"]) == state.get("started"):
             continue  # its owner still runs
         _remove(state["bridge"], state["namespaces"], set(state.get("shm_before", ())), state.get("ports", []))
+        shutil.rmtree(f"/tmp/rpdh{path.stem}", ignore_errors=True)
         path.unlink(missing_ok=True)
         reaped.append(path.stem)
     return reaped

@@ -36,7 +36,7 @@ class RayHosts:
     token_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        self.workdir = Path(f"/tmp/rpdh{self.net.run_id}")  # short: Ray's unix sockets live below it
+        self.workdir = self.net.workdir
 
     @property
     def address(self) -> str:

@@ -374,7 +374,18 @@ class Router:
         elif not ready:
             reason, code = ("no compatible prefill engine with a closed breaker, and the fallback is reject",
                             "no_prefill_engine")
+        elif self.pool.prefills and not any(pd_paths.values()):
+            reason, code = self._pd_degraded(routes), "pd_degraded"
         return Readiness(ready, reason, tuple(live), pd_paths, local_ok, self.view.error, code, hung)
+
+    def _pd_degraded(self, routes: RouteTable) -> str:
+        """Why no decode engine has a prefill engine to pull from (serving goes on colocated)."""
+        why = [f"breaker {b.prefill_id}->{b.decode_id} {b.state}" + (f" ({b.last_reason})" if b.last_reason else "")
+               for b in routes.breakers if b.state != "closed"]
+        why += [f"{p} not registered (dead or restarting)" for p in sorted(self.pool.prefills)
+                if p not in routes.generations]
+        return ("P/D degraded: no decode engine can pull from a prefill engine"
+                + (f" ({'; '.join(why)})" if why else "") + "; requests are prefilled on their decode engine")
 
     async def refresh_engine_stats(self, timeout_s: float = 2.0) -> dict[str, EngineStatus]:
         """Every engine's stats, and the routes (breakers) when the cached ones are old."""

@@ -22,7 +22,8 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-READINESS_CODES = ("ok", "no_decode_engine", "decode_engines_hung", "no_prefill_engine")
+# pd_degraded is ready (colocated serving goes on) with no P/D path; the others are not ready
+READINESS_CODES = ("ok", "pd_degraded", "no_decode_engine", "decode_engines_hung", "no_prefill_engine")
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,20 @@ class Readiness:
     pd_paths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # decode -> usable prefill engines
     decode_local: bool = False  # decode engines may prefill themselves
     directory_error: str | None = None
-    # why not, as a label: ok | no_decode_engine | decode_engines_hung | no_prefill_engine
+    # as a label: ok | pd_degraded (ready, colocated only) | no_decode_engine | decode_engines_hung | no_prefill_engine
     code: str = "ok"
     hung: tuple[str, ...] = ()  # engines held back: they missed a deadline (serving/routing/deadlines.py)
 
     def to_json(self) -> dict[str, Any]:
         return jsonable(self)
+
+
+@dataclass(frozen=True)
+class PullRate:
+    """A pair's KV pull as a router learned it: seconds = overhead_s + tokens / tokens_per_s."""
+
+    tokens_per_s: float
+    overhead_s: float
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,8 @@ class RouterSnapshot:
     # (engine, call) -> waits past their deadline let run on here: the engine was busy, not hung
     deadline_extensions: dict[tuple[str, str], int] = field(default_factory=dict)
     hangs: dict[str, int] = field(default_factory=dict)  # engine -> incarnations the coordinator judged hung
+    # (prefill, decode) -> the pull rate this router learned from its streams (pairs it measured)
+    pull_rates: dict[tuple[str, str], PullRate] = field(default_factory=dict)
 
     @classmethod
     def of(cls, pool: EnginePool, routes: RouteTable, planner: PlannerSnapshot, pools: Any,
@@ -84,6 +95,8 @@ class RouterSnapshot:
             planner=planner, pools=pools, engines=dict(pool.engine_stats), readiness=readiness,
             deadline_misses=dict(pool.deadlines.misses), deadline_extensions=dict(pool.deadlines.extended),
             hangs=dict(routes.hangs),
+            pull_rates={pair: PullRate(round(t.tokens_per_s, 1), round(t.overhead_s, 4))
+                        for pair, t in pool.rates.pairs().items()},
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -573,6 +573,22 @@ def test_health_reflects_usable_paths():
     run(go())
 
 
+def test_open_breakers_leave_the_front_ready_but_say_pd_is_degraded_and_why():
+    async def go():
+        router, _, _, directory = make()  # decode_local fallback
+        assert (await router.readiness()).code == "ok"
+        for _ in range(2):
+            directory.ledger.prefill_failed("d0", "p0", "link down")
+            directory.ledger.prefill_failed("d0", "p1", "link down")
+        await router.routes(force=True)
+        h = await router.readiness()
+        assert (h.ready, h.code) == (True, "pd_degraded")
+        assert "breaker p0->d0 open" in h.reason and "breaker p1->d0 open" in h.reason
+        assert "prefilled on their decode engine" in h.reason
+
+    run(go())
+
+
 def test_directory_is_cached_and_its_failure_keeps_the_last_view():
     async def go():
         clock = FakeClock()
