@@ -64,7 +64,7 @@ from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger,
 from actors.control.liveness import Liveness
 from actors.control.startup_watch import DEFAULT_STARTUP_DEADLINE_S, StartupWatch
 from actors.control.route_book import RouteBook
-from actors.control.ledger_records import ControlStats, LedgerBatch
+from actors.control.ledger_records import ControlStats, EngineKills, LedgerBatch
 from actors.protocol import EngineInfo, EngineSummary
 from actors.ray_names import COORDINATOR_NAME, NAMESPACE
 from actors.routes import EngineRates, RouteDelta, RouteTable
@@ -353,6 +353,10 @@ class Coordinator:
                             self.book.builds, c["route_calls"], c["route_unchanged"],
                             dict(self.startups.timeouts), self.startups.pending(),
                             self.liveness.probe_failures, self.liveness.busy_timeouts)
+
+    async def kills(self) -> EngineKills:
+        """Engines this incarnation killed so far, by reason (cheap: the suite's false-kill guard reads it)."""
+        return EngineKills(dict(self.liveness.hangs), dict(self.startups.timeouts))
 
     async def recent_events(self, limit: int = 100) -> list[dict]:
         return self.events[-limit:]

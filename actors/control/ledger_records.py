@@ -110,3 +110,14 @@ class ControlStats:
     startups_awaited: dict[str, float] = field(default_factory=dict)
     probe_failures: int = 0  # liveness probes unanswered (or a stuck core), hung or not in the end
     probes_busy: int = 0  # probes unanswered while the engine called the coordinator: busy, not hung
+
+
+@dataclass(frozen=True)
+class EngineKills:
+    """Engines this coordinator incarnation killed, per engine, by reason (`Coordinator.kills`)."""
+
+    hung: dict[str, int] = field(default_factory=dict)  # found hung by its probes (`liveness`)
+    startup_timeout: dict[str, int] = field(default_factory=dict)  # no registration by the start-up deadline
+
+    def total(self) -> int:
+        return sum(self.hung.values()) + sum(self.startup_timeout.values())

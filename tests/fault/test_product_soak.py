@@ -42,7 +42,7 @@ from chaos_helpers import deployment_placement_groups, freeze_tree, generation, 
 from greedy import divergence, greedy_request, logprobs_of
 from service_helpers import default_app_config, free_port, run_serve_app
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.injects_faults]
 
 NAME = "product-soak"
 CONFIG = "configs/local.yaml"

@@ -27,7 +27,7 @@ from serving.config import DeploymentConfig
 from chaos_helpers import freeze_tree, generation, kill_tree, process_tree, wait_generation
 from service_helpers import SYNTHETIC
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.injects_faults]
 
 NAME = "startup-deadline"
 START_DELAY_S = 3.0  # every start of these engines pauses this long before it registers

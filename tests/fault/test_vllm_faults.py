@@ -129,6 +129,7 @@ def test_engine_side_rejections_are_400_and_open_no_breaker(service, coordinator
     assert chunks[-1].finish_reason == "length" and not any(c.recomputed or c.failed for c in chunks)
 
 
+@pytest.mark.injects_faults  # freezes or kills an engine on purpose
 def test_twenty_greedy_streams_survive_a_decode_engine_kill(service, coordinator):
     prompts, victim_id, reference, answers, back_s, timing = twenty_streams_and_a_fault(service, coordinator, "kill")
     check_every_stream_migrated_as_a_greedy_continuation(service, prompts, victim_id, reference, answers, back_s)
@@ -141,6 +142,7 @@ def test_twenty_greedy_streams_survive_a_decode_engine_kill(service, coordinator
     assert late(timing["ends"], timing["t0"], bound_s) == {}, bound_s
 
 
+@pytest.mark.injects_faults  # freezes or kills an engine on purpose
 def test_twenty_greedy_streams_survive_a_hung_decode_engine(service, coordinator):
     router = service["router"]
     prompts, victim_id, reference, answers, back_s, _ = twenty_streams_and_a_fault(service, coordinator, "freeze")

@@ -37,7 +37,7 @@ from chaos_helpers import freeze_tree, generation, kill_tree, wait_generation
 from greedy import divergence, greedy_request, logprobs_of
 from service_helpers import default_app_config, free_port, run_serve_app
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.injects_faults]
 
 NAME = "hang-default"
 CONFIG = "configs/local.yaml"
