@@ -110,6 +110,8 @@ class ControlStats:
     startups_awaited: dict[str, float] = field(default_factory=dict)
     probe_failures: int = 0  # liveness probes unanswered (or a stuck core), hung or not in the end
     probes_busy: int = 0  # probes unanswered while the engine called the coordinator: busy, not hung
+    startup_deadline_s: float = 0.0  # a restarted engine's start-up deadline now (fixed, or derived: `startup_watch`)
+    measured_start_s: float | None = None  # the longest start an engine reported at its registration
 
 
 @dataclass(frozen=True)
