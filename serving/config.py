@@ -135,14 +135,17 @@ class RestartConfig(_Strict):
     (no answer within `probe_timeout_s` while it calls the coordinator for nothing else, or vLLM's
     engine core behind it neither answering nor stepping: one slow answer on busy cores is not a
     hang) is evicted and killed, and Ray restarts it as a new incarnation. A restarted engine that has not registered again within `startup_deadline_s`
-    (unset: the launcher's engine start timeout) is killed and restarted again (a restart that hangs
-    while it starts cannot be probed)."""
+    (unset: `startup_deadline_factor` x the longest start measured on the cluster, at least
+    `startup_deadline_floor_s`; before any engine started, the launcher's engine start timeout) is
+    killed and restarted again (a restart that hangs while it starts cannot be probed)."""
 
     max_restarts: int = Field(5, ge=0, le=1000)
     probe_interval_s: float = Field(10.0, gt=0)
     probe_timeout_s: float = Field(10.0, gt=0)
     probe_failure_threshold: int = Field(2, ge=1, le=100)
     startup_deadline_s: float | None = Field(None, gt=0)
+    startup_deadline_factor: float = Field(3.0, ge=1)
+    startup_deadline_floor_s: float = Field(120.0, gt=0)
 
 
 class HttpConfig(_Strict):

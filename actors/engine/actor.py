@@ -182,7 +182,7 @@ class EngineActor:
                 self.engine_id, self.cfg.role, handshakes,
                 [ray.get_runtime_context().current_actor] + self.backend.liveness_handles(),
                 EngineInfo(self.cfg.backend, self.cfg.model, os.getpid(),
-                           ray.get_runtime_context().get_node_id()),
+                           ray.get_runtime_context().get_node_id(), self.startup.start_s()),
             )
             self._generation, self._handshakes = reg.generation, handshakes
             if self.rates_publisher is not None:

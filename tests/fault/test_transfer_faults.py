@@ -41,7 +41,7 @@ from engine_calls import collect, request
 from service_helpers import SYNTHETIC, UvicornThread, free_port
 from terminal_bounds import late, partition_bound_s, read_error_bound_s
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.injects_faults]
 
 MODEL = "synthetic-tiny"
 WARM = "a transfer fault warm-up prompt " * 3

@@ -235,6 +235,7 @@ async def until(what, check, timeout=20.0):
     return got
 
 
+@pytest.mark.injects_faults  # freezes or kills an engine on purpose
 def test_a_late_pull_of_reused_blocks_is_refused_by_the_lease_and_recomputed(engines, coordinator):
     """Late pull, forced, under policy recompute (what the shipped deployment files use). D2 (the
     reader) holds the request while its engine core, where its ranks pull, is frozen (SIGSTOP); the
