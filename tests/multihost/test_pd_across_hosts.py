@@ -105,6 +105,7 @@ def test_kv_crosses_the_wire_and_engines_publish_their_hosts_addresses(raypd, ho
         assert not any(socket.inet_aton(ip) in metadata for ip in others), engine_id
 
 
+@pytest.mark.injects_faults
 def test_a_partition_during_pulls_is_recomputed_within_its_bound_then_pd_resumes(raypd, host_net):
     cfg = load_config(CONFIG)
     assert REFERENCES, "needs the P/D answers of the test before"
