@@ -48,6 +48,7 @@ from actors.engine.config import (
     Backend,
     DType,
     EngineConfig,
+    EngineSpec,
     RateModelConfig,
     SyntheticModelConfig,
     lift_owned_kwargs,
@@ -74,22 +75,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EngineGroupConfig(_Strict):
-    """`count` engines of one role, all shaped alike."""
+class EngineGroupConfig(EngineSpec):
+    """`count` engines of one role, each of the shape `EngineSpec` says (their `EngineConfig` embeds it)."""
 
     count: int = Field(1, ge=0, le=64)
-    tp_size: int = Field(1, ge=1, le=64)
-    pp_size: int = Field(1, ge=1, le=64)
-    dcp_size: int = Field(1, ge=1, le=64)
-    block_size: int | None = Field(None, ge=1, le=1024)
-    layout: str = "HND"
-    kv_cache_space_gib: int = Field(1, ge=1, le=1024)
-    num_blocks: int = Field(512, ge=1)
-    num_cpus: float = Field(1.0, ge=0)
-    resources: dict[str, float] = {}
     cpu_bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
-    compute_nice: int = Field(10, ge=0, le=19)  # CPU hosts: vLLM's compute this much nicer than its actor
-    shm_busy_loop_s: float | None = Field(None, ge=0)  # vLLM's shared-memory readers' spin (None: vLLM's 1 s)
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of this role (over the shared ones)
 
 
@@ -320,16 +310,11 @@ class DeploymentConfig(_Strict):
             if budget.source == "measured" and budget.tokens > vllm_default_budget(kwargs):
                 gpu_defaults["max_num_batched_tokens"] = budget.tokens
         return EngineConfig(
-            role=role, backend=self.backend, engine_id=engine_id, model=self.model,
-            synthetic=self.synthetic, dtype=self.dtype, tp_size=group.tp_size, pp_size=group.pp_size,
+            **group.spec(), role=role, backend=self.backend, engine_id=engine_id, model=self.model,
+            synthetic=self.synthetic, dtype=self.dtype, max_model_len=self.max_model_len, transfer=self.transfer,
             engine_kwargs=kwargs, cpu_engine_defaults=cpu_defaults, gpu_engine_defaults=gpu_defaults,
-            dcp_size=group.dcp_size, block_size=group.block_size, max_model_len=self.max_model_len,
-            kv_cache_space_gib=group.kv_cache_space_gib, num_blocks=group.num_blocks, layout=group.layout,
-            transfer=self.transfer,
-            num_cpus=group.num_cpus, kv_events=self.router.policy == "cache_aware",
-            resources=group.resources, max_restarts=self.restarts.max_restarts,
+            kv_events=self.router.policy == "cache_aware", max_restarts=self.restarts.max_restarts,
             cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,
-            compute_nice=group.compute_nice, shm_busy_loop_s=group.shm_busy_loop_s,
             rates=self.rate_model(measured),
         )
 

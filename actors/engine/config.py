@@ -112,28 +112,19 @@ class RateModelConfig(_Strict):
     republish_s: float = Field(10.0, gt=0)  # sent again this often even unchanged (a restarted coordinator)
 
 
-class EngineConfig(_Strict):
-    role: Role
-    backend: Backend = "vllm"
-    engine_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    model: str = "smollm2"  # vllm: the embedded model, a local folder or a hub id
-    model_id: str | None = None  # what the compatibility hash calls the model (default: folder name)
-    synthetic: SyntheticModelConfig = SyntheticModelConfig()
-    dtype: DType = "auto"
+class EngineSpec(_Strict):
+    """The shape of one engine: what the deployment's `<role>:` group sets for each of its engines
+    (`serving.config.EngineGroupConfig`) and the engine's own config (`EngineConfig`) both embed."""
+
     tp_size: int = Field(1, ge=1, le=64)
     pp_size: int = Field(1, ge=1, le=64)
     dcp_size: int = Field(1, ge=1, le=64)
     block_size: int | None = Field(None, ge=1, le=1024)  # None: backend default
-    max_model_len: int = Field(2048, ge=16)
     kv_cache_space_gib: int = Field(1, ge=1, le=1024)  # vLLM CPU KV cache per rank (GiB, whole)
     num_blocks: int = Field(512, ge=1)  # synthetic backend
     layout: str = "HND"  # synthetic backend: HND | NHD | HCND | ND
-    # the deployment's `transfer:` section as is (failure policy, leases, timeouts, verify, the
-    # fault knob): one type, so the engine, its backends and the vLLM connector read the same fields
-    transfer: TransferConfig = TransferConfig()
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
-    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
     # CPU hosts: how far above the engine actor's own nice value vLLM's compute threads run (capped at
     # 19), so that the serving path preempts the compute (actors/engine/vllm/compute_priority.py); 0
     # leaves them at the actor's priority
@@ -142,6 +133,25 @@ class EngineConfig(_Strict):
     # before sleeping on the writer's notification (actors/engine/vllm/plugin.py); None: vLLM's own
     # (1 s). 0 stops the engine cores' spin; not the default until a benchmark shows it faster
     shm_busy_loop_s: float | None = Field(None, ge=0)
+
+    def spec(self) -> dict[str, Any]:
+        """This object's `EngineSpec` fields, by name (what an `EngineConfig` embeds)."""
+        return {name: getattr(self, name) for name in EngineSpec.model_fields}
+
+
+class EngineConfig(EngineSpec):
+    role: Role
+    backend: Backend = "vllm"
+    engine_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    model: str = "smollm2"  # vllm: the embedded model, a local folder or a hub id
+    model_id: str | None = None  # what the compatibility hash calls the model (default: folder name)
+    synthetic: SyntheticModelConfig = SyntheticModelConfig()
+    dtype: DType = "auto"
+    max_model_len: int = Field(2048, ge=16)
+    # the deployment's `transfer:` section as is (failure policy, leases, timeouts, verify, the
+    # fault knob): one type, so the engine, its backends and the vLLM connector read the same fields
+    transfer: TransferConfig = TransferConfig()
+    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments, passed through (actors.engine.vllm.args)
     # vLLM engine arguments raypd sets on a CPU host where engine_kwargs has none (tuned there: a prefill
     # engine's FCFS max_num_seqs 1, the chunk budget from measured rates or the SLO priors) ...
