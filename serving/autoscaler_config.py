@@ -21,7 +21,8 @@ class PrefillScaling(_Strict):
     min: int = Field(1, ge=0, le=64)
     max: int = Field(1, ge=0, le=64)
     queued_tokens_per_engine: int = Field(8192, ge=1)
-    ttft_target_s: float = Field(2.0, gt=0)
+    # the pool's p90 prefill latency (its part of TTFT) may reach this x router.slo.ttft_target_s
+    ttft_target_factor: float = Field(2.0, gt=0)
 
     @model_validator(mode="after")
     def _bounds(self) -> "PrefillScaling":
@@ -35,7 +36,7 @@ class DecodeScaling(_Strict):
     max: int = Field(1, ge=1, le=64)
     outstanding_tokens_per_engine: int = Field(8192, ge=1)
     kv_usage_high: float = Field(0.85, gt=0, le=1)
-    itl_target_s: float = Field(0.25, gt=0)
+    itl_target_factor: float = Field(1.0, gt=0)  # the pool's p90 ITL may reach this x router.slo.itl_target_s
 
     @model_validator(mode="after")
     def _bounds(self) -> "DecodeScaling":

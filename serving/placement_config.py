@@ -25,14 +25,21 @@ from pydantic import BaseModel, ConfigDict, Field
 VLLM_DEFAULT_BUDGET = 2048
 
 
-class PlacementConfig(BaseModel):
-    """Targets, weights, and the priors the rate estimator starts from (`serving.routing.rates`)."""
+class SloTargets(BaseModel):
+    """The deployment's TTFT and ITL targets: one pair, read by the router's placement model
+    (`router.slo`, which carries them) and by the autoscaler (as factors of them)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     ttft_target_s: float = Field(1.0, gt=0)  # floor of the TTFT target
-    ttft_slowdown: float = Field(3.0, ge=0)  # target >= this x the prompt's idle compute time (0: floor only)
     itl_target_s: float = Field(0.25, gt=0)  # per-step gap of the streams already decoding
+
+
+class PlacementConfig(SloTargets):
+    """The SLO targets, the placement model's weights, and the priors the rate estimator starts from
+    (`serving.routing.rates`)."""
+
+    ttft_slowdown: float = Field(3.0, ge=0)  # target >= this x the prompt's idle compute time (0: floor only)
     first_gap_target_s: float = Field(1.0, gt=0)  # this request's first->second token gap
     ttft_weight: float = Field(1.0, ge=0)
     itl_weight: float = Field(1.0, ge=0)  # one stream-second of stall vs one second of TTFT excess
