@@ -282,13 +282,10 @@ class DeploymentConfig(_Strict):
     def rate_model(self, measured: MeasuredRates | None = None) -> RateModelConfig:
         """How an engine fits its own rates: from `router.slo`'s priors and half-life, or, started beside
         engines of its role that `measured` theirs, from those (a new engine starts from the others)."""
-        slo = self.router.slo
-        return RateModelConfig(
-            prior_prefill_tokens_per_s=measured.prefill_tokens_per_s if measured else slo.prior_prefill_tokens_per_s,
-            prior_step_s=measured.step_s if measured else slo.prior_step_s,
-            prior_step_per_stream_s=slo.prior_step_per_stream_s, half_life_s=slo.rate_half_life_s,
-            prior_weight=slo.prior_weight, min_history_weight=slo.min_history_weight,
-            busy_window_s=slo.prefill_busy_window_s)
+        priors = self.router.slo.priors()
+        if measured is not None:
+            priors.update(prior_prefill_tokens_per_s=measured.prefill_tokens_per_s, prior_step_s=measured.step_s)
+        return RateModelConfig(**priors)
 
     def engine_config(self, role: str, index: int = 0, engine_id: str | None = None,
                       measured: MeasuredRates | None = None) -> EngineConfig:

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.engine.config import RatePriors
+
 # vLLM's max_num_batched_tokens for an engine raypd starts (AsyncLLM, UsageContext.ENGINE_CONTEXT):
 # SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS on a CPU and a GPU alike (vLLM 0.32; the larger
 # defaults of H100-class GPUs are those of the LLM class and `vllm serve`, not of an AsyncLLM)
@@ -35,7 +37,7 @@ class SloTargets(BaseModel):
     itl_target_s: float = Field(0.25, gt=0)  # per-step gap of the streams already decoding
 
 
-class PlacementConfig(SloTargets):
+class PlacementConfig(SloTargets, RatePriors):
     """The SLO targets, the placement model's weights, and the priors the rate estimator starts from
     (`serving.routing.rates`)."""
 
@@ -44,22 +46,14 @@ class PlacementConfig(SloTargets):
     ttft_weight: float = Field(1.0, ge=0)
     itl_weight: float = Field(1.0, ge=0)  # one stream-second of stall vs one second of TTFT excess
     remote_first_token_overhead_s: float = Field(0.03, ge=0)  # the remote path's extra before token one
-    # priors, used until engines report samples (any machine, any model: samples replace them in seconds)
-    prior_prefill_tokens_per_s: float = Field(400.0, gt=0)
-    prior_step_s: float = Field(0.05, gt=0)  # a decode step's fixed part
-    prior_step_per_stream_s: float = Field(0.001, gt=0)  # ...and its growth per stream in the batch
     prior_transfer_tokens_per_s: float = Field(20000.0, gt=0)
     prior_transfer_overhead_s: float = Field(0.1, gt=0)
     default_chunk_budget_tokens: int = Field(VLLM_DEFAULT_BUDGET, ge=1)  # when an engine's is unknown
     # online learning: exponentially weighted, by age
-    rate_half_life_s: float = Field(60.0, gt=0)
     transfer_half_life_s: float = Field(120.0, gt=0)
-    prior_weight: float = Field(1.0, gt=0)  # the priors count as this many average samples
-    min_history_weight: float = Field(4.0, ge=0)  # idle time never decays what was learned below this
     # a stream's mean inter-token gap: at most this x its decode engine's bare step (or itl_target_mean)
     mean_itl_slowdown: float = Field(1.5, ge=1.0)
     itl_target_mean_s: float = Field(0.0, ge=0)
-    prefill_busy_window_s: float = Field(10.0, gt=0)  # how far back an engine's prefill share is measured
     max_prefill_busy: float = Field(0.9, gt=0, lt=1)
 
     def chunk_budget(self, measured: MeasuredRates | None, max_num_seqs: int, block_size: int) -> ChunkBudget:

@@ -92,22 +92,35 @@ class SyntheticModelConfig(_Strict):
         return self
 
 
-class RateModelConfig(_Strict):
+class RatePriors(_Strict):
+    """Where every rate estimate starts and how fast it forgets: the deployment's `router.slo` carries
+    them (`serving.placement_config.PlacementConfig`), each engine's own rate fit starts from them
+    (`RateModelConfig`), and so does each router's estimator (`serving.routing.rates`)."""
+
+    # priors, used until engines report samples (any machine, any model: samples replace them in seconds)
+    prior_prefill_tokens_per_s: float = Field(400.0, gt=0)
+    prior_step_s: float = Field(0.05, gt=0)  # a decode step's fixed part
+    prior_step_per_stream_s: float = Field(0.001, gt=0)  # ...and its growth per stream in the batch
+    # online learning: exponentially weighted, by age
+    rate_half_life_s: float = Field(60.0, gt=0)
+    prior_weight: float = Field(1.0, gt=0)  # the priors count as this many average samples
+    min_history_weight: float = Field(4.0, ge=0)  # idle time never decays what was learned below this
+    prefill_busy_window_s: float = Field(10.0, gt=0)  # how far back the prompt tokens given per second reach
+
+    def priors(self) -> dict[str, Any]:
+        """This object's `RatePriors` fields, by name."""
+        return {name: getattr(self, name) for name in RatePriors.model_fields}
+
+
+class RateModelConfig(RatePriors):
     """How the engine fits its own rates (`actors.engine.rate_model`) and publishes them: the priors
     (the deployment's `router.slo` ones, or what the role's engines measured when the autoscaler
     starts this one), how fast old samples fade, how often the coordinator hears of them."""
 
-    prior_prefill_tokens_per_s: float = Field(400.0, gt=0)
-    prior_step_s: float = Field(0.05, gt=0)  # a decode step's fixed part
-    prior_step_per_stream_s: float = Field(0.001, gt=0)  # ...and its growth per stream in the batch
-    half_life_s: float = Field(60.0, gt=0)
-    prior_weight: float = Field(1.0, gt=0)  # the priors count as this many average samples
-    min_history_weight: float = Field(4.0, ge=0)  # idle time never decays what was learned below this
     # a prefill teaches the fit only when its computed tokens cost at least this many steps' fixed part
     # (a short or mostly cached prompt's time is its first token's fixed path, which the model has no
     # term for: one such prompt made an engine's published prefill rate several times too slow)
     min_prefill_steps: float = Field(8.0, ge=0)
-    busy_window_s: float = Field(10.0, gt=0)  # how far back the prompt tokens given per second reach
     publish_interval_s: float = Field(0.5, gt=0)  # how often a material change may reach the coordinator
     republish_s: float = Field(10.0, gt=0)  # sent again this often even unchanged (a restarted coordinator)
 

@@ -157,7 +157,7 @@ def test_an_engine_fits_its_own_rates_from_the_slo_priors_or_from_what_its_role_
     engine the autoscaler starts beside measuring engines starts from their `MeasuredRates`."""
     cfg = deployment(router={"slo": {"prior_prefill_tokens_per_s": 300.0, "rate_half_life_s": 30.0}})
     plain, started = cfg.engine_config("decode"), cfg.engine_config("decode", measured=SLOW)
-    assert (plain.rates.prior_prefill_tokens_per_s, plain.rates.prior_step_s, plain.rates.half_life_s) == (
+    assert (plain.rates.prior_prefill_tokens_per_s, plain.rates.prior_step_s, plain.rates.rate_half_life_s) == (
         300.0, cfg.router.slo.prior_step_s, 30.0)
     assert (started.rates.prior_prefill_tokens_per_s, started.rates.prior_step_s) == (SLOW.prefill_tokens_per_s,
                                                                                      SLOW.step_s)
