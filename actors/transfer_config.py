@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from actors.config_base import StrictModel
 
 FailurePolicy = Literal["fail", "recompute"]
 VerifyMode = Literal["off", "sample", "all"]
 
 
-class TransferConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class TransferConfig(StrictModel):
+    """How KV moves between a prefill and a decode engine, and what a failed move does."""
 
     # a failed KV pull: `fail` ends the request with an error, `recompute` prefills it on the decode engine
     failure_policy: FailurePolicy = "fail"

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from actors.config_base import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PrefillScaling(_Strict):
+class PrefillScaling(StrictModel):
     min: int = Field(1, ge=0, le=64)
     max: int = Field(1, ge=0, le=64)
     queued_tokens_per_engine: int = Field(8192, ge=1)
@@ -31,7 +29,7 @@ class PrefillScaling(_Strict):
         return self
 
 
-class DecodeScaling(_Strict):
+class DecodeScaling(StrictModel):
     min: int = Field(1, ge=1, le=64)
     max: int = Field(1, ge=1, le=64)
     outstanding_tokens_per_engine: int = Field(8192, ge=1)
@@ -45,7 +43,7 @@ class DecodeScaling(_Strict):
         return self
 
 
-class AutoscalerConfig(_Strict):
+class AutoscalerConfig(StrictModel):
     enabled: bool = False
     interval_s: float = Field(2.0, gt=0)
     up_delay_s: float = Field(0.0, ge=0)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from actors.engine.config import (
     DEPLOYMENT_FIELDS,
@@ -53,6 +53,7 @@ from actors.engine.config import (
     SyntheticModelConfig,
     lift_owned_kwargs,
 )
+from actors.config_base import StrictModel
 from actors.control.ledger import BreakerConfig
 from actors.transfer_config import TransferConfig
 
@@ -71,10 +72,6 @@ class ConfigError(ValueError):
     """A deployment file or dict is invalid; the message lists every problem."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 class EngineGroupConfig(EngineSpec):
     """`count` engines of one role, each of the shape `EngineSpec` says (their `EngineConfig` embeds it)."""
 
@@ -83,7 +80,7 @@ class EngineGroupConfig(EngineSpec):
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of this role (over the shared ones)
 
 
-class RouterConfig(_Strict):
+class RouterConfig(StrictModel):
     """Engine choice and colocated-vs-disaggregated placement (serving/routing/planner.py)."""
 
     # cache_aware: engines publish vLLM's KV cache events and the router counts each engine's cached
@@ -117,7 +114,7 @@ class RouterConfig(_Strict):
     hung_engine_hold_s: float = Field(30.0, gt=0)
 
 
-class RestartConfig(_Strict):
+class RestartConfig(StrictModel):
     """Ray restarts crashed engines, their rank actors (synthetic engines), the coordinator and the
     autoscaler, each at most `max_restarts` times. A hung engine is restarted too: the coordinator
     pings every engine each `probe_interval_s` (and at once, then again after each failure, when
@@ -135,7 +132,7 @@ class RestartConfig(_Strict):
     startup_deadline_s: float | None = Field(None, gt=0)
 
 
-class HttpConfig(_Strict):
+class HttpConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     # API keys never sit in the config (it travels as Serve arguments and shows in logs):
@@ -165,12 +162,12 @@ class HttpConfig(_Strict):
         return data
 
 
-class RayConfig(_Strict):
+class RayConfig(StrictModel):
     address: str | None = None  # None: start a local cluster
     num_cpus: int | None = Field(None, ge=1)
 
 
-class DeploymentConfig(_Strict):
+class DeploymentConfig(StrictModel):
     name: str = "raypd"
     backend: Backend = "vllm"
     model: str = "smollm2"

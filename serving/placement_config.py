@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from actors.config_base import StrictModel
 from actors.engine.config import RatePriors
 
 # vLLM's max_num_batched_tokens for an engine raypd starts (AsyncLLM, UsageContext.ENGINE_CONTEXT):
@@ -27,11 +28,9 @@ from actors.engine.config import RatePriors
 VLLM_DEFAULT_BUDGET = 2048
 
 
-class SloTargets(BaseModel):
+class SloTargets(StrictModel):
     """The deployment's TTFT and ITL targets: one pair, read by the router's placement model
     (`router.slo`, which carries them) and by the autoscaler (as factors of them)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     ttft_target_s: float = Field(1.0, gt=0)  # floor of the TTFT target
     itl_target_s: float = Field(0.25, gt=0)  # per-step gap of the streams already decoding

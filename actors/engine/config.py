@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from actors.config_base import StrictModel
 
 from actors.transfer_config import TransferConfig
 
@@ -69,11 +71,7 @@ def lift_owned_kwargs(data: dict[str, Any], kwargs: dict[str, Any], fields: froz
     return rest
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SyntheticModelConfig(_Strict):
+class SyntheticModelConfig(StrictModel):
     """KV shapes of the synthetic backend's pretend model."""
 
     model_id: str = "synthetic-tiny"
@@ -92,7 +90,7 @@ class SyntheticModelConfig(_Strict):
         return self
 
 
-class RatePriors(_Strict):
+class RatePriors(StrictModel):
     """Where every rate estimate starts and how fast it forgets: the deployment's `router.slo` carries
     them (`serving.placement_config.PlacementConfig`), each engine's own rate fit starts from them
     (`RateModelConfig`), and so does each router's estimator (`serving.routing.rates`)."""
@@ -125,7 +123,7 @@ class RateModelConfig(RatePriors):
     republish_s: float = Field(10.0, gt=0)  # sent again this often even unchanged (a restarted coordinator)
 
 
-class EngineSpec(_Strict):
+class EngineSpec(StrictModel):
     """The shape of one engine: what the deployment's `<role>:` group sets for each of its engines
     (`serving.config.EngineGroupConfig`) and the engine's own config (`EngineConfig`) both embed."""
 
