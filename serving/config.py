@@ -54,7 +54,7 @@ from actors.engine.config import (
     lift_owned_kwargs,
 )
 from actors.config_base import StrictModel
-from actors.control.ledger import BreakerConfig
+from actors.control.breaker_config import BreakerConfig
 from actors.transfer_config import TransferConfig
 
 # serving/'s ground floor: of serving/ only the config types kept beside this file, which import
