@@ -47,10 +47,14 @@ from actors.engine.config import (
     OWNED_KWARGS,
     Backend,
     DType,
+    CpuHostConfig,
     EngineConfig,
+    EngineCpuConfig,
     EngineSpec,
+    SyntheticEngineConfig,
     RateModelConfig,
     SyntheticModelConfig,
+    SyntheticPoolConfig,
     lift_owned_kwargs,
 )
 from actors.config_base import StrictModel
@@ -72,12 +76,41 @@ class ConfigError(ValueError):
     """A deployment file or dict is invalid; the message lists every problem."""
 
 
+class GroupCpuConfig(CpuHostConfig):
+    """A role's `CpuHostConfig` and the cores each of its engines is bound to."""
+
+    bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
+
+
+# a role's settings that moved into its `cpu:` and `synthetic:` blocks: old key -> (block, key)
+MOVED_GROUP_KEYS = {"cpu_bind": ("cpu", "bind"), "compute_nice": ("cpu", "compute_nice"),
+                    "shm_busy_loop_s": ("cpu", "shm_busy_loop_s"), "num_blocks": ("synthetic", "num_blocks"),
+                    "layout": ("synthetic", "layout")}
+
+
 class EngineGroupConfig(EngineSpec):
     """`count` engines of one role, each of the shape `EngineSpec` says (their `EngineConfig` embeds it)."""
 
     count: int = Field(1, ge=0, le=64)
-    cpu_bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
+    cpu: GroupCpuConfig = GroupCpuConfig()
+    synthetic: SyntheticPoolConfig = SyntheticPoolConfig()
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of this role (over the shared ones)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """A file written before the `cpu:` and `synthetic:` blocks: its flat keys move into them."""
+        if not isinstance(data, dict) or not MOVED_GROUP_KEYS.keys() & data.keys():
+            return data
+        data = dict(data)
+        for old, (block, key) in MOVED_GROUP_KEYS.items():
+            if old in data:
+                inner = dict(data.get(block) or {})
+                if key in inner:
+                    raise ValueError(f"{old} and {block}.{key} both set: keep {block}.{key}")
+                inner[key] = data.pop(old)
+                data[block] = inner
+        return data
 
 
 class RouterConfig(StrictModel):
@@ -246,8 +279,8 @@ class DeploymentConfig(StrictModel):
                     and not bounds.min <= group.count <= bounds.max):
                 raise ValueError(f"{role}.count {group.count} must lie within autoscaler.{role} "
                                  f"min {bounds.min} .. max {bounds.max}")
-            if group.cpu_bind is not None and len(group.cpu_bind) != group.count:
-                raise ValueError(f"{role}.cpu_bind needs one entry per engine ({group.count})")
+            if group.cpu.bind is not None and len(group.cpu.bind) != group.count:
+                raise ValueError(f"{role}.cpu.bind needs one entry per engine ({group.count})")
         for role in ROLES:
             if role not in groups and role != "decode" and role != "prefill":
                 continue
@@ -305,10 +338,11 @@ class DeploymentConfig(StrictModel):
                 gpu_defaults["max_num_batched_tokens"] = budget.tokens
         return EngineConfig(
             **group.spec(), role=role, backend=self.backend, engine_id=engine_id, model=self.model,
-            synthetic=self.synthetic, dtype=self.dtype, max_model_len=self.max_model_len, transfer=self.transfer,
+            synthetic=SyntheticEngineConfig(**self.synthetic.model_dump(), **group.synthetic.model_dump()), dtype=self.dtype, max_model_len=self.max_model_len, transfer=self.transfer,
             engine_kwargs=kwargs, cpu_engine_defaults=cpu_defaults, gpu_engine_defaults=gpu_defaults,
             kv_events=self.router.policy == "cache_aware", max_restarts=self.restarts.max_restarts,
-            cpu_bind=group.cpu_bind[index] if group.cpu_bind and index < len(group.cpu_bind) else None,
+            cpu=EngineCpuConfig(**group.cpu.model_dump(exclude={"bind"}),
+                                bind=group.cpu.bind[index] if group.cpu.bind and index < len(group.cpu.bind) else None),
             rates=self.rate_model(measured),
         )
 

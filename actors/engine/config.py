@@ -123,6 +123,36 @@ class RateModelConfig(RatePriors):
     republish_s: float = Field(10.0, gt=0)  # sent again this often even unchanged (a restarted coordinator)
 
 
+class CpuHostConfig(StrictModel):
+    """CPU hosts only (a GPU host ignores them): how an engine's vLLM compute shares the cores."""
+
+    # how far above the engine actor's own nice value vLLM's compute threads run (capped at 19), so
+    # that the serving path preempts the compute (actors/engine/vllm/compute_priority.py); 0 leaves
+    # them at the actor's priority
+    compute_nice: int = Field(10, ge=0, le=19)
+    # how long vLLM's shared-memory readers (engine core, workers) spin on sched_yield after a read
+    # before sleeping on the writer's notification (actors/engine/vllm/plugin.py); None: vLLM's own
+    # (1 s). 0 stops the engine cores' spin; not the default until a benchmark shows it faster
+    shm_busy_loop_s: float | None = Field(None, ge=0)
+
+
+class EngineCpuConfig(CpuHostConfig):
+    """One engine's `CpuHostConfig` and the cores it is bound to."""
+
+    bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
+
+
+class SyntheticPoolConfig(StrictModel):
+    """The synthetic backend's KV cache of one engine (a vLLM engine ignores it)."""
+
+    num_blocks: int = Field(512, ge=1)
+    layout: str = "HND"  # HND | NHD | HCND | ND
+
+
+class SyntheticEngineConfig(SyntheticModelConfig, SyntheticPoolConfig):
+    """What a synthetic engine runs: the deployment's pretend model and its role's KV cache."""
+
+
 class EngineSpec(StrictModel):
     """The shape of one engine: what the deployment's `<role>:` group sets for each of its engines
     (`serving.config.EngineGroupConfig`) and the engine's own config (`EngineConfig`) both embed."""
@@ -132,18 +162,8 @@ class EngineSpec(StrictModel):
     dcp_size: int = Field(1, ge=1, le=64)
     block_size: int | None = Field(None, ge=1, le=1024)  # None: backend default
     kv_cache_space_gib: int = Field(1, ge=1, le=1024)  # vLLM CPU KV cache per rank (GiB, whole)
-    num_blocks: int = Field(512, ge=1)  # synthetic backend
-    layout: str = "HND"  # synthetic backend: HND | NHD | HCND | ND
     num_cpus: float = Field(1.0, ge=0)
     resources: dict[str, float] = {}
-    # CPU hosts: how far above the engine actor's own nice value vLLM's compute threads run (capped at
-    # 19), so that the serving path preempts the compute (actors/engine/vllm/compute_priority.py); 0
-    # leaves them at the actor's priority
-    compute_nice: int = Field(10, ge=0, le=19)
-    # how long vLLM's shared-memory readers (engine core, workers) spin on sched_yield after a read
-    # before sleeping on the writer's notification (actors/engine/vllm/plugin.py); None: vLLM's own
-    # (1 s). 0 stops the engine cores' spin; not the default until a benchmark shows it faster
-    shm_busy_loop_s: float | None = Field(None, ge=0)
 
     def spec(self) -> dict[str, Any]:
         """This object's `EngineSpec` fields, by name (what an `EngineConfig` embeds)."""
@@ -156,13 +176,13 @@ class EngineConfig(EngineSpec):
     engine_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     model: str = "smollm2"  # vllm: the embedded model, a local folder or a hub id
     model_id: str | None = None  # what the compatibility hash calls the model (default: folder name)
-    synthetic: SyntheticModelConfig = SyntheticModelConfig()
+    synthetic: SyntheticEngineConfig = SyntheticEngineConfig()
     dtype: DType = "auto"
     max_model_len: int = Field(2048, ge=16)
     # the deployment's `transfer:` section as is (failure policy, leases, timeouts, verify, the
     # fault knob): one type, so the engine, its backends and the vLLM connector read the same fields
     transfer: TransferConfig = TransferConfig()
-    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine ("0", "0|1", "nobind")
+    cpu: EngineCpuConfig = EngineCpuConfig()
     engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments, passed through (actors.engine.vllm.args)
     # vLLM engine arguments raypd sets on a CPU host where engine_kwargs has none (tuned there: a prefill
     # engine's FCFS max_num_seqs 1, the chunk budget from measured rates or the SLO priors) ...
