@@ -36,35 +36,35 @@ and `gpu_engine_defaults`, applied by the engine for its platform; `raypd config
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from actors.config_base import StrictModel
+from actors.control.breaker_config import BreakerConfig
 from actors.engine.config import (
-    DEPLOYMENT_FIELDS,
-    GROUP_FIELDS,
-    OWNED_KWARGS,
     Backend,
-    DType,
     CpuHostConfig,
+    DType,
     EngineConfig,
     EngineCpuConfig,
     EngineSpec,
-    SyntheticEngineConfig,
     RateModelConfig,
+    SyntheticEngineConfig,
     SyntheticModelConfig,
     SyntheticPoolConfig,
-    lift_owned_kwargs,
 )
-from actors.config_base import StrictModel
-from actors.control.breaker_config import BreakerConfig
+from actors.engine.vllm.lifting import lift_deployment_kwargs
 from actors.transfer_config import TransferConfig
 
 # serving/'s ground floor: of serving/ only the config types kept beside this file, which import
 # nothing of serving/ themselves; routing and cluster import them from there (tests/unit/test_config_layers.py)
 from serving.autoscaler_config import AutoscalerConfig
-from serving.placement_config import ChunkBudget, MeasuredRates, PlacementConfig, vllm_default_budget
+from serving.placement_config import ChunkBudget, MeasuredRates, vllm_default_budget
+from serving.router_config import RouterConfig
+
+__all__ = ["ConfigError", "DeploymentConfig", "EngineGroupConfig", "RouterConfig", "check_engine_args", "load_config"]
 
 ROLES = ("prefill", "decode", "both")
 PREFILL_CAPABLE, DECODE_CAPABLE = ("prefill", "both"), ("decode", "both")
@@ -111,40 +111,6 @@ class EngineGroupConfig(EngineSpec):
                 inner[key] = data.pop(old)
                 data[block] = inner
         return data
-
-
-class RouterConfig(StrictModel):
-    """Engine choice and colocated-vs-disaggregated placement (serving/routing/planner.py)."""
-
-    # cache_aware: engines publish vLLM's KV cache events and the router counts each engine's cached
-    # prefix of the prompt; least_outstanding: load alone, and engines run without KV events
-    policy: Literal["least_outstanding", "cache_aware"] = "cache_aware"
-    cache_weight: float = Field(1.0, ge=0)  # cost of one uncached prompt token vs one token of queued work
-    # slo: per request, the SLO model (serving/routing/placement.py) picks colocated or disaggregated and
-    # where; disaggregate: every request is prefilled remotely whenever a prefill engine is usable
-    placement: Literal["slo", "disaggregate"] = "slo"
-    slo: PlacementConfig = PlacementConfig()  # targets, weights and the priors rates start from
-    index_refresh_s: float = Field(0.1, gt=0)  # how stale the router's copy of the prefix index may get
-    no_prefill_fallback: Literal["decode_local", "reject"] = "decode_local"
-    prefill_retries: int = Field(1, ge=0, le=3)
-    # a stream whose decode engine died (or hung) waits this long for one to take it (another, or the
-    # restarted one); past it the stream ends with an error event
-    migration_wait_s: float = Field(15.0, ge=0)
-    # Deadlines of the engine calls a client waits for (formulas: serving/routing/deadlines.py):
-    # a prefill call or a stream's first chunk gets floor + margin x the prefill's predicted time at
-    # the engine's own published rates and queue (the priors of `slo` until it measured them; +
-    # transfer.read_timeout_s when the decode engine pulls KV first); every later chunk
-    # max(token_timeout_s, margin x the engine's step at its published batch). A wait past its
-    # deadline goes on while the engine answers other calls (silent < token_timeout_s), up to margin x
-    # its deadline: busy is not hung. An engine that misses one is treated as hung: its streams
-    # migrate, the coordinator is told (it probes, evicts and restarts the engine), and this router
-    # gives it no work meanwhile.
-    deadline_floor_s: float = Field(10.0, gt=0)
-    deadline_margin: float = Field(3.0, ge=1.0)
-    token_timeout_s: float = Field(10.0, gt=0)  # per-token inactivity of a stream (floor)
-    # a suspected engine gets no new work from this router this long, unless the directory lists a
-    # new incarnation of it sooner (the coordinator's probe decides within restarts.probe_timeout_s)
-    hung_engine_hold_s: float = Field(30.0, gt=0)
 
 
 class RestartConfig(StrictModel):
@@ -224,37 +190,16 @@ class DeploymentConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _lift_owned(cls, data: Any) -> Any:
-        """Move owned engine arguments into raypd's fields (role kwargs before shared ones)."""
+        """Role-flexible engines alone unless pools are given; owned engine arguments moved into
+        raypd's fields (`actors.engine.vllm.lifting`)."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
         both = data.get("both")
-        if isinstance(both, dict) and both.get("count", 0):  # role-flexible engines only, unless pools are given
+        if isinstance(both, dict) and both.get("count", 0):
             for role in ("prefill", "decode"):
                 data.setdefault(role, {"count": 0})
-        explicit = {f: f for f in DEPLOYMENT_FIELDS if f in data}
-        shared = lift_owned_kwargs(data, dict(data.get("engine_kwargs") or {}), DEPLOYMENT_FIELDS,
-                                   "engine_kwargs", explicit)
-        shared_group = {k: v for k, v in shared.items() if OWNED_KWARGS.get(k) in GROUP_FIELDS}
-        for role in ROLES:
-            group = data.get(role)
-            if group is not None and not isinstance(group, dict):
-                continue  # pydantic reports the type error
-            group = dict(group or {})
-            own = {f: f"{role}.{f}" for f in GROUP_FIELDS if f in group}
-            kwargs = lift_owned_kwargs(data, dict(group.get("engine_kwargs") or {}), DEPLOYMENT_FIELDS,
-                                       f"{role}.engine_kwargs", explicit)
-            set_by_role = {OWNED_KWARGS[k] for k in kwargs if OWNED_KWARGS.get(k) in GROUP_FIELDS}
-            kwargs = lift_owned_kwargs(group, kwargs, GROUP_FIELDS, f"{role}.engine_kwargs", own)
-            lift_owned_kwargs(group, {k: v for k, v in shared_group.items() if OWNED_KWARGS[k] not in set_by_role},
-                              GROUP_FIELDS, "engine_kwargs", own)
-            if "engine_kwargs" in group or kwargs:
-                group["engine_kwargs"] = kwargs
-            if group or role in data:
-                data[role] = group
-        if "engine_kwargs" in data or shared:
-            data["engine_kwargs"] = {k: v for k, v in shared.items() if k not in shared_group}
-        return data
+        return lift_deployment_kwargs(data, ROLES)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "DeploymentConfig":
@@ -345,6 +290,10 @@ class DeploymentConfig(StrictModel):
                                 bind=group.cpu.bind[index] if group.cpu.bind and index < len(group.cpu.bind) else None),
             rates=self.rate_model(measured),
         )
+
+    def router_config(self) -> RouterConfig:
+        """`router:` with what it takes from `transfer:` and `breaker:` filled in: what a Router runs with."""
+        return self.router.resolved(self.transfer, self.breaker)
 
     @property
     def served_model_name(self) -> str:

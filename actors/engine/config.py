@@ -9,7 +9,7 @@ vLLM's own argument classes by `actors.engine.vllm.args`). The few engine argume
 raypd needs to know itself, for P/D compatibility checks and request
 validation (model, dtype, max_model_len, TP/PP/DCP sizes, block size), have
 one home: raypd's own fields. Written as engine_kwargs they are moved into
-those fields (`lift_owned_kwargs`); a contradiction is refused.
+those fields (`actors.engine.vllm.lifting`); a contradiction is refused.
 """
 
 from __future__ import annotations
@@ -19,57 +19,13 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from actors.config_base import StrictModel
-
+from actors.engine.vllm.lifting import DEPLOYMENT_FIELDS, GROUP_FIELDS, OWNED_KWARGS, lift_owned_kwargs
 from actors.transfer_config import TransferConfig
 
 Role = Literal["prefill", "decode", "both"]
 Backend = Literal["vllm", "synthetic"]
 # vLLM's `dtype` values ("auto": the model's own, as vLLM picks it for the platform)
 DType = Literal["auto", "float32", "float", "bfloat16", "float16", "half"]
-
-# vLLM engine argument -> the raypd field that holds it (one source of truth).
-OWNED_KWARGS: dict[str, str] = {
-    "model": "model", "dtype": "dtype", "max_model_len": "max_model_len",
-    "tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
-    "decode_context_parallel_size": "dcp_size", "block_size": "block_size",
-}
-GROUP_FIELDS = frozenset({"tp_size", "pp_size", "dcp_size", "block_size"})  # per role in a deployment
-DEPLOYMENT_FIELDS = frozenset({"model", "dtype", "max_model_len"})  # one value for both roles
-# Engine arguments raypd refuses, with what to use instead.
-REFUSED_KWARGS: dict[str, str] = {
-    "data_parallel_size": "raypd scales an engine pool with prefill.count / decode.count",
-}
-
-
-class OwnedKwargError(ValueError):
-    """An engine_kwargs entry contradicts the raypd field that owns it."""
-
-
-def lift_owned_kwargs(data: dict[str, Any], kwargs: dict[str, Any], fields: frozenset[str], where: str,
-                      explicit: dict[str, str]) -> dict[str, Any]:
-    """Move the owned engine arguments of `kwargs` that map to `fields` into `data`.
-
-    `explicit` maps a raypd field to where the user (or an earlier kwargs source)
-    set it; a different value is a contradiction. Returns what is left of `kwargs`,
-    with vLLM's spelling of the keys (`max-num-seqs` -> `max_num_seqs`).
-    """
-    rest = {}
-    for key, value in kwargs.items():
-        name = key.replace("-", "_")
-        if name in REFUSED_KWARGS:
-            raise OwnedKwargError(f"{where}.{key} is not supported: {REFUSED_KWARGS[name]}")
-        target = OWNED_KWARGS.get(name)
-        if target is None or target not in fields:
-            rest[name] = value
-            continue
-        if target in explicit and data.get(target) != value:
-            raise OwnedKwargError(
-                f"{where}.{key}={value!r} contradicts {explicit[target]}={data.get(target)!r}: "
-                f"set it once (raypd keeps it in `{target}`)")
-        data[target] = value
-        explicit.setdefault(target, f"{where}.{key}")
-    return rest
-
 
 class SyntheticModelConfig(StrictModel):
     """KV shapes of the synthetic backend's pretend model."""

@@ -177,3 +177,11 @@ def test_a_file_written_before_the_cpu_and_synthetic_blocks_still_loads():
     assert (old.decode.cpu.bind, old.decode.cpu.shm_busy_loop_s, old.decode.synthetic.num_blocks) == (["1"], 0, 64)
     with pytest.raises(ConfigError, match="cpu_bind and cpu.bind both set"):
         DeploymentConfig.from_dict({"decode": {"cpu_bind": ["1"], "cpu": {"bind": ["0"]}}})
+
+
+def test_the_router_takes_what_it_needs_of_transfer_and_breaker_unless_router_sets_it():
+    derived = DeploymentConfig.from_dict({"transfer": {"read_timeout_s": 20}, "breaker": {"probe_window_s": 8}})
+    own = DeploymentConfig.from_dict({"transfer": {"read_timeout_s": 20},
+                                      "router": {"pull_timeout_s": 5, "probe_hold_s": 1}})
+    assert ((derived.router_config().pull_timeout_s, derived.router_config().probe_hold_s),
+            (own.router_config().pull_timeout_s, own.router_config().probe_hold_s)) == ((20, 4.0), (5, 1))
