@@ -63,8 +63,10 @@ from actors.transfer_config import TransferConfig
 from serving.autoscaler_config import AutoscalerConfig
 from serving.placement_config import ChunkBudget, MeasuredRates, vllm_default_budget
 from serving.router_config import RouterConfig
+from serving.runtime_config import HttpConfig, RayConfig, RestartConfig
 
-__all__ = ["ConfigError", "DeploymentConfig", "EngineGroupConfig", "RouterConfig", "check_engine_args", "load_config"]
+__all__ = ["ConfigError", "DeploymentConfig", "EngineGroupConfig", "HttpConfig", "RouterConfig", "check_engine_args",
+           "load_config"]
 
 ROLES = ("prefill", "decode", "both")
 PREFILL_CAPABLE, DECODE_CAPABLE = ("prefill", "both"), ("decode", "both")
@@ -79,7 +81,8 @@ class ConfigError(ValueError):
 class GroupCpuConfig(CpuHostConfig):
     """A role's `CpuHostConfig` and the cores each of its engines is bound to."""
 
-    bind: list[str] | None = None  # one VLLM_CPU_OMP_THREADS_BIND per engine
+    bind: list[str] | None = Field(None, description=(
+        "one VLLM_CPU_OMP_THREADS_BIND per engine of the role (\"0\", \"0-1\", \"0|1\" for two ranks, \"nobind\")"))
 
 
 # a role's settings that moved into its `cpu:` and `synthetic:` blocks: old key -> (block, key)
@@ -91,10 +94,13 @@ MOVED_GROUP_KEYS = {"cpu_bind": ("cpu", "bind"), "compute_nice": ("cpu", "comput
 class EngineGroupConfig(EngineSpec):
     """`count` engines of one role, each of the shape `EngineSpec` says (their `EngineConfig` embeds it)."""
 
-    count: int = Field(1, ge=0, le=64)
+    count: int = Field(1, ge=0, le=64, description=(
+        "engines of this role (the starting size when the autoscaler runs); `both`: role-flexible engines, "
+        "each can prefill for a peer, decode a peer's prefill or serve a request end to end"))
     cpu: GroupCpuConfig = GroupCpuConfig()
     synthetic: SyntheticPoolConfig = SyntheticPoolConfig()
-    engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of this role (over the shared ones)
+    engine_kwargs: dict[str, Any] = Field({}, description=(
+        "vLLM engine arguments of this role, over the shared `engine_kwargs`"))
 
     @model_validator(mode="before")
     @classmethod
@@ -113,79 +119,28 @@ class EngineGroupConfig(EngineSpec):
         return data
 
 
-class RestartConfig(StrictModel):
-    """Ray restarts crashed engines, their rank actors (synthetic engines), the coordinator and the
-    autoscaler, each at most `max_restarts` times. A hung engine is restarted too: the coordinator
-    pings every engine each `probe_interval_s` (and at once, then again after each failure, when
-    a router reports a missed deadline); one that fails `probe_failure_threshold` probes in a row
-    (no answer within `probe_timeout_s` while it calls the coordinator for nothing else, or vLLM's
-    engine core behind it neither answering nor stepping: one slow answer on busy cores is not a
-    hang) is evicted and killed, and Ray restarts it as a new incarnation. A restarted engine that has not registered again within `startup_deadline_s`
-    (unset: the launcher's engine start timeout) is killed and restarted again (a restart that hangs
-    while it starts cannot be probed)."""
-
-    max_restarts: int = Field(5, ge=0, le=1000)
-    probe_interval_s: float = Field(10.0, gt=0)
-    probe_timeout_s: float = Field(10.0, gt=0)
-    probe_failure_threshold: int = Field(2, ge=1, le=100)
-    startup_deadline_s: float | None = Field(None, gt=0)
-
-
-class HttpConfig(StrictModel):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    # API keys never sit in the config (it travels as Serve arguments and shows in logs):
-    # each ingress replica reads RAYPD_API_KEYS and this file when it starts (serving.front.api_keys).
-    api_keys_file: str | None = None  # one key per line, '#' comments
-    require_api_keys: bool = False  # refuse to start a replica that finds no key
-    max_body_bytes: int = Field(1 << 20, ge=1024)
-    served_model_name: str | None = None
-    max_inflight_requests: int = Field(512, ge=1)  # per ingress replica; beyond it: 429
-    num_replicas: int = Field(1, ge=1, le=64)  # Ray Serve ingress replicas
-    # When Serve stops an ingress replica (a redeploy, a scale-down; never because an engine is
-    # down: its health check reports the replica alone), its streams get this long to finish
-    # before it is force-stopped: cover the longest answer (max_tokens x inter-token latency).
-    graceful_shutdown_timeout_s: float = Field(120.0, ge=0)
-    replica_num_cpus: float = Field(0.0, ge=0)  # CPUs reserved per ingress replica
-    # answer requests sent with `X-Raypd-Trace: 1` with their first token's hop stamps (serving.front.trace)
-    trace: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_inline_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "api_keys" in data:
-            raise ValueError("inline API keys (http.api_keys) are not accepted: the config travels as Ray "
-                             "Serve arguments and shows in logs. Put the keys in the RAYPD_API_KEYS "
-                             "environment variable (comma-separated) or in a file named by http.api_keys_file "
-                             "(one key per line)")
-        return data
-
-
-class RayConfig(StrictModel):
-    address: str | None = None  # None: start a local cluster
-    num_cpus: int | None = Field(None, ge=1)
-
-
 class DeploymentConfig(StrictModel):
-    name: str = "raypd"
-    backend: Backend = "vllm"
-    model: str = "smollm2"
+    """A raypd deployment: its engines by role, routing, transfer, breakers, restarts, HTTP, Ray and
+    the autoscaler."""
+
+    name: str = Field("raypd", description="the deployment's name (its Ray actors' and Serve app's)")
+    backend: Backend = Field("vllm", description="`vllm`, or `synthetic` (real KV caches and NIXL transfers, no model)")
+    model: str = Field("smollm2", description="vllm: `smollm2` (the embedded model), a local folder or a hub id")
     synthetic: SyntheticModelConfig = SyntheticModelConfig()
-    dtype: DType = "auto"
-    max_model_len: int = Field(2048, ge=16)
-    engine_kwargs: dict[str, Any] = {}  # vLLM engine arguments of both roles
+    dtype: DType = Field("auto", description="vLLM's dtype (`auto`: the model's own, as vLLM picks it for the platform)")
+    max_model_len: int = Field(2048, ge=16, description="longest prompt + answer, in tokens")
+    engine_kwargs: dict[str, Any] = Field({}, description=(
+        "vLLM engine arguments of every role, passed to vLLM unchanged (checked against vLLM's own)"))
     prefill: EngineGroupConfig = EngineGroupConfig()
     decode: EngineGroupConfig = EngineGroupConfig()
-    # role-flexible engines: each can prefill for a peer, decode a peer's prefill, or serve a request
-    # end to end; the router places every request (router.placement). Given alone, there are no fixed pools.
     both: EngineGroupConfig = EngineGroupConfig(count=0)
     router: RouterConfig = RouterConfig()
-    transfer: TransferConfig = TransferConfig()  # the engines' EngineConfig.transfer, as is (actors.transfer_config)
+    transfer: TransferConfig = TransferConfig()
     breaker: BreakerConfig = BreakerConfig()
     restarts: RestartConfig = RestartConfig()
     http: HttpConfig = HttpConfig()
     ray: RayConfig = RayConfig()
-    autoscaler: AutoscalerConfig = AutoscalerConfig()  # P:D pool sizes (serving/cluster/autoscale_policy.py)
+    autoscaler: AutoscalerConfig = AutoscalerConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -32,28 +32,40 @@ class SloTargets(StrictModel):
     """The deployment's TTFT and ITL targets: one pair, read by the router's placement model
     (`router.slo`, which carries them) and by the autoscaler (as factors of them)."""
 
-    ttft_target_s: float = Field(1.0, gt=0)  # floor of the TTFT target
-    itl_target_s: float = Field(0.25, gt=0)  # per-step gap of the streams already decoding
+    ttft_target_s: float = Field(1.0, gt=0, description=(
+        "time to first token a request should get: the floor of its target (see `ttft_slowdown`)"))
+    itl_target_s: float = Field(0.25, gt=0, description=(
+        "the longest gap one step may put between two tokens of the streams already decoding (a local "
+        "prefill chunk included); also sets the chunk budget raypd gives CPU engines"))
 
 
-class PlacementConfig(SloTargets, RatePriors):
+class PlacementConfig(RatePriors, SloTargets):
     """The SLO targets, the placement model's weights, and the priors the rate estimator starts from
     (`serving.routing.rates`)."""
 
-    ttft_slowdown: float = Field(3.0, ge=0)  # target >= this x the prompt's idle compute time (0: floor only)
-    first_gap_target_s: float = Field(1.0, gt=0)  # this request's first->second token gap
-    ttft_weight: float = Field(1.0, ge=0)
-    itl_weight: float = Field(1.0, ge=0)  # one stream-second of stall vs one second of TTFT excess
-    remote_first_token_overhead_s: float = Field(0.03, ge=0)  # the remote path's extra before token one
-    prior_transfer_tokens_per_s: float = Field(20000.0, gt=0)
-    prior_transfer_overhead_s: float = Field(0.1, gt=0)
-    default_chunk_budget_tokens: int = Field(VLLM_DEFAULT_BUDGET, ge=1)  # when an engine's is unknown
-    # online learning: exponentially weighted, by age
-    transfer_half_life_s: float = Field(120.0, gt=0)
-    # a stream's mean inter-token gap: at most this x its decode engine's bare step (or itl_target_mean)
-    mean_itl_slowdown: float = Field(1.5, ge=1.0)
-    itl_target_mean_s: float = Field(0.0, ge=0)
-    max_prefill_busy: float = Field(0.9, gt=0, lt=1)
+    ttft_slowdown: float = Field(3.0, ge=0, description=(
+        "a request's TTFT target is at least this x its prompt's prefill time on the fastest engine "
+        "(0: `ttft_target_s` alone)"))
+    first_gap_target_s: float = Field(1.0, gt=0, description="a request's own first->second token gap target")
+    ttft_weight: float = Field(1.0, ge=0, description="the weight of one second of TTFT over its target")
+    itl_weight: float = Field(1.0, ge=0, description=(
+        "the weight of one stream-second of decode stall (against one second of TTFT excess)"))
+    remote_first_token_overhead_s: float = Field(0.03, ge=0, description=(
+        "what the disaggregated path adds before the first token (the hop to the prefill engine and back)"))
+    prior_transfer_tokens_per_s: float = Field(20000.0, gt=0, description=(
+        "prior of a KV pull's rate, until the router measured a pair's pulls"))
+    prior_transfer_overhead_s: float = Field(0.1, gt=0, description="prior of a KV pull's fixed cost")
+    default_chunk_budget_tokens: int = Field(VLLM_DEFAULT_BUDGET, ge=1, description=(
+        "an engine's chunk budget (vLLM's max_num_batched_tokens) while it published none"))
+    transfer_half_life_s: float = Field(120.0, gt=0, description=(
+        "half-life of a pair's KV pull samples in the router's fit"))
+    mean_itl_slowdown: float = Field(1.5, ge=1.0, description=(
+        "a stream's mean inter-token gap target: this x its decode engine's bare step (or "
+        "`itl_target_mean_s`, the larger)"))
+    itl_target_mean_s: float = Field(0.0, ge=0, description="a stream's mean inter-token gap target (0: none)")
+    max_prefill_busy: float = Field(0.9, gt=0, lt=1, description=(
+        "the cap on the share of an engine's time the model counts as prefilling (what stretches the "
+        "inter-token gaps of the streams placed there)"))
 
     def chunk_budget(self, measured: MeasuredRates | None, max_num_seqs: int, block_size: int) -> ChunkBudget:
         """The chunk budget that keeps a step with a prefill chunk within `itl_target_s`, at the rates

@@ -17,7 +17,8 @@ from serving.config import DeploymentConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # config types kept beside serving/config.py (it imports them; they import nothing else of serving/)
-CONFIG_PARTS = {"serving.autoscaler_config", "serving.placement_config", "serving.router_config"}
+CONFIG_PARTS = {"serving.autoscaler_config", "serving.placement_config", "serving.router_config",
+                "serving.runtime_config"}
 
 
 def _imported_modules(path: Path) -> set[str]:
