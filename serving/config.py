@@ -22,8 +22,10 @@ and `gpu_engine_defaults`, applied by the engine for its platform; `raypd config
 - the chunk budget (`max_num_batched_tokens`) of decode-capable engines under SLO placement:
   derived from the rates the role's live engines measured when an engine is started with them
   (`MeasuredRates`: the autoscaler's starts), else from the placement priors (CPU priors).
-  A CPU engine runs it; a GPU engine runs it only when it is a measured one larger than vLLM's
-  own default, so a GPU engine never gets a smaller budget than vLLM's unless the operator wrote it;
+  A CPU engine runs it; a GPU engine runs it only when it is a measured one larger than
+  `vllm serve`'s default for that GPU, so a GPU engine never gets a smaller budget than `vllm serve`
+  would give it unless the operator wrote it (otherwise vLLM applies `vllm serve`'s defaults:
+  actors/engine/vllm/serve_defaults.py);
 - a prefill engine runs one prompt at a time on a CPU host (`max_num_seqs` 1,
   `PREFILL_DEFAULT_KWARGS`; a GPU prefill engine batches prompts as vLLM does). vLLM would pack
   every queued prompt into one step of up to `max_num_batched_tokens`, so that each of them gets
@@ -61,7 +63,7 @@ from actors.transfer_config import TransferConfig
 # serving/'s ground floor: of serving/ only the config types kept beside this file, which import
 # nothing of serving/ themselves; routing and cluster import them from there (tests/unit/test_config_layers.py)
 from serving.autoscaler_config import AutoscalerConfig
-from serving.placement_config import ChunkBudget, MeasuredRates, vllm_default_budget
+from serving.placement_config import ChunkBudget, MeasuredRates
 from serving.router_config import RouterConfig
 from serving.runtime_config import HttpConfig, RayConfig, RestartConfig
 
@@ -234,7 +236,7 @@ class DeploymentConfig(StrictModel):
         budget = self.chunk_budget_of(role, measured)
         if budget is not None and budget.source != "operator":
             cpu_defaults["max_num_batched_tokens"] = budget.tokens
-            if budget.source == "measured" and budget.tokens > vllm_default_budget(kwargs):
+            if budget.source == "measured":  # the GPU engine runs it only above `vllm serve`'s (platform_defaults)
                 gpu_defaults["max_num_batched_tokens"] = budget.tokens
         return EngineConfig(
             **group.spec(), role=role, backend=self.backend, engine_id=engine_id, model=self.model,

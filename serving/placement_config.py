@@ -22,10 +22,13 @@ from pydantic import Field
 from actors.config_base import StrictModel
 from actors.engine.config import RatePriors
 
-# vLLM's max_num_batched_tokens for an engine raypd starts (AsyncLLM, UsageContext.ENGINE_CONTEXT):
-# SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS on a CPU and a GPU alike (vLLM 0.32; the larger
-# defaults of H100-class GPUs are those of the LLM class and `vllm serve`, not of an AsyncLLM)
-VLLM_DEFAULT_BUDGET = 2048
+
+def __getattr__(name: str) -> Any:
+    """`VLLM_DEFAULT_BUDGET`: `vllm serve`'s max_num_batched_tokens for a one-rank engine on this host,
+    read from vLLM's table on first use (`vllm_default_budget`), never a number written here."""
+    if name == "VLLM_DEFAULT_BUDGET":
+        return vllm_default_budget({})
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SloTargets(StrictModel):
@@ -55,8 +58,9 @@ class PlacementConfig(RatePriors, SloTargets):
     prior_transfer_tokens_per_s: float = Field(20000.0, gt=0, description=(
         "prior of a KV pull's rate, until the router measured a pair's pulls"))
     prior_transfer_overhead_s: float = Field(0.1, gt=0, description="prior of a KV pull's fixed cost")
-    default_chunk_budget_tokens: int = Field(VLLM_DEFAULT_BUDGET, ge=1, description=(
-        "an engine's chunk budget (vLLM's max_num_batched_tokens) while it published none"))
+    default_chunk_budget_tokens: int | None = Field(None, ge=1, description=(
+        "an engine's chunk budget (vLLM's max_num_batched_tokens) while it published none (unset: "
+        "`vllm serve`'s default on the host that asks, from vLLM's table)"))
     transfer_half_life_s: float = Field(120.0, gt=0, description=(
         "half-life of a pair's KV pull samples in the router's fit"))
     mean_itl_slowdown: float = Field(1.5, ge=1.0, description=(
@@ -66,6 +70,10 @@ class PlacementConfig(RatePriors, SloTargets):
     max_prefill_busy: float = Field(0.9, gt=0, lt=1, description=(
         "the cap on the share of an engine's time the model counts as prefilling (what stretches the "
         "inter-token gaps of the streams placed there)"))
+
+    def chunk_budget_fallback(self) -> int:
+        """The budget assumed for an engine that published none (`default_chunk_budget_tokens`)."""
+        return self.default_chunk_budget_tokens or vllm_default_budget({})
 
     def chunk_budget(self, measured: MeasuredRates | None, max_num_seqs: int, block_size: int) -> ChunkBudget:
         """The chunk budget that keeps a step with a prefill chunk within `itl_target_s`, at the rates
@@ -103,11 +111,13 @@ def chunked_prefill_budget(step_time_s: float, prefill_rate: float, itl_target_s
     return max(floor, min(max_tokens, blocks))
 
 
-def vllm_default_budget(engine_kwargs: Mapping[str, Any]) -> int:
-    """vLLM's own max_num_batched_tokens for an engine raypd starts with these engine arguments
-    (none of them setting it): `VLLM_DEFAULT_BUDGET`, doubled by `performance_mode: throughput`
-    as vLLM does (`EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`)."""
-    return VLLM_DEFAULT_BUDGET * (2 if engine_kwargs.get("performance_mode") == "throughput" else 1)
+def vllm_default_budget(engine_kwargs: Mapping[str, Any], world_size: int = 1) -> int:
+    """`vllm serve`'s max_num_batched_tokens on this host for an engine of `world_size` ranks with these
+    engine arguments (none of them setting it): vLLM's own table, doubled by `performance_mode:
+    throughput` as vLLM does (`actors.engine.vllm.serve_defaults`)."""
+    from actors.engine.vllm.serve_defaults import serve_batch_defaults
+
+    return serve_batch_defaults(world_size, engine_kwargs.get("performance_mode")).max_num_batched_tokens
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ class Autoscaler:
         slo = self.cfg.router.slo
         pools = []
         for role, xs in loads.items():
-            budget = self.cfg.chunk_budget(role) or slo.default_chunk_budget_tokens
+            budget = self.cfg.chunk_budget(role) or slo.chunk_budget_fallback()
             estimates = []
             for x in xs:
                 m, r = x.meter, x.meter.rates
