@@ -1,38 +1,16 @@
-"""A raypd deployment: engines, routing, transfer, breakers, HTTP. Loaded from YAML.
+"""A raypd deployment (`DeploymentConfig`): engines by role, routing, transfer, breakers, restarts,
+HTTP, Ray and the autoscaler. Loaded from YAML.
 
-`DeploymentConfig.from_dict` is what the Serve builder, the CLI and the
-KubeRay manifests all go through, so a bad file is refused the same way
-everywhere, with a message that names the field.
+`DeploymentConfig.from_dict` is what the Serve builder, the CLI and the KubeRay manifests all go
+through, so a bad file is refused the same way everywhere, with a message that names the field.
+Each section is a model of its own (the config floor: serving/*_config.py and actors' config
+modules); `engine_config` gives one engine its `EngineConfig`, which embeds the role's `EngineSpec`.
 
-vLLM engine arguments: `engine_kwargs` (both roles) and `<role>.engine_kwargs`
-(that role; wins over the shared ones) go to vLLM unchanged. The ones raypd
-owns (model, dtype, max_model_len, tensor/pipeline parallel size, block size)
-are moved into raypd's fields here, so each has one value (see
-actors/engine/config.py). `check_engine_args` checks the rest against vLLM's
-own argument classes where vLLM is importable (the CLI calls it; the engines
-check again when they start).
-
-raypd sets three engine arguments where the operator wrote none (`EngineConfig.cpu_engine_defaults`
-and `gpu_engine_defaults`, applied by the engine for its platform; `raypd config` prints them):
-
-- a one-rank engine on a CPU host runs its model in vLLM's engine-core process
-  (`distributed_executor_backend: uni`, which vLLM's CPU platform would turn into `mp`:
-  actors/engine/vllm/uniproc.py has why, what raypd does to keep it, and the figures);
-
-- the chunk budget (`max_num_batched_tokens`) of decode-capable engines under SLO placement:
-  derived from the rates the role's live engines measured when an engine is started with them
-  (`MeasuredRates`: the autoscaler's starts), else from the placement priors (CPU priors).
-  A CPU engine runs it; a GPU engine runs it only when it is a measured one larger than
-  `vllm serve`'s default for that GPU, so a GPU engine never gets a smaller budget than `vllm serve`
-  would give it unless the operator wrote it (otherwise vLLM applies `vllm serve`'s defaults:
-  actors/engine/vllm/serve_defaults.py);
-- a prefill engine runs one prompt at a time on a CPU host (`max_num_seqs` 1,
-  `PREFILL_DEFAULT_KWARGS`; a GPU prefill engine batches prompts as vLLM does). vLLM would pack
-  every queued prompt into one step of up to `max_num_batched_tokens`, so that each of them gets
-  its first token only when the whole pack is computed (four 512-token prompts: ~4x one prompt's
-  time for all four on a CPU core); one at a time, first come first served, the first of them is
-  back after its own prefill. A prefill's request leaves vLLM's running set with its first token
-  (its blocks stay under their lease), so this bounds only the compute.
+`engine_kwargs` (shared, and per role over them) go to vLLM unchanged, but for the few raypd owns,
+lifted into its fields (`actors.engine.vllm.lifting`). Where the operator set none, raypd adds
+engine arguments per platform (`cpu_engine_defaults`, `gpu_engine_defaults`: a CPU prefill engine's
+`max_num_seqs` 1, a one-rank CPU engine's `uni` executor, the chunk budget of decode-capable engines
+under SLO placement); docs/configuration.md lists them and why.
 """
 
 from __future__ import annotations
@@ -72,7 +50,9 @@ __all__ = ["ConfigError", "DeploymentConfig", "EngineGroupConfig", "HttpConfig",
 
 ROLES = ("prefill", "decode", "both")
 PREFILL_CAPABLE, DECODE_CAPABLE = ("prefill", "both"), ("decode", "both")
-# vLLM engine arguments a prefill engine gets unless its engine_kwargs set them (see the module docstring)
+# vLLM engine arguments a CPU prefill engine gets unless its engine_kwargs set them: one prompt at a time,
+# first come first served (vLLM would pack every queued prompt into one step, each prompt's first token
+# then waiting for the whole pack)
 PREFILL_DEFAULT_KWARGS: dict[str, Any] = {"max_num_seqs": 1}
 
 
@@ -129,7 +109,8 @@ class DeploymentConfig(StrictModel):
     backend: Backend = Field("vllm", description="`vllm`, or `synthetic` (real KV caches and NIXL transfers, no model)")
     model: str = Field("smollm2", description="vllm: `smollm2` (the embedded model), a local folder or a hub id")
     synthetic: SyntheticModelConfig = SyntheticModelConfig()
-    dtype: DType = Field("auto", description="vLLM's dtype (`auto`: the model's own, as vLLM picks it for the platform)")
+    dtype: DType = Field("auto", description=(
+        "vLLM's dtype (`auto`: the model's own, as vLLM picks it for the platform)"))
     max_model_len: int = Field(2048, ge=16, description="longest prompt + answer, in tokens")
     engine_kwargs: dict[str, Any] = Field({}, description=(
         "vLLM engine arguments of every role, passed to vLLM unchanged (checked against vLLM's own)"))
@@ -226,13 +207,13 @@ class DeploymentConfig(StrictModel):
         group: EngineGroupConfig = getattr(self, role)
         kwargs = {**self.engine_kwargs, **group.engine_kwargs}
         # applied by the engine where the operator wrote none: on a CPU host raypd's tuned values, on
-        # a GPU only a measured budget above vLLM's own (its defaults stand otherwise: see the docstring)
+        # a GPU only a measured budget above `vllm serve`'s (whose defaults stand otherwise)
         cpu_defaults: dict[str, Any] = {}
         gpu_defaults: dict[str, Any] = {}
         if role == "prefill" and self.backend == "vllm":
             cpu_defaults.update({k: v for k, v in PREFILL_DEFAULT_KWARGS.items() if k not in kwargs})
         if self.backend == "vllm" and group.tp_size * group.pp_size == 1 and "distributed_executor_backend" not in kwargs:
-            cpu_defaults["distributed_executor_backend"] = "uni"  # the model runs in the core process (see above)
+            cpu_defaults["distributed_executor_backend"] = "uni"  # the model in the core process (uniproc.py)
         budget = self.chunk_budget_of(role, measured)
         if budget is not None and budget.source != "operator":
             cpu_defaults["max_num_batched_tokens"] = budget.tokens
@@ -240,7 +221,8 @@ class DeploymentConfig(StrictModel):
                 gpu_defaults["max_num_batched_tokens"] = budget.tokens
         return EngineConfig(
             **group.spec(), role=role, backend=self.backend, engine_id=engine_id, model=self.model,
-            synthetic=SyntheticEngineConfig(**self.synthetic.model_dump(), **group.synthetic.model_dump()), dtype=self.dtype, max_model_len=self.max_model_len, transfer=self.transfer,
+            synthetic=SyntheticEngineConfig(**self.synthetic.model_dump(), **group.synthetic.model_dump()),
+            dtype=self.dtype, max_model_len=self.max_model_len, transfer=self.transfer,
             engine_kwargs=kwargs, cpu_engine_defaults=cpu_defaults, gpu_engine_defaults=gpu_defaults,
             kv_events=self.router.policy == "cache_aware", max_restarts=self.restarts.max_restarts,
             cpu=EngineCpuConfig(**group.cpu.model_dump(exclude={"bind"}),

@@ -5,9 +5,9 @@
 estimates from the priors). `chunked_prefill_budget` is the one piece of that model the
 deployment config needs itself: the vLLM chunk budget a decode-capable engine gets, from
 the rates its role's live engines measured (`MeasuredRates`) or else from the priors
-(`PlacementConfig.chunk_budget`, called by `DeploymentConfig.chunk_budget_of`). They live here, beside serving/config.py and
-importing nothing of serving/, so that the config module stays the ground floor that the
-routing layer imports, never the other way round.
+(`PlacementConfig.chunk_budget`, called by `DeploymentConfig.chunk_budget_of`). They live here,
+beside serving/config.py and importing nothing of serving/, so that the config module stays the
+ground floor that the routing layer imports, never the other way round.
 """
 
 from __future__ import annotations
