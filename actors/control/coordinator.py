@@ -55,7 +55,8 @@ import ray
 from actors.actor_restart import reconstructed
 from actors.kv.aggregator import KVConnectorOutput
 from actors.control.handoff_desk import HandoffDesk
-from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger, Verdict
+from actors.control.breaker_config import BreakerConfig
+from actors.control.ledger import LedgerSnapshot, TransferLedger, Verdict
 from actors.control.liveness import Liveness
 from actors.control.startup_watch import StartupDeadline, StartupWatch
 from actors.control.route_book import RouteBook

@@ -12,7 +12,7 @@
 2. Every engine's own rate fit is read back (`EngineActor.load()`: the record it publishes,
    `actors.rates.EngineRates`) and averaged per engine size, weighted by the engines' samples (the
    prefill rate by their prefill samples: a decode engine that only pulls KV adds its steps alone):
-   an engine's size is its CPU cores (its `cpu_bind` entry, else `num_cpus`) or its GPUs (TP x PP).
+   an engine's size is its CPU cores (its `cpu.bind` entry, else `num_cpus`) or its GPUs (TP x PP).
 3. The sizes measured replace theirs in `--out` (a `serving.planner.profile` file; the other sizes
    in it stay), which `raypd config --plan --profile` reads. The KV transfer rate is not measured
    here: a new file takes `router.slo`'s priors for it.
@@ -63,12 +63,12 @@ def _batches(text: str) -> tuple[int, ...]:
 
 
 def engine_size(cfg: DeploymentConfig, role: str, index: int) -> int:
-    """The units engine `index` of `role` runs on: CPU cores (cpu_bind, else num_cpus) or GPUs."""
+    """The units engine `index` of `role` runs on: CPU cores (cpu.bind, else num_cpus) or GPUs."""
     group = getattr(cfg, role)
     if group.tp_size * group.pp_size > 1 or group.resources.get("GPU"):
         return group.tp_size * group.pp_size
-    if group.cpu_bind and index < len(group.cpu_bind):
-        return len(_cores(group.cpu_bind[index]))
+    if group.cpu.bind and index < len(group.cpu.bind):
+        return len(_cores(group.cpu.bind[index]))
     return max(1, round(group.num_cpus))
 
 

@@ -1,5 +1,5 @@
 """A P/D request whose KV transfer fails after its prefill, through the HTTP front (synthetic engines,
-real Ray actors and NIXL, the `fail` policy, the default of `transfer.failure_policy`): the partition
+real Ray actors and NIXL, `transfer.failure_policy: fail`, set here: the default is `recompute`): the partition
 and READ-error classes of docs/failure-semantics.md ("Terminal outcome per fault class").
 
 Three streams are prefilled; each is held at the router's call to the decode engine (`DecodeGate`:

@@ -46,7 +46,7 @@ def make_engine(role, engine_id, model, bind, failure_policy="fail", num_blocks=
     transfer = TransferConfig(lease_ttl_s=60, read_timeout_s=10, failure_policy=failure_policy)
     extra = {"num_gpu_blocks_override": num_blocks} if num_blocks else {}
     cfg = EngineConfig(role=role, backend="vllm", engine_id=engine_id, model=str(model), max_model_len=512,
-                       cpu_bind=bind, dtype="float32",
+                       cpu={"bind": bind}, dtype="float32",
                        engine_kwargs={"enable_prefix_caching": False, "enforce_eager": True, **extra},
                        num_cpus=0, transfer=transfer, **kw)
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from actors.kv.aggregator import KVConnectorOutput
-from actors.control.ledger import BreakerConfig, TransferLedger
+from actors.control.breaker_config import BreakerConfig
+from actors.control.ledger import TransferLedger
 from actors.routes import PrefillRoute, RouteTable
 from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from serving.config import RouterConfig

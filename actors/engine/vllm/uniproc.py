@@ -20,7 +20,7 @@ raypd's default for one-rank engines on a CPU host (`EngineConfig.cpu_engine_def
 With `uni`, raypd makes it stick on a CPU host:
 - VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine actor's environment (AsyncLLM still runs its core in
   a subprocess: only the worker process goes);
-- the core process's OpenMP threads bound to the engine's `cpu_bind` cores, as vLLM's mp executor
+- the core process's OpenMP threads bound to the engine's `cpu.bind` cores, as vLLM's mp executor
   binds a worker's (OMP_NUM_THREADS, OMP_PLACES, OMP_PROC_BIND, set in the core's environment only:
   the actor's own OpenMP runtime read its environment long before).
 """
@@ -66,9 +66,9 @@ def parse_cpus(spec: str) -> list[int]:
 
 def core_omp_env(cfg: EngineConfig, is_cpu: bool = True) -> dict[str, str]:
     """The OpenMP binding vLLM's mp executor would give the worker, for the core process instead."""
-    if not runs_model_in_core(cfg, is_cpu) or cfg.cpu_bind in (None, "", "nobind", "auto"):
+    if not runs_model_in_core(cfg, is_cpu) or cfg.cpu.bind in (None, "", "nobind", "auto"):
         return {}
-    cpus = parse_cpus(cfg.cpu_bind)
+    cpus = parse_cpus(cfg.cpu.bind)
     return {"OMP_NUM_THREADS": str(len(cpus)), "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
             "OMP_PROC_BIND": "true"}
 
