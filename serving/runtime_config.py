@@ -59,6 +59,10 @@ class HttpConfig(StrictModel):
         "when Serve stops an ingress replica (a redeploy, a scale-down), its streams get this long to "
         "finish: cover the longest answer"))
     replica_num_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved per ingress replica")
+    replica_resources: dict[str, float] = Field({"node:__internal_head__": 0.001}, description=(
+        "Ray resources each ingress replica asks for; by default the head node's own, so that the router "
+        "shares the head's fate and not an engine host's (a host cut off from its peers would cut the "
+        "router off too); {} lets Ray place replicas on any node"))
     trace: bool = Field(False, description=(
         "answer requests sent with `X-Raypd-Trace: 1` with their first token's hop stamps, and log the "
         "ingress loop's long lags and gc pauses"))
