@@ -46,6 +46,7 @@ def prompt(city: str, body: str = SHORT) -> str:
 
 def row(name: str, a: Answer, ref: str | None = None) -> dict:
     return {"request": name, "outcome": a.outcome, "right": None if ref is None else a.text == ref,
+            "text": a.text, "reference": ref,
             "seconds": round(a.seconds, 2), "ttft_s": a.first_s and round(a.first_s, 2),
             "first_to_second_s": round(a.second_s - a.first_s, 2) if a.first_s and a.second_s else None}
 
