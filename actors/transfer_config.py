@@ -31,7 +31,7 @@ class TransferConfig(BaseModel):
     # request once the pull is done: two scheduler steps later). 0: always async.
     sync_load_max_tokens: int = Field(4096, ge=0)
     fault_rate: float = Field(0.0, ge=0.0, le=1.0)  # test knob: fail this fraction of KV pulls on purpose
-    # KV integrity (actors.kv.integrity): producers checksum each (block, head) when they lease a
+    # KV integrity (actors.kv.lease.integrity): producers checksum each (block, head) when they lease a
     # prefill, readers check all blocks or a 1-in-8 sample of them after the pull; a mismatch fails it.
     # Off by default: on CPU `all` adds 1.6-6x the pull's time, `sample` 20-140 % (benchmarks/transfer.py).
     verify: VerifyMode = "off"

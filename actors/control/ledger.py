@@ -51,7 +51,7 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
-from actors.kv.breaker import CircuitBreaker
+from actors.control.breaker import CircuitBreaker
 from actors.routes import PairState
 
 Pair = tuple[str, str]  # (decode, prefill)

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 from actors.control.ledger import TransferLedger
 from actors.control.registry import EngineEntry
-from actors.kv.compat import pair_problem
+from actors.kv.plan.compat import pair_problem
 from actors.rates import EngineRates
 from actors.routes import PrefillRoute, RouteDelta, RouteTable
 

@@ -8,7 +8,7 @@ incompatible model is a clear `HandshakeError`, never a crash:
   2. body      engine id, role, rank identity, agent name, agent metadata
      (base64), cache geometry (region addresses, block length, block count)
      and, for ranks that lease blocks, where their lease board lives
-     (`actors.kv.lease_board`: readers confirm leases there).
+     (`actors.kv.lease.lease_board`: readers confirm leases there).
 
 The compatibility hash covers what must be equal for KV bytes to mean the same
 thing on both sides: model id, dtype, kv heads, layers, head size, cache dtype
@@ -24,8 +24,8 @@ import json
 from dataclasses import asdict, dataclass
 
 from actors.kv.errors import HandshakeError, LayoutError
-from actors.kv.layout import CacheGeometry
-from actors.kv.lease_board import BoardInfo
+from actors.kv.plan.layout import CacheGeometry
+from actors.kv.lease.lease_board import BoardInfo
 
 PROTOCOL_VERSION = 2  # 2: lease boards (readers confirm leases after their READ)
 

@@ -6,7 +6,7 @@ Life cycle of a request on a decode (reader) rank:
                  handshakes (`connect`): payloads of exactly the ranks
                  `handshake_target_ranks` names, peers added and connected,
                  descriptor lists prepared (`PeerPlan`, cached), and for every
-                 source rank the lists of its lease board (`actors.kv.confirm`).
+                 source rank the lists of its lease board (`actors.kv.lease.confirm`).
                  Every request then checks its block ids against both sides'
                  block counts (vectorised), computes descriptor indices and
                  posts one READ per source rank; replicas we skip are told at
@@ -23,13 +23,13 @@ Life cycle of a request on a decode (reader) rank:
   3. abandon     a request that will never pull tells its producers the same.
 
 On a prefill (producer) rank, `hold` / `release` and the lease part of `step`
-are `actors.kv.producer.LeaseKeeper`'s (its module opens with that life cycle).
+are `actors.kv.lease.producer.LeaseKeeper`'s (its module opens with that life cycle).
 
 `step()` is the one place that decides what a step polls (pulls, then
 leases with the notices that arrived) and returns everything it produced as a
 `StepResult`. Nothing here starts a thread or spins: the owner calls `step()`
 (vLLM: every engine step) while `needs_step`. Moving bytes does not wait for
-`step()`: NIXL's progress thread (`actors.kv.nixl_binding`) serves peers'
+`step()`: NIXL's progress thread (`actors.kv.nixl.nixl_binding`) serves peers'
 READs of this rank's memory and its board and collects notices even while the
 owner is busy, so a producer owes its readers nothing between its steps.
 """
@@ -45,21 +45,21 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from actors.kv.confirm import EXPIRED, MISSING, Confirmer, SourceConfirm
-from actors.kv.descriptors import checked_block_ids
+from actors.kv.lease.confirm import EXPIRED, MISSING, Confirmer, SourceConfirm
+from actors.kv.plan.descriptors import checked_block_ids
 from actors.kv.errors import HandshakeError, KVTransferError
 from actors.kv.faults import NO_FAULTS, FaultPolicy, InjectedFault
 from actors.kv.handshake import CompatInfo, RankHandshake, decode_handshake
-from actors.kv.integrity import check_mode
-from actors.kv.layout import CacheGeometry, compatible_geometry, to_local_layout
-from actors.kv.lease_board import lease_tag
-from actors.kv.notify import ReaderNotice
-from actors.kv.producer import LeaseKeeper, new_board
-from actors.kv.pull_plan import PeerPlan, PeerKey, StagePlan, build_stage
-from actors.kv.read_plan import plan_reads
-from actors.kv.pull_types import (INTEGRITY, LEASE_ENDED, NO_LEASE_RECORD, PullRequest, PullTiming, RankIdentity,
+from actors.kv.lease.integrity import check_mode
+from actors.kv.plan.layout import CacheGeometry, compatible_geometry, to_local_layout
+from actors.kv.lease.lease_board import lease_tag
+from actors.kv.lease.notify import ReaderNotice
+from actors.kv.lease.producer import LeaseKeeper, new_board
+from actors.kv.plan.pull_plan import PeerKey, PeerPlan, StagePlan, plan_stage
+from actors.kv.plan.pull_types import (INTEGRITY, LEASE_ENDED, NO_LEASE_RECORD, PullRequest, PullTiming, RankIdentity,
                                   Shape, StepResult)
-from actors.kv.topology import EngineTransferInfo, TransferTopology, rank_global_heads
+from actors.kv.plan.topology import TransferTopology, rank_global_heads
+from actors.kv.transport import TransportBase
 
 logger = logging.getLogger("raypd.transfer")
 
@@ -84,7 +84,7 @@ class _Pull:
 
 class RankTransfer:
     def __init__(self, identity: RankIdentity, geometry: CacheGeometry, planes: list[list[torch.Tensor]],
-                 compat: CompatInfo, transport, is_mla: bool = False, faults: FaultPolicy = NO_FAULTS,
+                 compat: CompatInfo, transport: TransportBase, is_mla: bool = False, faults: FaultPolicy = NO_FAULTS,
                  clock: Callable[[], float] = time.monotonic, early_notice_ttl_s: float = 60.0,
                  verify: str = "off"):
         self.identity = identity
@@ -146,14 +146,7 @@ class RankTransfer:
                 compatible_geometry(self.geometry, hs.geometry)
                 self.transport.add_peer(hs)
                 peers[hs.tp_rank] = hs
-            g, first = peers[targets[0]].geometry, peers[targets[0]]
-            layers = (g.first_layer, g.first_layer + g.num_layers) if first.pp_size > 1 else (0, 0)
-            self.topology.register_remote_engine(engine_id, EngineTransferInfo(
-                remote_tp_size=tp_size, remote_block_len=g.block_bytes, remote_block_size=first.block_size,
-                remote_physical_blocks_per_logical=1, remote_pp_rank=pp_rank,
-                start_layer=layers[0], end_layer=layers[1], remote_dcp_size=dcp_size,
-            ))
-            stage = build_stage(self.transport, self.geometry, plan_reads(self.topology, engine_id, pp_rank), peers)
+            stage = plan_stage(self.topology, self.transport, self.geometry, engine_id, pp_rank, peers)
             for src in stage.reads:
                 self._confirms[src.key] = self.confirmer.prepare(
                     len(stages) * 64 + stage.reads.index(src), src, peers[src.key[2]].board, src.all_layers,

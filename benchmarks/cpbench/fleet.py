@@ -35,7 +35,7 @@ from actors.prefix_wire import BlocksRemoved, BlocksStored, HashScheme, KVEvents
 from actors.engine.ledger_reporter import LedgerReporter
 from actors.kv.aggregator import KVConnectorOutput
 from actors.kv.handshake import CompatInfo, RankHandshake
-from actors.kv.layout import HND, CacheGeometry
+from actors.kv.plan.layout import HND, CacheGeometry
 from actors.protocol import EngineInfo
 
 BLOCK_SIZE = 16

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.kv.breaker import CircuitBreaker
+from actors.control.breaker import CircuitBreaker
 from actors.kv.errors import BreakerConfigError, KVTransferError
 
 

@@ -37,10 +37,10 @@ import torch
 from actors.kv.errors import HandshakeError, KVTransferError
 from actors.kv.faults import NO_FAULTS, FaultPolicy
 from actors.kv.handshake import CompatInfo
-from actors.kv.layout import BlockLayout, CacheGeometry, canonical_view
+from actors.kv.plan.layout import BlockLayout, CacheGeometry, canonical_view
 from actors.kv.rank_transfer import HandshakeDirectory, RankIdentity, RankTransfer
-from actors.kv.topology import pp_layer_range, rank_global_heads
-from actors.kv.transport import NixlTransport
+from actors.kv.plan.topology import pp_layer_range, rank_global_heads
+from actors.kv.nixl.nixl_transport import NixlTransport
 from actors.engine.synthetic.pattern import kv_values
 from actors.transfer_params import TransferParams
 
@@ -69,7 +69,7 @@ class RankConfig(RankIdentity):
     num_blocks: int = 64
     layout: str = "HND"  # HND | NHD | HCND (K/V packed, vLLM CPU) | ND (MLA)
     read_timeout_s: float = 30.0
-    verify: str = "off"  # transfer.verify: off | sample | all (KV checksums, actors.kv.integrity)
+    verify: str = "off"  # transfer.verify: off | sample | all (KV checksums, actors.kv.lease.integrity)
 
     @property
     def kv_packing(self) -> str:

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from actors.kv.pull_types import FAILURE_KINDS, failure_kind
+from actors.kv.plan.pull_types import FAILURE_KINDS, failure_kind
 
 logger = logging.getLogger("raypd.vllm")
 
@@ -51,7 +51,7 @@ PULL_FAILED = "pull_failed"  # the key of a step's failed pulls: [vLLM's id, why
 
 class PullFailures:
     """Why this engine's pulls failed, as its reader ranks said: counted by kind in `counters`
-    (`pull_failures_<kind>`, `actors.kv.pull_types.failure_kind`) and kept by request (the last
+    (`pull_failures_<kind>`, `actors.kv.plan.pull_types.failure_kind`) and kept by request (the last
     `keep`) for the ledger's verdict."""
 
     KINDS = (*FAILURE_KINDS.values(), "transfer")

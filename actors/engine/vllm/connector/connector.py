@@ -40,12 +40,12 @@ from actors.engine.vllm.connector.scheduler import ConnectorScheduler
 from actors.engine.vllm.connector.worker import ConnectorWorker, check_supported
 from actors.engine.vllm.extra_config import ConnectorExtraConfig
 from actors.engine.vllm.leases import PULL_FAILED, PullFailures
-from actors.kv.pull_types import failure_kind
+from actors.kv.plan.pull_types import failure_kind
 
 
 class PullFailureMetrics(KVConnectorPromMetrics):
     """`vllm:raypd_kv_pull_failures{reason}`: a decode engine's failed pulls by kind
-    (`actors.kv.pull_types.failure_kind`; lease_ended: the producer's lease board refused the read)."""
+    (`actors.kv.plan.pull_types.failure_kind`; lease_ended: the producer's lease board refused the read)."""
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):

@@ -25,7 +25,7 @@ the synthetic engine drives:
                        stepped): finished and failed pulls,
                        released and expired leases. Peers' READs of this
                        rank's KV do not wait for it: NIXL's progress thread
-                       (asleep on UCX's fd, `actors.kv.nixl_binding`) serves
+                       (asleep on UCX's fd, `actors.kv.nixl.nixl_binding`) serves
                        them while this process computes a step;
   worker_meta          what the step says of how leases ended besides the
                        readers' notices (`LeaseEnds`: expired, dropped for the
@@ -55,10 +55,11 @@ from actors.engine.vllm.extra_config import ConnectorExtraConfig
 from actors.kv.errors import HandshakeError, LayoutError, TopologyError
 from actors.kv.faults import FaultPolicy
 from actors.kv.handshake import CompatInfo, decode_envelope
-from actors.kv.layout import CPU_HKND, MLA_ND, NHD, CacheGeometry
-from actors.kv.pull_types import StepResult
+from actors.kv.plan.layout import CPU_HKND, MLA_ND, NHD, CacheGeometry
+from actors.kv.plan.pull_types import StepResult
 from actors.kv.rank_transfer import RankIdentity, RankTransfer
-from actors.kv.transport import NixlTransport, PeerKey
+from actors.kv.nixl.nixl_transport import NixlTransport
+from actors.kv.transport import PeerKey
 from actors.transfer_params import TransferParams
 
 logger = logging.getLogger("raypd.connector")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.kv.errors import TopologyError
-from actors.kv.topology import EngineId, EngineTransferInfo, TransferTopology, rank_global_heads
+from actors.kv.plan.topology import EngineId, EngineTransferInfo, TransferTopology, rank_global_heads
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class ReadSpec:
     layers: tuple[int, int] | None
     block_size_ratio: int
     token_shard: tuple[int, int, int, int] | None = None
+    remote_head0: int = 0  # the remote rank's first global head (its checksums are keyed by it)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ def _head_reads(t: TransferTopology, info: EngineTransferInfo, targets: list[int
             local_heads=(lo - local_g0, hi - local_g0),
             layers=info.layers,
             block_size_ratio=ratio,
+            remote_head0=rem_g0,
         ))
     missing = set(range(local_g0, local_g1)) - covered
     if missing:  # only reachable through an inconsistent size pair
@@ -117,6 +119,7 @@ def _dcp_reads(t: TransferTopology, info: EngineTransferInfo, targets: list[int]
             layers=info.layers,
             block_size_ratio=ratio,
             token_shard=(remote_dcp, r % remote_dcp, t.dcp_size, t.dcp_rank) if token_shard else None,
+            remote_head0=rank_global_heads(r, info.remote_tp_size, t.total_num_kv_heads, t.is_mla)[0],
         )
         for r in sources
     ]

@@ -27,14 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from actors.kv.descriptors import DescTable, UnitCut, head_slice_runs, index_dtype, token_cut
-from actors.kv.errors import BlockRangeError, LayoutError
+from actors.kv.plan.descriptors import DescTable, index_dtype, read_cuts, table_of
+from actors.kv.errors import BlockRangeError
 from actors.kv.handshake import RankHandshake
-from actors.kv.layout import BlockLayout, CacheGeometry
-from actors.kv.read_plan import ReadPlan, ReadSpec
-from actors.kv.topology import rank_global_heads
+from actors.kv.plan.layout import BlockLayout, CacheGeometry
+from actors.kv.plan.read_plan import ReadPlan, ReadSpec, plan_reads
+from actors.kv.plan.topology import EngineTransferInfo, TransferTopology
+from actors.kv.transport import PeerKey, TransportBase
 
-PeerKey = tuple[str, int, int]  # (engine id, pp rank, tp rank)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class SourceRead:
     # adjacent positions are adjacent bytes on both sides (one run tiling each unit), so NIXL
     # merges pairs adjacent in both caches into one extent
     merges: bool = False
-    # what the lease confirmation needs to recompute this source's checksums (actors.kv.confirm)
+    # what the lease confirmation needs to recompute this source's checksums (actors.kv.lease.confirm)
     local_heads: tuple[int, int] = (0, 1)
     remote_heads: tuple[int, int] = (0, 1)  # in the source's own head indices
     remote_head0: int = 0  # the source's first global head
@@ -127,46 +127,22 @@ class PeerPlan:
         return min((src.remote_num_blocks for stage in self.stages for src in stage.reads), default=0)
 
 
-def _layer_pairs(spec: ReadSpec, local: CacheGeometry, remote: CacheGeometry) -> list[int]:
-    """Global layers both sides hold, limited to the read's layer range."""
-    lo = max(local.first_layer, remote.first_layer)
-    hi = min(local.first_layer + local.num_layers, remote.first_layer + remote.num_layers)
-    if spec.layers is not None:
-        lo, hi = max(lo, spec.layers[0]), min(hi, spec.layers[1])
-    return list(range(lo, hi))
+def plan_stage(topology: TransferTopology, transport: TransportBase, local: CacheGeometry, engine_id: str,
+               pp_rank: int, peers: dict[int, RankHandshake]) -> StagePlan:
+    """One remote pp rank, from its ranks' handshakes to prepared lists: register the engine with the
+    topology, plan its reads (`plan_reads`), prepare their descriptor lists (`build_stage`)."""
+    first = next(iter(peers.values()))
+    g = first.geometry
+    layers = (g.first_layer, g.first_layer + g.num_layers) if first.pp_size > 1 else (0, 0)
+    topology.register_remote_engine(engine_id, EngineTransferInfo(
+        remote_tp_size=first.tp_size, remote_block_len=g.block_bytes, remote_block_size=first.block_size,
+        remote_physical_blocks_per_logical=1, remote_pp_rank=pp_rank,
+        start_layer=layers[0], end_layer=layers[1], remote_dcp_size=first.dcp_size,
+    ))
+    return build_stage(transport, local, plan_reads(topology, engine_id, pp_rank), peers)
 
 
-def _cuts(spec: ReadSpec, local: CacheGeometry, remote: CacheGeometry) -> tuple[UnitCut, UnitCut]:
-    """How each side's blocks are cut into descriptors for this read."""
-    if spec.token_shard is not None:
-        l_cut = token_cut(local.layout, local.block_dims(), local.dtype_size)
-        r_cut = token_cut(remote.layout, remote.block_dims(), remote.dtype_size)
-        if l_cut.run_lengths != r_cut.run_lengths:
-            raise LayoutError(f"token rows differ between layouts {local.layout.name} and {remote.layout.name}")
-        return l_cut, r_cut
-    # Local block j receives remote blocks [j*ratio, (j+1)*ratio) back to back, in the
-    # remote axis order with the local head count (`to_local_layout` permutes later).
-    src_dims = remote.block_dims()
-    dst_dims = remote.block_dims(num_heads=local.num_heads)
-    sub_block = local.block_bytes // spec.block_size_ratio
-    runs = head_slice_runs(remote.layout, src_dims, dst_dims, spec.remote_heads, spec.local_heads,
-                           remote.dtype_size)
-    l_cut = UnitCut(spec.block_size_ratio, sub_block, tuple((d, n) for d, _, n in runs))
-    r_cut = UnitCut(1, remote.block_bytes, tuple((s, n) for _, s, n in runs))
-    return l_cut, r_cut
-
-
-def _tiles(cut: UnitCut) -> bool:
-    """One run covering the whole unit: unit k+1 starts where unit k ends."""
-    return len(cut.runs) == 1 and cut.runs[0] == (0, cut.unit_stride)
-
-
-def table_of(geometry: CacheGeometry, cut: UnitCut) -> DescTable:
-    return DescTable(tuple(b for planes in geometry.bases for b in planes), geometry.num_blocks,
-                     geometry.block_bytes, cut)
-
-
-def build_stage(transport: Any, local: CacheGeometry, plan: ReadPlan, peers: dict[int, RankHandshake]) -> StagePlan:
+def build_stage(transport: TransportBase, local: CacheGeometry, plan: ReadPlan, peers: dict[int, RankHandshake]) -> StagePlan:
     """Prepare every descriptor list one remote pp rank's reads need (handshake time)."""
     engine_id, pp_rank = plan.remote_engine_id, plan.remote_pp_rank
     reads, transform_layers = [], set()
@@ -177,7 +153,7 @@ def build_stage(transport: Any, local: CacheGeometry, plan: ReadPlan, peers: dic
         layers = _layer_pairs(spec, local, remote)
         if not layers:
             continue
-        l_cut, r_cut = _cuts(spec, local, remote)
+        l_cut, r_cut = read_cuts(spec, local, remote)
         l_table, r_table = table_of(local, l_cut), table_of(remote, r_cut)
         planes = range(local.planes)
         l_regions = np.array([local.region_index(g, p) for g in layers for p in planes], dtype=np.int64)
@@ -194,9 +170,9 @@ def build_stage(transport: Any, local: CacheGeometry, plan: ReadPlan, peers: dic
             remote_num_blocks=remote.num_blocks,
             bytes_per_item=l_cut.bytes_per_unit * len(l_regions),
             dtype=index_dtype(max(len(l_table), len(r_table))),
-            merges=spec.token_shard is None and _tiles(l_cut) and _tiles(r_cut),
+            merges=spec.token_shard is None and l_cut.tiles and r_cut.tiles,
             local_heads=spec.local_heads, remote_heads=spec.remote_heads,
-            remote_head0=rank_global_heads(hs.tp_rank, hs.tp_size, hs.compat.num_kv_heads, hs.compat.is_mla)[0],
+            remote_head0=spec.remote_head0,
             all_layers=tuple(layers) if layers == list(remote.layers) else None,
         ))
         if spec.token_shard is None:
@@ -215,3 +191,12 @@ def build_stage(transport: Any, local: CacheGeometry, plan: ReadPlan, peers: dic
         ratio=ratio,
         transform_layers=tuple(sorted(transform_layers)),
     )
+
+
+def _layer_pairs(spec: ReadSpec, local: CacheGeometry, remote: CacheGeometry) -> list[int]:
+    """Global layers both sides hold, limited to the read's layer range."""
+    lo = max(local.first_layer, remote.first_layer)
+    hi = min(local.first_layer + local.num_layers, remote.first_layer + remote.num_layers)
+    if spec.layers is not None:
+        lo, hi = max(lo, spec.layers[0]), min(hi, spec.layers[1])
+    return list(range(lo, hi))

@@ -5,7 +5,7 @@ Life cycle of a request on a prefill (producer) rank (`LeaseKeeper`, driven by `
   1. hold      the request's blocks go under a lease (`LeaseTable`); with
                `transfer.verify` on, their checksums (all, or the sample both
                sides agree on) are written to the lease board, then the lease's
-               record is published HELD (`actors.kv.lease_board`); notices that
+               record is published HELD (`actors.kv.lease.lease_board`); notices that
                came before the lease (a reader that gave up early) apply now;
   2. read      readers READ the blocks, then the record (and checksums); the
                owner does nothing for it (NIXL's progress thread serves them);
@@ -28,13 +28,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from actors.kv.descriptors import checked_block_ids
+from actors.kv.plan.descriptors import checked_block_ids
 from actors.kv.faults import NO_FAULTS, FaultPolicy
-from actors.kv.integrity import producer_sums, sampled
-from actors.kv.layout import CacheGeometry
-from actors.kv.lease import LeaseTable
-from actors.kv.lease_board import LeaseBoard, lease_tag
-from actors.kv.notify import ReaderNotice, decode_notice
+from actors.kv.lease.integrity import producer_sums, sampled
+from actors.kv.plan.layout import CacheGeometry
+from actors.kv.lease.lease import LeaseTable
+from actors.kv.lease.lease_board import LeaseBoard, lease_tag
+from actors.kv.lease.notify import ReaderNotice, decode_notice
+from actors.kv.transport import TransportBase
 
 logger = logging.getLogger("raypd.transfer")
 
@@ -137,7 +138,7 @@ class LeaseKeeper:
         return out
 
 
-def new_board(geometry: CacheGeometry, role: str, verify: str, transport) -> LeaseBoard | None:
+def new_board(geometry: CacheGeometry, role: str, verify: str, transport: TransportBase) -> LeaseBoard | None:
     """The rank's lease board, registered with its transport (none for a decode-only rank)."""
     if role == "decode":
         return None

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from actors.kv.errors import KVTransferError
 from actors.kv.handshake import RankHandshake
-from actors.kv.layout import compatible_geometry
-from actors.kv.read_plan import plan_reads
-from actors.kv.topology import EngineTransferInfo, TransferTopology
+from actors.kv.plan.layout import compatible_geometry
+from actors.kv.plan.read_plan import plan_reads
+from actors.kv.plan.topology import EngineTransferInfo, TransferTopology
 
 
 def pair_problem(prefill: list[RankHandshake], decode: list[RankHandshake]) -> str | None:

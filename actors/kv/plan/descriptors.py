@@ -25,7 +25,8 @@ from typing import Sequence
 import numpy as np
 
 from actors.kv.errors import BlockRangeError, LayoutError
-from actors.kv.layout import BlockLayout, strides_of
+from actors.kv.plan.layout import BlockLayout, CacheGeometry, strides_of
+from actors.kv.plan.read_plan import ReadSpec
 
 Run = tuple[int, int]  # (offset inside a unit, nbytes)
 
@@ -41,6 +42,11 @@ class UnitCut:
     @property
     def run_lengths(self) -> tuple[int, ...]:
         return tuple(n for _, n in self.runs)
+
+    @property
+    def tiles(self) -> bool:
+        """One run covering the whole unit: unit k+1 starts where unit k ends."""
+        return len(self.runs) == 1 and self.runs[0] == (0, self.unit_stride)
 
     @property
     def bytes_per_unit(self) -> int:
@@ -187,3 +193,32 @@ def token_cut(layout: BlockLayout, dims: dict[str, int], itemsize: int) -> UnitC
     strides = strides_of(layout.axes, dims, itemsize)
     runs = tuple((o, strides["N"]) for o in _prefix_offsets(layout.axes, dims, strides, "N"))
     return UnitCut(units=dims["N"], unit_stride=strides["N"], runs=runs)
+
+
+# ------------------------------------------------------------ one read's two tables
+
+
+def read_cuts(spec: ReadSpec, local: CacheGeometry, remote: CacheGeometry) -> tuple[UnitCut, UnitCut]:
+    """How each side's blocks are cut into descriptors for this read."""
+    if spec.token_shard is not None:
+        l_cut = token_cut(local.layout, local.block_dims(), local.dtype_size)
+        r_cut = token_cut(remote.layout, remote.block_dims(), remote.dtype_size)
+        if l_cut.run_lengths != r_cut.run_lengths:
+            raise LayoutError(f"token rows differ between layouts {local.layout.name} and {remote.layout.name}")
+        return l_cut, r_cut
+    # Local block j receives remote blocks [j*ratio, (j+1)*ratio) back to back, in the
+    # remote axis order with the local head count (`to_local_layout` permutes later).
+    src_dims = remote.block_dims()
+    dst_dims = remote.block_dims(num_heads=local.num_heads)
+    sub_block = local.block_bytes // spec.block_size_ratio
+    runs = head_slice_runs(remote.layout, src_dims, dst_dims, spec.remote_heads, spec.local_heads,
+                           remote.dtype_size)
+    l_cut = UnitCut(spec.block_size_ratio, sub_block, tuple((d, n) for d, _, n in runs))
+    r_cut = UnitCut(1, remote.block_bytes, tuple((s, n) for _, s, n in runs))
+    return l_cut, r_cut
+
+
+def table_of(geometry: CacheGeometry, cut: UnitCut) -> DescTable:
+    """Every block of `geometry`'s regions, cut by `cut`."""
+    return DescTable(tuple(b for planes in geometry.bases for b in planes), geometry.num_blocks,
+                     geometry.block_bytes, cut)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from actors.kv.nixl_checks import Range, err
+from actors.kv.nixl.nixl_checks import Range, err
 
 
 XferState = Literal["DONE", "PROC", "ERR"]

@@ -2,16 +2,16 @@
 
 `NixlAgent` owns exactly one NIXL agent and everything created through it
 (registrations, remote agents, prepared descriptor lists, transfer handles:
-`actors.kv.nixl_handles`) and releases each exactly once on `shutdown()`. It
+`actors.kv.nixl.nixl_handles`) and releases each exactly once on `shutdown()`. It
 offers what the KV transport needs: register KV memory, exchange metadata,
 prepare descriptor lists once per peer (strided rows: cheap even for large
 caches), post READs by descriptor index with a notification for the block
 owner, poll them without blocking, exchange standalone notifications.
 
-* Caller mistakes are typed errors (`actors.kv.nixl_checks` validates before
+* Caller mistakes are typed errors (`actors.kv.nixl.nixl_checks` validates before
   NIXL sees anything); a transfer that fails *after* it was posted (dead peer)
   is reported by `check()` as ``"ERR"``, never as an exception.
-* Progress: the agent is built by `actors.kv.nixl_binding` with NIXL's UCX
+* Progress: the agent is built by `actors.kv.nixl.nixl_binding` with NIXL's UCX
   progress thread on, asleep in ``poll()`` on the UCX worker's event fd (1 s
   timeout). It serves peers' READs of our memory and collects notifications
   while the owner thread is busy elsewhere (a vLLM prefill step), so nobody
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from actors.kv.errors import HandshakeError, KVTransferError, TransferSetupError, TransportClosedError
-from actors.kv.nixl_checks import (
+from actors.kv.nixl.nixl_checks import (
     Range,
     as_indices,
     as_notif,
@@ -48,8 +48,8 @@ from actors.kv.nixl_checks import (
     check_mem,
     err,
 )
-from actors.kv.nixl_binding import load_nixl_api, new_agent
-from actors.kv.nixl_handles import LOCAL, PreparedDescs, Registration, Transfer, XferState
+from actors.kv.nixl.nixl_binding import load_nixl_api, new_agent
+from actors.kv.nixl.nixl_handles import LOCAL, PreparedDescs, Registration, Transfer, XferState
 
 __all__ = ["NixlAgent", "PreparedDescs", "Registration", "Transfer", "XferState"]
 

@@ -6,7 +6,7 @@ Every rank owns one `TransferTopology`. It answers, from sizes alone:
   * how many local readers each remote rank must hear from before it frees a
     request's blocks (`dcp_consumer_count`);
   * the block-size and TP ratios, and whether a cache is replicated.
-`actors.kv.read_plan` turns these answers into the reads that fill a rank.
+`actors.kv.plan.read_plan` turns these answers into the reads that fill a rank.
 
 Head ownership. A non-MLA cache with K kv heads split over `tp` ranks gives
 rank r the global heads [r*K/tp, (r+1)*K/tp) when tp <= K, and the single

@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.kv.errors import TransferSetupError
-from actors.kv.nixl_checks import err
+from actors.kv.nixl.nixl_checks import err
 
 PROGRESS_WAKEUP_US = 1_000_000
 """Timeout of the progress thread's ``poll()`` on the UCX event fd (a safety net only)."""

@@ -4,7 +4,7 @@ Life cycle of one pull's confirmation on a decode rank (`RankTransfer.step`):
 
   1. the data READs of every source completed (no notice rides on them);
   2. `post`: per source one READ of the bucket holding the lease's record in
-     the producer's board (`actors.kv.lease_board`), landing in this rank's
+     the producer's board (`actors.kv.lease.lease_board`), landing in this rank's
      `Landing` row of the pull's first local block, plus, with
      `transfer.verify` on, one READ of the checksum entries of the blocks
      this rank checks (landing at their local positions): in-flight pulls
@@ -30,11 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from actors.kv.descriptors import DescTable, UnitCut
+from actors.kv.plan.descriptors import DescTable, UnitCut
 from actors.kv.errors import BlockRangeError, HandshakeError
-from actors.kv.integrity import reader_sums, sampled
-from actors.kv.lease_board import HELD, RELEASED, BoardInfo, find
-from actors.kv.pull_plan import PeerKey, SourceRead
+from actors.kv.lease.integrity import reader_sums, sampled
+from actors.kv.lease.lease_board import HELD, RELEASED, BoardInfo, find
+from actors.kv.plan.pull_plan import PeerKey, SourceRead
+from actors.kv.transport import TransportBase
 
 HELD_OK, EXPIRED, MISSING = "held", "expired", "missing"
 
@@ -47,7 +48,7 @@ def _rows(addr: int, count: int, nbytes: int) -> DescTable:
 class Landing:
     """Registered DRAM where confirmations land: a bucket per local block, checksums per local unit."""
 
-    def __init__(self, transport: Any, num_blocks: int, bucket: int, ratio: int, heads: int, with_sums: bool):
+    def __init__(self, transport: TransportBase, num_blocks: int, bucket: int, ratio: int, heads: int, with_sums: bool):
         self.buckets = np.zeros((num_blocks, bucket), dtype=np.uint64)
         self.sums = np.zeros((num_blocks * ratio if with_sums else 0, heads), dtype=np.uint64)
         self.sums_list = None
@@ -80,7 +81,7 @@ class SourceConfirm:
 class Confirmer:
     """Landing memory and per-source lists of one reader rank; posts and reads confirmations."""
 
-    def __init__(self, transport: Any, num_blocks: int, verify: str, with_sums: bool):
+    def __init__(self, transport: TransportBase, num_blocks: int, verify: str, with_sums: bool):
         self.transport, self.num_blocks, self.verify = transport, num_blocks, verify
         self.with_sums = with_sums  # landing rows for checksums (a rank built with verify on)
         self._landings: dict[tuple[int, int, int, int], Landing] = {}

@@ -3,7 +3,7 @@
 `verify` is `off`, `sample` or `all`. With it on, the producer computes, when
 it leases a finished prefill's blocks, one 64-bit checksum per (block, head)
 over every layer and plane it holds, and writes them into its lease board
-(`actors.kv.lease_board`); a reader READs the entries of the blocks it checks
+(`actors.kv.lease.lease_board`); a reader READs the entries of the blocks it checks
 in the same READ as the lease record (no extra round trip), recomputes them
 from what landed in its own cache (after the layout permute) and fails the
 pull on any difference. `sample` checks the blocks whose id hashes with the
@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from actors.kv.layout import BlockLayout, canonical_view
+from actors.kv.plan.layout import BlockLayout, canonical_view
 
 VERIFY_MODES = ("off", "sample", "all")
 SAMPLE_EVERY = 8
