@@ -100,7 +100,7 @@ class RouterConfig(_Strict):
     # prefix of the prompt; least_outstanding: load alone, and engines run without KV events
     policy: Literal["least_outstanding", "cache_aware"] = "cache_aware"
     cache_weight: float = Field(1.0, ge=0)  # cost of one uncached prompt token vs one token of queued work
-    # slo: per request, the SLO model (serving/routing/placement.py) picks colocated or disaggregated and
+    # slo: per request, the SLO model (serving/routing/slo_model.py) picks colocated or disaggregated and
     # where; disaggregate: every request is prefilled remotely whenever a prefill engine is usable
     placement: Literal["slo", "disaggregate"] = "slo"
     slo: PlacementConfig = PlacementConfig()  # targets, weights and the priors rates start from

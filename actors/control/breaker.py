@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from actors.kv.errors import BreakerConfigError
+from actors.kv.transfer_errors import BreakerConfigError
 
 logger = logging.getLogger("raypd.breaker")
 

@@ -40,7 +40,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from actors.kv.errors import AggregationError
+from actors.kv.transfer_errors import AggregationError
 
 logger = logging.getLogger("raypd.aggregator")
 

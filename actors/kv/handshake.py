@@ -23,7 +23,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-from actors.kv.errors import HandshakeError, LayoutError
+from actors.kv.transfer_errors import HandshakeError, LayoutError
 from actors.kv.plan.layout import CacheGeometry
 from actors.kv.lease.lease_board import BoardInfo
 

@@ -47,7 +47,7 @@ import torch
 
 from actors.kv.lease.confirm import EXPIRED, MISSING, Confirmer, SourceConfirm
 from actors.kv.plan.descriptors import checked_block_ids
-from actors.kv.errors import HandshakeError, KVTransferError
+from actors.kv.transfer_errors import HandshakeError, KVTransferError
 from actors.kv.faults import NO_FAULTS, FaultPolicy, InjectedFault
 from actors.kv.handshake import CompatInfo, RankHandshake, decode_handshake
 from actors.kv.lease.integrity import check_mode

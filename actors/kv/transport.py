@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from actors.kv.plan.descriptors import DescTable
-from actors.kv.errors import HandshakeError, KVTransferError, TransferSetupError, TransportClosedError
+from actors.kv.transfer_errors import HandshakeError, KVTransferError, TransferSetupError, TransportClosedError
 from actors.kv.handshake import RankHandshake
 from actors.kv.plan.layout import CacheGeometry
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from actors.models.errors import (
+from actors.models.model_errors import (
     HubModelUnavailableError,
     ModelConfigError,
     ModelConversionError,

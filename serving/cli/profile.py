@@ -13,7 +13,7 @@
    `actors.rates.EngineRates`) and averaged per engine size, weighted by the engines' samples (the
    prefill rate by their prefill samples: a decode engine that only pulls KV adds its steps alone):
    an engine's size is its CPU cores (its `cpu_bind` entry, else `num_cpus`) or its GPUs (TP x PP).
-3. The sizes measured replace theirs in `--out` (a `serving.planner.profile` file; the other sizes
+3. The sizes measured replace theirs in `--out` (a `serving.sizing.profile` file; the other sizes
    in it stay), which `raypd config --plan --profile` reads. The KV transfer rate is not measured
    here: a new file takes `router.slo`'s priors for it.
 
@@ -37,7 +37,7 @@ from actors.rates import EngineRates
 from serving.bench.samples import Sample, make_prompt
 from serving.bench.sse import stream_request
 from serving.config import DeploymentConfig
-from serving.planner.profile import EngineProfile, ProfileError, load_profile, parse_profile
+from serving.sizing.profile import EngineProfile, ProfileError, load_profile, parse_profile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ Each role is scaled between `min` and `max` by its own `RolePolicy`. What says a
 needs one more engine, or could do with one fewer (`autoscaler.policy`):
 
   model       (default) the shape planner's simulation of the live pools
-              (`serving.planner.live`, fed with the rates the engines measured of
+              (`serving.sizing.live`, fed with the rates the engines measured of
               themselves, the arrival rate and the request mix, requests placed by the
               router's own `place()`): when the pools are predicted to miss a target, the
               pool whose extra engine helps most grows; one predicted to stay well within

@@ -38,11 +38,11 @@ import ray
 from actors.control.coordinator_actor import get_coordinator
 from actors.engine.load import EngineLoad
 from serving.cluster.autoscale_policy import PoolSignals, RolePolicy, ScaleDecision
-from serving.routing.placement import EngineEstimate
+from serving.routing.slo_model import EngineEstimate
 from serving.cluster.engines import Unschedulable, handle_of
 from serving.cluster.names import engine_id, engine_index
 from serving.config import DeploymentConfig
-from serving.planner.live import LivePool, LoadMix, ScaleAdvice, scale_advice
+from serving.sizing.live import LivePool, LoadMix, ScaleAdvice, scale_advice
 from serving.placement_config import MeasuredRates
 
 logger = logging.getLogger("raypd.autoscaler")
@@ -206,7 +206,7 @@ class Autoscaler:
         return MeasuredRates.of([x.meter.prefill_tokens_per_s for x in loads], [x.meter.step_s for x in loads])
 
     async def _advice(self, loads: dict[str, list[EngineLoad]]) -> ScaleAdvice:
-        """The planner's model on the live pools (`serving.planner.live`), from what the engines measured
+        """The planner's model on the live pools (`serving.sizing.live`), from what the engines measured
         of themselves (the same rate model each engine publishes to the routers: `LoadSnapshot.rates`)."""
         slo = self.cfg.router.slo
         pools = []

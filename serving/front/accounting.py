@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from actors.protocol import TokenChunk
-from serving.front.errors import ApiError
+from serving.front.http_errors import ApiError
 from serving.ops.metrics import ServiceMetrics
 from serving.routing.protocols import TokenStream
 

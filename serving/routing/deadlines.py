@@ -49,7 +49,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from serving.config import RouterConfig
-from serving.routing.errors import EngineUnavailable
+from serving.routing.route_errors import EngineUnavailable
 from serving.routing.rates import RateEstimator
 
 logger = logging.getLogger("raypd.router")

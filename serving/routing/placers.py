@@ -4,7 +4,7 @@ Both are a `Placer` (one request's `RoutePlan` from the live decode engines and 
 prefix caches hold); `placer_for` is the one place the placement is chosen, and the
 `RoutePlanner` (`serving.routing.planner`) holds the placer it returns:
 
-  `SloPlacer`           placement "slo" (the default): the SLO model (`serving.routing.placement`)
+  `SloPlacer`           placement "slo" (the default): the SLO model (`serving.routing.slo_model`)
                         predicts every allowed option's TTFT and the stall it imposes and picks
                         the one that keeps TTFT and ITL within their targets at the least cost,
                         colocated (local) or disaggregated (remote);
@@ -21,7 +21,7 @@ from typing import Protocol
 from actors.protocol import EngineRequest
 from actors.routes import RouteTable
 from serving.placement_config import PlacementConfig
-from serving.routing.placement import EngineEstimate, Placement, place
+from serving.routing.slo_model import EngineEstimate, Placement, place
 from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, best, select
 from serving.routing.pool import EnginePool
 from serving.routing.shortlist import PrefillShortlist, shortlist

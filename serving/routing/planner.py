@@ -11,7 +11,7 @@ Per request (`RoutePlanner.plan`, called once by `Router.open`):
      engines (role prefill or both, compatible, breaker not open);
   3. placement: the `Placer` that `router.placement` names (`serving.routing.placers`,
      chosen once, by `placer_for`, when the planner is built):
-       slo          (default, `SloPlacer`) `serving.routing.placement` predicts every
+       slo          (default, `SloPlacer`) `serving.routing.slo_model` predicts every
                     allowed option's TTFT and the stall it imposes (queued prefill work
                     at each engine's own published rate, its decode streams, the chunked-
                     prefill budget, the pair's pull) and picks the one that keeps
@@ -34,7 +34,7 @@ from collections import Counter
 from actors.protocol import EngineRequest
 from actors.routes import RouteTable
 from serving.config import RouterConfig
-from serving.routing.placement import EngineEstimate
+from serving.routing.slo_model import EngineEstimate
 from serving.routing.placers import EngineEstimates, Placer, RoutePlan, placer_for
 from serving.routing.policy import ScoreSettings
 from serving.routing.pool import EnginePool

@@ -18,7 +18,7 @@ With `router.placement: disaggregate` (`decide_prefill`): remote prefill on the
 best usable prefill engine whenever there is one (`uncached_prompt`); without one
 the decode engine prefills itself, or the request is refused when the fallback is
 `reject` (`no_prefill_engine`). The default placement (`slo`) decides with the
-SLO model instead (`serving.routing.placement`) and uses these scores only to
+SLO model instead (`serving.routing.slo_model`) and uses these scores only to
 pick a migrated stream's decode engine.
 
 Every decision is counted by the router with its reason

@@ -45,7 +45,7 @@ class RequestRouter(Protocol):
 
     async def open(self, req: EngineRequest) -> TokenStream:
         """Route `req`; its stream once the first chunk is known. Raises a
-        `serving.routing.errors.RoutingError` when no engine can serve it (nothing left running)."""
+        `serving.routing.route_errors.RoutingError` when no engine can serve it (nothing left running)."""
         ...
 
     async def readiness(self) -> Readiness:

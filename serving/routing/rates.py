@@ -34,7 +34,7 @@ from dataclasses import replace
 from actors.protocol import Stamps
 from actors.rates import PAIR_FLOORS, EngineRates, RidgeFit
 from serving.placement_config import PlacementConfig
-from serving.routing.placement import EngineEstimate, Role, TransferEstimate
+from serving.routing.slo_model import EngineEstimate, Role, TransferEstimate
 
 HOP_ALPHA = 0.2  # weight of the newest hop sample
 
@@ -145,7 +145,7 @@ class RateEstimator:
         self._pairs.setdefault((prefill_id, decode_id), self._pair_fit()).add((1.0, float(tokens)), seconds, now)
 
     def transfer(self, prefill_id: str, decode_id: str) -> TransferEstimate:
-        """The pair's pull estimate (a `placement.TransferOf`)."""
+        """The pair's pull estimate (a `slo_model.TransferOf`)."""
         now = self.clock()
         pooled = self._pooled_pair.solve(self._pair_prior, now)
         fit = self._pairs.get((prefill_id, decode_id))

@@ -43,7 +43,7 @@ that no engine can take now is refused at once (`NoDecodeEngine`: 503).
 Pure asyncio: engines are `EngineClient`s (`serving.routing.pool`) and the
 coordinator a `Directory` (`serving.routing.directory`), so unit tests drive it
 with fakes; `serving.cluster.clients` adapts Ray actor handles. Routing errors
-are `serving.routing.errors`; the front maps them to HTTP statuses.
+are `serving.routing.route_errors`; the front maps them to HTTP statuses.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from actors.routes import RouteTable
 from serving.config import RouterConfig
 from serving.routing.deadlines import EngineDeadlines
 from serving.routing.directory import Directory, DirectoryView
-from serving.routing.errors import (
+from serving.routing.route_errors import (
     EngineFailed,
     EngineUnavailable,
     InvalidRequest,

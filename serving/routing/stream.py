@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.protocol import EngineRequest, TokenChunk
-from serving.routing.errors import EngineUnavailable, RequestRejected
+from serving.routing.route_errors import EngineUnavailable, RequestRejected
 from serving.routing.pool import DecodeCharge, EnginePool
 
 logger = logging.getLogger("raypd.router")

@@ -92,7 +92,7 @@ def c_add_remote(state: dict, meta: bytes) -> str:
 
 
 def c_add_remote_error(state: dict, meta: bytes) -> str:
-    from actors.kv.errors import HandshakeError
+    from actors.kv.transfer_errors import HandshakeError
 
     try:
         state["agent"].add_remote(meta)
@@ -417,7 +417,7 @@ def c_shutdown_scenario(state: dict) -> dict[str, Any]:
 
     import numpy as np
 
-    from actors.kv.errors import TransportClosedError
+    from actors.kv.transfer_errors import TransportClosedError
     from actors.kv.nixl.nixl_agent import NixlAgent
 
     calls: collections.Counter[str] = collections.Counter()
@@ -518,7 +518,7 @@ def test_shutdown_is_idempotent_and_releases_everything_once(spawn_peer):
 def c_validation_scenario(state: dict) -> dict[str, str]:
     import numpy as np
 
-    from actors.kv.errors import KVTransferError
+    from actors.kv.transfer_errors import KVTransferError
     from actors.kv.nixl.nixl_agent import NixlAgent
 
     a, b = NixlAgent("va"), NixlAgent("vb")

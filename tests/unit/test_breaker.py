@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.control.breaker import CircuitBreaker
-from actors.kv.errors import BreakerConfigError, KVTransferError
+from actors.kv.transfer_errors import BreakerConfigError, KVTransferError
 
 
 class FakeClock:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from actors.engine.vllm.connector.worker import check_supported, geometry_from_vllm
-from actors.kv.errors import LayoutError, TopologyError
+from actors.kv.transfer_errors import LayoutError, TopologyError
 from actors.kv.plan.layout import CPU_HKND, MLA_ND, NHD, canonical_view
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from actors.kv.errors import HandshakeError
+from actors.kv.transfer_errors import HandshakeError
 from actors.kv.handshake import PROTOCOL_VERSION, CompatInfo, RankHandshake, decode_handshake
 from actors.kv.plan.layout import HND, CacheGeometry
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.kv.plan.descriptors import checked_block_ids
-from actors.kv.errors import BlockRangeError, LayoutError
+from actors.kv.transfer_errors import BlockRangeError, LayoutError
 from actors.kv.handshake import CompatInfo, RankHandshake
 from actors.kv.plan.layout import (
     CPU_HKND,

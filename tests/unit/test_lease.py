@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.kv.errors import KVTransferError, LeaseError
+from actors.kv.transfer_errors import KVTransferError, LeaseError
 from actors.kv.lease.lease import Lease, LeaseTable
 
 

@@ -12,7 +12,7 @@ from actors.control.ledger import BreakerConfig, TransferLedger
 from actors.routes import PrefillRoute, RouteTable
 from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from serving.config import RouterConfig
-from serving.routing.errors import (
+from serving.routing.route_errors import (
     EngineUnavailable,
     InvalidRequest,
     NoDecodeEngine,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.kv.errors import TopologyError
+from actors.kv.transfer_errors import TopologyError
 from actors.kv.plan.read_plan import plan_reads
 from actors.kv.plan.topology import (
     EngineTransferInfo,

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from actors.kv.errors import HandshakeError, KVTransferError
+from actors.kv.transfer_errors import HandshakeError, KVTransferError
 from actors.kv.faults import NO_FAULTS, FaultPolicy
 from actors.kv.handshake import CompatInfo
 from actors.kv.plan.layout import BlockLayout, CacheGeometry, canonical_view

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from actors.kv.plan.descriptors import DescTable, UnitCut
-from actors.kv.errors import BlockRangeError, HandshakeError
+from actors.kv.transfer_errors import BlockRangeError, HandshakeError
 from actors.kv.lease.integrity import reader_sums, sampled
 from actors.kv.lease.lease_board import HELD, RELEASED, BoardInfo, find
 from actors.kv.plan.pull_plan import PeerKey, SourceRead

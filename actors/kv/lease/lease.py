@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.kv.errors import LeaseError
+from actors.kv.transfer_errors import LeaseError
 
 
 @dataclass(frozen=True)

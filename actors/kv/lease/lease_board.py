@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from actors.kv.errors import HandshakeError
+from actors.kv.transfer_errors import HandshakeError
 
 EMPTY, HELD, RELEASED = 0, 1, 2
 MODES = {"off": 0, "sample": 1, "all": 2}

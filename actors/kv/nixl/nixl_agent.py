@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.kv.errors import HandshakeError, KVTransferError, TransferSetupError, TransportClosedError
+from actors.kv.transfer_errors import HandshakeError, KVTransferError, TransferSetupError, TransportClosedError
 from actors.kv.nixl.nixl_checks import (
     Range,
     as_indices,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.kv.errors import TransferSetupError
+from actors.kv.transfer_errors import TransferSetupError
 from actors.kv.nixl.nixl_checks import err
 
 PROGRESS_WAKEUP_US = 1_000_000

@@ -3,7 +3,7 @@
 NIXL's binding reports problems through raised `nixl._bindings.nixl*Error`
 exceptions or returned status codes, some only with a log line. These helpers check arguments before NIXL sees
 them (memory ranges, strided descriptor rows, descriptor indices,
-notifications) and map NIXL's own exceptions to `actors.kv.errors` types.
+notifications) and map NIXL's own exceptions to `actors.kv.transfer_errors` types.
 All checks are vectorised with numpy: they run on every READ.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from actors.kv.errors import BlockRangeError, TransferSetupError
+from actors.kv.transfer_errors import BlockRangeError, TransferSetupError
 
 Range = tuple[int, int]
 """A memory range as ``(address, nbytes)``."""

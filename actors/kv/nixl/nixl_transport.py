@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from actors.kv.errors import HandshakeError, TransferSetupError
+from actors.kv.transfer_errors import HandshakeError, TransferSetupError
 from actors.kv.handshake import RankHandshake
 from actors.kv.plan.layout import CacheGeometry
 from actors.kv.nixl.hugepages import back_with_huge_pages

@@ -6,7 +6,7 @@ incompatible pair is refused with a reason up front and never routed.
 
 from __future__ import annotations
 
-from actors.kv.errors import KVTransferError
+from actors.kv.transfer_errors import KVTransferError
 from actors.kv.handshake import RankHandshake
 from actors.kv.plan.layout import compatible_geometry
 from actors.kv.plan.read_plan import plan_reads

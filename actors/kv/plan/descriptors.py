@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from actors.kv.errors import BlockRangeError, LayoutError
+from actors.kv.transfer_errors import BlockRangeError, LayoutError
 from actors.kv.plan.layout import BlockLayout, CacheGeometry, strides_of
 from actors.kv.plan.read_plan import ReadSpec
 

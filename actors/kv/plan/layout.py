@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from actors.kv.errors import LayoutError
+from actors.kv.transfer_errors import LayoutError
 
 AXIS_NAMES = frozenset({"KV", "H", "N", "D"})
 

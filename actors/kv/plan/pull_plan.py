@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from actors.kv.plan.descriptors import DescTable, index_dtype, read_cuts, table_of
-from actors.kv.errors import BlockRangeError
+from actors.kv.transfer_errors import BlockRangeError
 from actors.kv.handshake import RankHandshake
 from actors.kv.plan.layout import BlockLayout, CacheGeometry
 from actors.kv.plan.read_plan import ReadPlan, ReadSpec, plan_reads

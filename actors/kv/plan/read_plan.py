@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.kv.errors import TopologyError
+from actors.kv.transfer_errors import TopologyError
 from actors.kv.plan.topology import EngineId, EngineTransferInfo, TransferTopology, rank_global_heads
 
 

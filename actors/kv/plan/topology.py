@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.kv.errors import TopologyError
+from actors.kv.transfer_errors import TopologyError
 
 EngineId = str
 

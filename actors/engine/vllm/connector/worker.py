@@ -52,7 +52,7 @@ import torch
 
 from actors.engine.vllm.connector.metadata import LeaseEnds, RayNixlMetadata, RecvSpec
 from actors.engine.vllm.extra_config import ConnectorExtraConfig
-from actors.kv.errors import HandshakeError, LayoutError, TopologyError
+from actors.kv.transfer_errors import HandshakeError, LayoutError, TopologyError
 from actors.kv.faults import FaultPolicy
 from actors.kv.handshake import CompatInfo, decode_envelope
 from actors.kv.plan.layout import CPU_HKND, MLA_ND, NHD, CacheGeometry

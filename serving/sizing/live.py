@@ -1,7 +1,7 @@
 """The planner's model at run time (pure): which live pool to grow or shrink by one engine.
 
 The autoscaler (`serving.cluster.autoscaler`) asks `scale_advice` every interval; the shape planner
-(`serving.planner.plan`) asks `simulate` the same question before deployment. One model answers both:
+(`serving.sizing.plan`) asks `simulate` the same question before deployment. One model answers both:
 
   1. the live shape   each role's serving engines (`LivePool`); the pool's rates are the means of
                       what its engines measured of themselves (`EngineEstimate`: prefill rate, bare
@@ -31,11 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from serving.placement_config import PlacementConfig
-from serving.planner.profile import EngineProfile, HardwareProfile
-from serving.planner.shapes import Shape
-from serving.planner.simulate import RateResult, ShapeLimits, StepLimits, simulate
-from serving.planner.workload import SloTargets, Workload
-from serving.routing.placement import EngineEstimate, Role, ttft_target
+from serving.sizing.profile import EngineProfile, HardwareProfile
+from serving.sizing.shapes import Shape
+from serving.sizing.simulate import RateResult, ShapeLimits, StepLimits, simulate
+from serving.sizing.workload import SloTargets, Workload
+from serving.routing.slo_model import EngineEstimate, Role, ttft_target
 
 ADVICE_REQUESTS = 200  # simulated per candidate shape: enough for a p90, a few ms per engine
 IDLE_RATE = 1e-3  # req/s simulated when nothing arrives: each request alone on the pool

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from serving.config import ConfigError
-from serving.planner.deployment import budget_choices, deployment_config, shape_limits
-from serving.planner.profile import HardwareProfile
-from serving.planner.shapes import Shape, enumerate_shapes
-from serving.planner.simulate import RateResult, simulate
-from serving.planner.workload import Request, SloTargets, Workload
+from serving.sizing.deployment import budget_choices, deployment_config, shape_limits
+from serving.sizing.profile import HardwareProfile
+from serving.sizing.shapes import Shape, enumerate_shapes
+from serving.sizing.simulate import RateResult, simulate
+from serving.sizing.workload import Request, SloTargets, Workload
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from serving.placement_config import PlacementConfig
-from serving.planner.profile import EngineProfile, HardwareProfile
-from serving.planner.shapes import Shape
-from serving.planner.workload import Request, SloTargets, Workload
-from serving.routing.placement import EngineEstimate, TransferEstimate, place
+from serving.sizing.profile import EngineProfile, HardwareProfile
+from serving.sizing.shapes import Shape
+from serving.sizing.workload import Request, SloTargets, Workload
+from serving.routing.slo_model import EngineEstimate, TransferEstimate, place
 from serving.routing.pool import GivenRate
 from serving.routing.shortlist import shortlist
 

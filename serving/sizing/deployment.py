@@ -30,10 +30,10 @@ import yaml
 
 from serving.config import DECODE_CAPABLE, ROLES, DeploymentConfig
 from serving.placement_config import vllm_default_budget
-from serving.planner.profile import Unit
-from serving.planner.shapes import Shape
-from serving.planner.simulate import ShapeLimits, StepLimits
-from serving.planner.workload import SloTargets
+from serving.sizing.profile import Unit
+from serving.sizing.shapes import Shape
+from serving.sizing.simulate import ShapeLimits, StepLimits
+from serving.sizing.workload import SloTargets
 
 
 def _sizes_by_role(shape: Shape) -> dict[str, tuple[int, ...]]:

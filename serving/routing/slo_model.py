@@ -72,7 +72,7 @@ of the other kind (`Placement.alternative`):
 
 `chunked_prefill_budget` (serving.placement_config, with the targets and priors of
 `PlacementConfig`) picks B so that one local prefill step stays within the ITL
-target; `serving.planner.live` simulates pools placed by it for scaling advice.
+target; `serving.sizing.live` simulates pools placed by it for scaling advice.
 docs/placement.md has the reasoning and the knobs.
 """
 
