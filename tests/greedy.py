@@ -20,7 +20,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Sequence
 
-from actors.protocol import EngineRequest, Logprobs, SamplingSpec, TokenChunk
+from actors.protocol.request import EngineRequest, Logprobs, SamplingSpec, TokenChunk
 
 TIE_MARGIN = 0.05  # nats between the reference's best two tokens: a near tie that batch noise may flip
 

@@ -65,7 +65,7 @@ from actors.control.liveness import Liveness
 from actors.control.startup_watch import DEFAULT_STARTUP_DEADLINE_S, StartupWatch
 from actors.control.route_book import RouteBook
 from actors.control.ledger_records import ControlStats, LedgerBatch
-from actors.protocol import EngineInfo, EngineSummary
+from actors.protocol.registration import EngineInfo, EngineSummary
 from actors.ray_names import COORDINATOR_NAME, NAMESPACE
 from actors.routes import EngineRates, RouteDelta, RouteTable
 from actors.prefix_wire import IndexCursor, IndexUpdate, KVEventsBatch

@@ -50,7 +50,7 @@ from typing import Any
 import ray
 
 from actors.control.registry import EngineEntry
-from actors.protocol import EngineInfo
+from actors.protocol.registration import EngineInfo
 
 logger = logging.getLogger("raypd.coordinator")
 

@@ -56,8 +56,11 @@ from actors.engine.vllm.trace import timer_for
 from actors.engine.load import EngineLoad, LoadMeter
 from actors.engine.rates_publisher import RatesPublisher
 from actors.engine.token_outbox import TokenOutbox
-from actors.protocol import (Backend, EngineInfo, EngineRequest, EngineRequestError, EngineStart, EngineStats,
-                             InboxRoute, ModelInfo, PrefillResult, Stamps, TokenChunk)
+from actors.protocol.backend import Backend
+from actors.protocol.registration import EngineInfo, EngineStart
+from actors.protocol.request import (EngineRequest, EngineRequestError, InboxRoute, ModelInfo, PrefillResult, Stamps,
+                                     TokenChunk)
+from actors.protocol.stats import EngineStats
 from actors.actor_restart import reconstructed
 from actors.ray_names import NAMESPACE
 from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog

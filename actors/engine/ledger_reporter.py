@@ -4,7 +4,7 @@ record since the previous call, in the order they happened, with one call in fli
 Life cycle of a record:
 
   recorded   `opened` / `aborted` / `outcomes` / `unit_died` / `handshake_failed` append a
-             typed record (`actors.protocol`) and return at once: nothing on a request's
+             typed record (`actors.control.ledger_records`) and return at once: nothing on a request's
              path waits for the ledger;
   flushed    `max_delay_s` after the first pending record (0: at the end of this event-loop
              tick); while a batch is in flight, records wait for its answer and go in the

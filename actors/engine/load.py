@@ -33,7 +33,7 @@ from typing import Any
 
 from actors.engine.config import RateModelConfig
 from actors.engine.rate_model import EngineRateModel
-from actors.protocol import BackendStats, LoadSnapshot
+from actors.protocol.stats import BackendStats, LoadSnapshot
 from actors.rates import EngineRates
 
 MAX_SAMPLES = 2048

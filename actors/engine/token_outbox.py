@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from actors.protocol import InboxRoute, InboxUnreachable, TokenChunk
+from actors.protocol.request import InboxRoute, InboxUnreachable, TokenChunk
 
 SEND_TIMEOUT_S = 10.0
 

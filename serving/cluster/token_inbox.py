@@ -39,7 +39,7 @@ import ray
 import zmq
 
 from actors.engine.token_outbox import zmq_context
-from actors.protocol import InboxRoute, InboxUnreachable, TokenChunk
+from actors.protocol.request import InboxRoute, InboxUnreachable, TokenChunk
 
 logger = logging.getLogger("raypd.router")
 

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from actors.protocol import EngineRequest, SamplingSpec
+from actors.protocol.request import EngineRequest, SamplingSpec
 from serving.front.http_errors import CLIENT_ERRORS, ApiError, invalid_request, invalid_value
 from serving.front.served_model import OpenAIRequest, ServedModel
 

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from actors.protocol import Stamps
+from actors.protocol.request import Stamps
 from serving.front.accounting import RequestTicket
 from serving.front.http_errors import ApiError, error_body
 from serving.front.prepare import PreparedRequest

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
-from actors.protocol import EngineRequest, Stamps
+from actors.protocol.request import EngineRequest, Stamps
 from serving.config import DeploymentConfig
 from serving.front.accounting import Accounting, RequestTicket
 from serving.front.http_errors import CLIENT_ERRORS, ApiError, error_response, invalid_request, invalid_value

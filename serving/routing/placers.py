@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from actors.protocol import EngineRequest
+from actors.protocol.request import EngineRequest
 from actors.routes import RouteTable
 from serving.placement_config import PlacementConfig
 from serving.routing.slo_model import EngineEstimate, Placement, place

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from actors.protocol import EngineRequest
+from actors.protocol.request import EngineRequest
 from actors.routes import RouteTable
 from serving.config import RouterConfig
 from serving.routing.slo_model import EngineEstimate

@@ -33,7 +33,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequen
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from actors.protocol import EngineRequest, EngineStats, PrefillResult, TokenChunk
+from actors.protocol.request import EngineRequest, PrefillResult, TokenChunk
+from actors.protocol.stats import EngineStats
 from actors.routes import RouteTable
 from serving.routing.deadlines import EngineDeadlines
 from serving.routing.rates import RateEstimator

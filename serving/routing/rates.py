@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from actors.protocol import Stamps
+from actors.protocol.request import Stamps
 from actors.rates import PAIR_FLOORS, EngineRates, RidgeFit
 from serving.placement_config import PlacementConfig
 from serving.routing.slo_model import EngineEstimate, Role, TransferEstimate
@@ -43,7 +43,7 @@ __all__ = ["EngineRates", "RateEstimator", "hop_of"]
 
 def hop_of(stamps: tuple[tuple[str, float], ...]) -> float | None:
     """This router's delay around one engine call: its own wait less the engine's time, from the first
-    token's stamps (`actors.protocol.Stamps`; each difference within one process); None without them."""
+    token's stamps (`actors.protocol.request.Stamps`; each difference within one process); None without them."""
     at = dict(stamps)
     try:
         hop = (at[Stamps.ROUTER_IN] - at[Stamps.ROUTED]) - (at[Stamps.ENGINE_OUT] - at[Stamps.ENGINE_IN])

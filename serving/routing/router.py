@@ -56,7 +56,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from actors.protocol import EngineRequest, PrefillResult, Stamps, TokenChunk
+from actors.protocol.request import EngineRequest, PrefillResult, Stamps, TokenChunk
 from actors.routes import RouteTable
 from serving.config import RouterConfig
 from serving.routing.deadlines import EngineDeadlines
@@ -360,21 +360,9 @@ class Router:
     def readiness_of(self, routes: RouteTable | None) -> Readiness:
         """Readiness as a view of the directory says (`snapshot()` uses the cached one)."""
         routes = routes or RouteTable({})
-        live = self.pool.live_decodes(routes)
         hung = tuple(sorted(self.deadlines.suspected_in(routes.generations)))
-        pd_paths = {d: tuple(self.pool.usable_prefills(d, routes)) for d in live}
-        local_ok = bool(live) and (self.config.no_prefill_fallback == "decode_local" or not self.pool.prefills)
-        ready = any(pd_paths.values()) or local_ok
-        reason, code = None, "ok"
-        if not live and any(d in routes.decodes for d in hung):
-            reason, code = (f"no decode engine can take a request: {', '.join(hung)} missed their deadlines "
-                            "(treated as hung; the coordinator restarts them)"), "decode_engines_hung"
-        elif not live:
-            reason, code = "no decode engine is alive", "no_decode_engine"
-        elif not ready:
-            reason, code = ("no compatible prefill engine with a closed breaker, and the fallback is reject",
-                            "no_prefill_engine")
-        return Readiness(ready, reason, tuple(live), pd_paths, local_ok, self.view.error, code, hung)
+        return Readiness.of(self.pool, routes, hung, self.config.no_prefill_fallback == "decode_local",
+                            self.view.error)
 
     async def refresh_engine_stats(self, timeout_s: float = 2.0) -> dict[str, EngineStatus]:
         """Every engine's stats, and the routes (breakers) when the cached ones are old."""

@@ -39,6 +39,26 @@ class Readiness:
     code: str = "ok"
     hung: tuple[str, ...] = ()  # engines held back: they missed a deadline (serving/routing/deadlines.py)
 
+    @classmethod
+    def of(cls, pool: EnginePool, routes: RouteTable, hung: tuple[str, ...], decode_local: bool,
+           directory_error: str | None) -> "Readiness":
+        """What `routes` allow now: live decode engines, their usable prefill engines, or a local
+        prefill (`decode_local`: the fallback allows it, or there are no prefill engines)."""
+        live = pool.live_decodes(routes)
+        pd_paths = {d: tuple(pool.usable_prefills(d, routes)) for d in live}
+        local_ok = bool(live) and (decode_local or not pool.prefills)
+        ready = any(pd_paths.values()) or local_ok
+        reason, code = None, "ok"
+        if not live and any(d in routes.decodes for d in hung):
+            reason, code = (f"no decode engine can take a request: {', '.join(hung)} missed their deadlines "
+                            "(treated as hung; the coordinator restarts them)"), "decode_engines_hung"
+        elif not live:
+            reason, code = "no decode engine is alive", "no_decode_engine"
+        elif not ready:
+            reason, code = ("no compatible prefill engine with a closed breaker, and the fallback is reject",
+                            "no_prefill_engine")
+        return cls(ready, reason, tuple(live), pd_paths, local_ok, directory_error, code, hung)
+
     def to_json(self) -> dict[str, Any]:
         return jsonable(self)
 

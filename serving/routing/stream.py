@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from actors.protocol import EngineRequest, TokenChunk
+from actors.protocol.request import EngineRequest, TokenChunk
 from serving.routing.route_errors import EngineUnavailable, RequestRejected
 from serving.routing.pool import DecodeCharge, EnginePool
 
@@ -89,7 +89,7 @@ class RoutedStream:
         self.route = route
         self._gen = gen
         self._pending: TokenChunk | None = first
-        self.first_stamps = first.stamps  # the hops of the first token (actors.protocol.Stamps)
+        self.first_stamps = first.stamps  # the hops of the first token (actors.protocol.request.Stamps)
         self._charge = charge.hand_over()
         self.token_ids: list[int] = []  # every token streamed so far
         self.num_prompt_tokens = first.num_prompt_tokens

@@ -7,7 +7,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from actors.protocol import ModelInfo, TokenChunk
+from actors.protocol.request import ModelInfo, TokenChunk
 from actors.engine.synthetic.tokenizer import chat_to_text, encode_text
 from serving.config import DeploymentConfig
 from serving.front import create_app

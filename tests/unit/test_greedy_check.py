@@ -1,6 +1,6 @@
 """The test-side check of greedy answers (tests/greedy.py): equal, or split at a near tie only."""
 
-from actors.protocol import TokenLogprob
+from actors.protocol.request import TokenLogprob
 from greedy import divergence
 
 

@@ -10,7 +10,7 @@ import pytest
 from actors.kv.aggregator import KVConnectorOutput
 from actors.control.ledger import BreakerConfig, TransferLedger
 from actors.routes import PrefillRoute, RouteTable
-from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
+from actors.protocol.request import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from serving.config import RouterConfig
 from serving.routing.route_errors import (
     EngineUnavailable,

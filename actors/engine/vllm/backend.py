@@ -63,13 +63,8 @@ from actors.engine.vllm.kv_events import KVEventsSource, endpoint_in, vllm_kv_ev
 from actors.engine.vllm.leases import UnreadLeases, lease_ends_logger
 from actors.prefix_wire import DEFAULT_SEED, HashScheme
 from actors.engine.vllm.orphans import Child, forget, live_pids, reap_children, reap_previous, record_children
-from actors.protocol import (
-    BackendStats,
-    EngineRequest,
-    ModelInfo,
-    PrefillResult,
-    TokenChunk,
-)
+from actors.protocol.request import EngineRequest, ModelInfo, PrefillResult, TokenChunk
+from actors.protocol.stats import BackendStats
 from actors.engine.vllm.peer_payloads import PeerPayloads
 from actors.engine.vllm.requests import engine_outputs, logprobs_of, prompt_ids, sampling_params, usage_sink
 from actors.transfer_params import TransferParams

@@ -51,7 +51,7 @@ from actors.decode_caps import SAMPLING_EPS, DecodeCaps, replay_reason
 from actors.engine.vllm.requests import base_params, engine_outputs, logprobs_of, prompt_ids, stream_params
 from actors.engine.vllm.resumed import PENALTIES_KEY, RESUMED_KEY, SKIP_DRAWS_KEY
 from actors.kv.transfer_errors import HandshakeError
-from actors.protocol import EngineRequest, TokenChunk
+from actors.protocol.request import EngineRequest, TokenChunk
 from actors.transfer_params import TransferParams
 
 if TYPE_CHECKING:  # vLLM's own types, for the annotations only (this module imports vLLM lazily)

@@ -45,7 +45,7 @@ from actors.prefix_wire import (
     coalesce,
     external_key,
 )
-from actors.protocol import KVEventsStats
+from actors.protocol.stats import KVEventsStats
 
 logger = logging.getLogger("raypd.kv_events")
 

@@ -1,4 +1,4 @@
-"""What travels between the front, the router and the engines (typed, picklable over Ray).
+"""A request's types between the front, the router and the engines (typed, picklable over Ray).
 
 Life cycle of one P/D request through these types:
 
@@ -15,22 +15,14 @@ Life cycle of one P/D request through these types:
 
 `kv_transfer_params` stays a dict: it is vLLM's own boundary
 (`SamplingParams.extra_args`), validated by `actors.transfer_params`.
-
-Control plane (`actors.control`): the coordinator serves routers a versioned
-`RouteTable` (`actors.routes`; `routes_if_changed`: nothing comes back while the router's copy is
-current); a decode engine's ledger traffic travels as `LedgerBatch`es of the
-records in `actors.control.ledger_records`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
-
-from actors.rates import EngineRates
-from actors.transfer_params import TransferParams
+from dataclasses import dataclass
+from typing import Any
 
 
 class EngineRequestError(ValueError):
@@ -255,152 +247,3 @@ class ModelInfo:
     # defaults (vLLM's own boundary, kept as the dict vLLM's request models take).
     default_sampling_params: dict[str, Any] = dataclasses.field(default_factory=dict)
     override_max_tokens: int | None = None
-
-
-# ---------------------------------------------------------------- engine stats (engine -> status, metrics)
-@dataclass(frozen=True)
-class LoadSnapshot:
-    """An engine's queues (now and time-weighted) and recent latencies (`actors.engine.load`)."""
-
-    queued_prompt_tokens: int
-    queued_prompt_tokens_avg: float
-    outstanding_tokens: int
-    outstanding_tokens_avg: float
-    prefill_latency_p90_s: float | None
-    itl_p90_s: float | None
-    # what the engine measured of itself (its rate model, `rates`; None before any sample), for scaling
-    prefill_tokens_per_s: float | None = None  # prompt tokens per second its prefills computed
-    step_s: float | None = None  # one decode step at its recent batch
-    arrivals_per_s: float = 0.0  # decode requests started per second, recently
-    prompt_tokens_avg: float | None = None  # of the requests it decoded
-    output_tokens_avg: float | None = None
-    rates: EngineRates | None = None  # its one rate model and queues, as it publishes them (`actors.rates`)
-
-
-@dataclass(frozen=True)
-class KVEventsStats:
-    """An engine's KV cache event relay to the prefix index (vLLM backend)."""
-
-    endpoint: str
-    block_size: int
-    algo: str
-    batches: int = 0
-    events: int = 0
-    gaps: int = 0
-    delivery_failures: int = 0
-    dropped: int = 0  # events dropped because the sink fell too far behind
-    skipped: int = 0  # stored blocks a router cannot key (LoRA, extra keys, other media)
-    hash_checks: int = 0
-    hash_mismatch: str | None = None
-
-
-@dataclass(frozen=True)
-class BackendStats:
-    """What a backend knows of itself: its KV blocks and leases, what it moved, its processes."""
-
-    backend: str  # vllm | synthetic
-    num_blocks: int = 0
-    free_blocks: int = 0
-    held_leases: int = 0  # prefills whose blocks wait for their reader
-    transfer_bytes: int = 0
-    handshakes: int = 0
-    child_pids: tuple[int, ...] = ()
-    # the backend's own counters (vLLM: kv_pulls, kv_failures, recomputed, released, engine_running...;
-    # synthetic: decoding, rank_incarnation), shown as they are by `raypd status`
-    counters: dict[str, int | str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """`EngineActor.stats()`: the actor's request counters, its backend's stats, its load."""
-
-    engine_id: str
-    role: str
-    pid: int
-    generation: int | None  # the coordinator's registration of this incarnation
-    restarted: bool  # this process is a restart by Ray
-    running: int  # requests in the actor now
-    requests: int
-    finished: int
-    errors: int
-    aborted: int
-    recomputed: int
-    backend: BackendStats
-    load: LoadSnapshot
-    kv_events: KVEventsStats | None = None
-    inbox_streams: int = 0  # streams whose chunks went to a same-node inbox, not as Ray items
-
-    @property
-    def num_blocks(self) -> int:
-        return self.backend.num_blocks
-
-    @property
-    def free_blocks(self) -> int:
-        return self.backend.free_blocks
-
-    @property
-    def held_leases(self) -> int:
-        return self.backend.held_leases
-
-
-# ---------------------------------------------------------------- registration (engine -> coordinator)
-@dataclass(frozen=True)
-class EngineInfo:
-    """What an engine says about itself when it registers (beside its handshake payloads)."""
-
-    backend: str = "synthetic"
-    model: str = ""
-    pid: int = 0
-    node_id: str = ""  # the Ray node its process runs on (a hung one is killed there too: `liveness`)
-
-
-@dataclass(frozen=True)
-class EngineStart:
-    """`EngineActor.start()`: the engine is up (registered, when a coordinator is configured)."""
-
-    engine_id: str
-    role: str
-    pairs: dict[str, str] = field(default_factory=dict)  # "prefill->decode" -> "ok" or why it is refused
-    restarted: bool = False  # this process is a restart by Ray
-
-
-@dataclass(frozen=True)
-class EngineSummary:
-    """One registered engine incarnation as `Coordinator.engines()` lists it."""
-
-    engine_id: str
-    role: str
-    model_id: str
-    compat_hash: str
-    tp_size: int
-    pp_size: int
-    dcp_size: int
-    block_size: int
-    ranks: int
-    generation: int
-    draining: bool
-    info: EngineInfo = EngineInfo()
-
-
-class Backend(Protocol):
-    """What an EngineActor runs: vLLM's AsyncLLM or the synthetic engine."""
-
-    engine_id: str
-
-    # `on_new_incarnation`: awaited when the backend's ranks were replaced (a rank actor
-    # restarted): the engine must register its new handshakes. `ledger`: the engine's
-    # `actors.engine.ledger_reporter.LedgerReporter`; transfer outcomes go through it.
-    async def start(self, coordinator: Any, on_new_incarnation: Callable[[], Awaitable[Any]],
-                    ledger: Any = None) -> None: ...
-    def model_info(self) -> ModelInfo: ...
-    async def prefill(self, req: EngineRequest) -> PrefillResult: ...
-    # `params`: the request's KV handoff, parsed once by the engine actor (None: prefill locally)
-    def generate(self, req: EngineRequest, params: TransferParams | None) -> AsyncIterator[TokenChunk]: ...
-    async def abort(self, req_id: str) -> None: ...
-    async def drop_engine(self, engine_id: str) -> None: ...
-    async def stats(self) -> BackendStats: ...
-    async def shutdown(self) -> None: ...
-    def liveness_handles(self) -> list[Any]: ...
-    async def handshakes(self) -> list[bytes]: ...
-    def coordinator_changed(self, coordinator: Any) -> None: ...
-    def dead_reason(self) -> str | None: ...  # not None: this process can never serve again
