@@ -31,7 +31,7 @@ import time
 import pytest
 import ray
 
-from actors.models.local import build_tiny_llama
+from actors.models.tiny_llama import build_tiny_llama
 from serving.config import DeploymentConfig
 from serving.cluster.launcher import launch, shutdown_deployment
 from serving.cluster.clients import build_router

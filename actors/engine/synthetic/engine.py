@@ -32,7 +32,6 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable
 
@@ -46,6 +45,7 @@ from actors.engine.synthetic.pattern import tokens_from_checksums
 from actors.engine.synthetic.rank import FailedPull, PulledKV, RankConfig, RankPoll, SyntheticModel
 from actors.engine.synthetic.outcomes import TransferFailed, is_handshake_failure, ordered_checksums
 from actors.engine.synthetic.rank_actor import RANK_MAX_RESTARTS, RankActor
+from actors.engine.synthetic.rank_supervision import RankSupervision
 from actors.transfer_params import TransferParams
 
 logger = logging.getLogger("raypd.synthetic")
@@ -61,7 +61,7 @@ class EngineShape:
     layout: str = "HND"
 
 
-class SyntheticEngine:
+class SyntheticEngine(RankSupervision):
     def __init__(self, engine_id: str, role: str, model: SyntheticModel, shape: EngineShape,
                  coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0,
                  register: bool = True, fault_rate: float = 0.0, verify: str = "off",
@@ -117,63 +117,6 @@ class SyntheticEngine:
             self.engine_id, self.role, list(self.handshakes), self.ranks,
             {"backend": "synthetic", "shape": asdict(self.shape)},
         )
-
-    async def ready(self) -> None:
-        """Until no rank is being replaced."""
-        await self._ready.wait()
-
-    async def _watch_rank(self, i: int) -> None:
-        try:
-            await self.ranks[i].watch.options(max_task_retries=0).remote()
-        except asyncio.CancelledError:
-            return
-        except ray.exceptions.RayError as exc:
-            if not self.closed:
-                await self._rank_died(i, exc)
-
-    async def _rank_died(self, i: int, exc: Exception) -> None:
-        """A rank actor died: free what it held, wait for Ray to restart it, rejoin."""
-        logger.warning("%s: rank %d died (%s); replacing it", self.engine_id, i, type(exc).__name__)
-        self._ready.clear()
-        self._replacing += 1
-        self.incarnation += 1
-        live = [r for j, r in enumerate(self.ranks) if j != i]
-        for req_id in list(self._held):  # their KV on that rank is gone: nobody can read them
-            await self.abort(req_id, live)
-        try:
-            self.handshakes[i] = await self._once_restarted(self.ranks[i].handshake)
-            self.rank_pids[i] = await self._once_restarted(self.ranks[i].pid)
-        except ray.exceptions.RayError as err:
-            self.dead = f"rank {i} died and was not restarted ({type(err).__name__})"
-            logger.error("%s: %s", self.engine_id, self.dead)
-        self._replacing -= 1
-        if self.closed:
-            return
-        if self.dead is None:
-            self._rank_watchers[i] = asyncio.get_running_loop().create_task(self._watch_rank(i))
-            logger.warning("%s: rank %d is back (incarnation %d)", self.engine_id, i, self.incarnation)
-        if self._replacing:
-            return  # another rank is still being replaced: that one rejoins for both
-        self._ready.set()  # (a dead engine too: its requests fail instead of waiting)
-        if self.on_new_incarnation is not None:
-            try:
-                await self.on_new_incarnation()
-            except ray.exceptions.RayError as err:  # the coordinator is away: the engine registers later
-                logger.warning("%s: registering the new incarnation failed: %s", self.engine_id, err)
-
-    @staticmethod
-    async def _once_restarted(method: Any, timeout_s: float = 120.0) -> Any:
-        """Call a rank's method once Ray restarted it: "unavailable" while it restarts, "died"
-        (raised) when it will not come back."""
-        deadline, delay = time.monotonic() + timeout_s, 0.05
-        while True:
-            try:
-                return await method.remote()
-            except ray.exceptions.ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
 
     def blocks_for(self, num_tokens: int) -> int:
         slots = math.ceil(num_tokens / self.shape.dcp_size)
@@ -408,7 +351,3 @@ class SyntheticEngine:
         for r in self.ranks:
             ray.kill(r)
         return [r for r in results if isinstance(r, dict)]
-
-
-def new_engine_id(role: str) -> str:
-    return f"{role}-{uuid.uuid4().hex[:6]}"
