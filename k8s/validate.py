@@ -25,7 +25,7 @@ raypd_errors     the raypd deployment inside a RayService: Ray Serve's schema fo
                  folder on a volume, /dev/shm, UCX. For a RayJob: its `raypd bench` entrypoint
                  parses with raypd's own CLI parser and takes its API key from the environment.
 
-Across all documents given (policies.release_errors): the NetworkPolicies / PodMonitors /
+Across all documents given (ray_pod_fit.release_errors): the NetworkPolicies / PodMonitors /
 Secrets fit the Ray pods they are for. The CLI also prints, per Ray document, the Pod
 Security Standards level its pods meet (the namespace's enforce level must allow it).
 """
@@ -53,7 +53,8 @@ if str(K8S_DIR) not in sys.path:
 
 from crd import crd_errors  # noqa: E402
 from kube_rules import core_errors, parse_quantity  # noqa: E402
-from policies import KINDS as POLICY_KINDS, document_errors, release_errors  # noqa: E402
+from policies import KINDS as POLICY_KINDS, document_errors  # noqa: E402
+from ray_pod_fit import release_errors  # noqa: E402
 from posture import API_KEYS_ENV, document_security_level, security_errors  # noqa: E402
 from render import IMPORT_PATH, ROLES, parse_ray_resources_param  # noqa: E402
 

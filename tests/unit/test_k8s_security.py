@@ -16,7 +16,7 @@ import pytest
 import yaml
 from test_k8s_manifests import BASE, BENCH, CPU, DOCS, K8S, RENDERS, SERVICES, cluster_of, ids, load
 
-import policies  # noqa: E402  (k8s/policies.py, on sys.path via test_k8s_manifests)
+import ray_pod_fit  # noqa: E402  (k8s/ray_pod_fit.py, on sys.path via test_k8s_manifests)
 import posture  # noqa: E402
 import render  # noqa: E402
 import validate  # noqa: E402
@@ -190,7 +190,7 @@ def test_dashboard_is_admitted_only_to_the_kuberay_operator_on_the_head():
 @pytest.mark.parametrize("name, service", SERVICES[:2], ids=ids(SERVICES[:2]))
 def test_every_release_pod_is_under_an_ingress_policy(name, service):
     covered = {g for g, t in templates(service) for np in POLICIES
-               if policies.selects(np["spec"]["podSelector"], t["metadata"]["labels"])}
+               if ray_pod_fit.selects(np["spec"]["podSelector"], t["metadata"]["labels"])}
     assert covered == {g for g, _ in templates(service)}
 
 
@@ -198,7 +198,7 @@ def test_bench_pods_are_outside_the_release():
     job = load(BENCH)
     labels = [t["metadata"]["labels"] for t in (job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"],
                                                 job["spec"]["submitterPodTemplate"])]
-    assert not any(policies.selects(np["spec"]["podSelector"], lab) for np in POLICIES for lab in labels)
+    assert not any(ray_pod_fit.selects(np["spec"]["podSelector"], lab) for np in POLICIES for lab in labels)
 
 
 # ----------------------------------------------------------------- monitoring
