@@ -291,10 +291,6 @@ class Coordinator:
         self._ensure_timers()
         self.desk.open(req_id, prefill_id, decode_id)
 
-    async def abort_handoff(self, req_id: str) -> None:
-        """The client went away before a verdict: the handoff closes, no breaker moves."""
-        self.ledger.abort(req_id)
-
     async def report_outcomes(self, decode_id: str, outputs: list[KVConnectorOutput | None]) -> list[Verdict]:
         """Per-unit transfer outcomes of a decode engine -> verdicts (they feed the breakers)."""
         self.liveness.heard(decode_id)

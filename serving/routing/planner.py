@@ -28,7 +28,6 @@ most of the prompt.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 from actors.protocol.request import EngineRequest
@@ -73,10 +72,6 @@ class RoutePlanner:
     def estimate(self, pool: EnginePool, engine_id: str, cached_tokens: int = 0) -> EngineEstimate:
         """One engine as the SLO model sees it: its own published rates and queues, and this router's load there."""
         return self.estimates.of(pool, engine_id, cached_tokens)
-
-    def steps_for(self, pool: EnginePool, engine_id: str, tokens: int) -> int:
-        """Engine steps a prefill of `tokens` takes there (its chunked-prefill budget)."""
-        return max(1, math.ceil(tokens / self.estimate(pool, engine_id).chunk_budget_tokens))
 
     def choose_decode(self, pool: EnginePool, req: EngineRequest, routes: RouteTable, turn: int,
                       exclude: set[str] = frozenset()) -> str | None:

@@ -140,10 +140,6 @@ class Option(NamedTuple):  # a tuple: one per allowed pair per request, built fa
     def kind(self) -> Literal["colocated", "disagg"]:
         return "colocated" if self.prefill_id is None else "disagg"
 
-    @property
-    def prefilling_id(self) -> str:
-        return self.prefill_id or self.decode_id
-
 
 @dataclass(slots=True)  # not frozen: one per option per request, and frozen construction costs 4x
 class Prediction:
