@@ -24,17 +24,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from actors.kv.transfer_errors import BreakerConfigError
+from actors.routes import BreakerState
 
 logger = logging.getLogger("raypd.breaker")
 
-State = Literal["closed", "open", "half_open"]
-CLOSED: State = "closed"
-OPEN: State = "open"
-HALF_OPEN: State = "half_open"
-
+CLOSED, HALF_OPEN, OPEN = BreakerState.CLOSED, BreakerState.HALF_OPEN, BreakerState.OPEN
 
 
 def _positive_seconds(value: object, what: str) -> float:
@@ -76,7 +73,7 @@ class CircuitBreaker:
         self.probe_window_s = _positive_seconds(probe_window_s, "probe_window_s")
         self._clock = clock
 
-        self._state: State = CLOSED
+        self._state: BreakerState = CLOSED
         self._failures = 0
         self._open_until = 0.0
         self._probe_deadline: float | None = None  # set while a probe is out
@@ -89,7 +86,7 @@ class CircuitBreaker:
     # -- observation -------------------------------------------------------
 
     @property
-    def state(self) -> State:
+    def state(self) -> BreakerState:
         """Current state; an elapsed cooldown reads as "half_open"."""
         self._advance(self._clock())
         return self._state
@@ -190,5 +187,5 @@ class CircuitBreaker:
         logger.warning("%s circuit breaker opened (%s); skipping requests for %s s",
                        self.name, reason, self.cooldown_s)
 
-    def _transition(self, new: State) -> None:
+    def _transition(self, new: BreakerState) -> None:
         self._state = new

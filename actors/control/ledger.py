@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
 from actors.control.breaker import CircuitBreaker
-from actors.routes import PairState
+from actors.routes import BreakerState, PairState
 
 Pair = tuple[str, str]  # (decode, prefill)
 
@@ -149,7 +149,7 @@ class TransferLedger:
             d, p = key
             new = PairState(p, d, s["state"], s["consecutive_failures"], s["opened_count"],
                             self._reasons.get(key, ""), s["probe_in_flight"])
-            if new.state == "open":  # its cooldown ends by time: due then
+            if new.state == BreakerState.OPEN:  # its cooldown ends by time: due then
                 heapq.heappush(self._timed, (self.clock() + s["retry_in_s"] + 1e-3, key))
         old = self._states.get(key)
         if old != new:
@@ -168,15 +168,15 @@ class TransferLedger:
         b = self._breakers.get((decode_id, prefill_id))
         return b is not None and b.is_open
 
-    def route_state(self, decode_id: str, prefill_id: str) -> str:
+    def route_state(self, decode_id: str, prefill_id: str) -> BreakerState:
         b = self._breakers.get((decode_id, prefill_id))
-        return "closed" if b is None else b.state
+        return BreakerState.CLOSED if b is None else b.state
 
     def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
         """A router asks to send the half-open pair's probe; granted once cluster-wide."""
         b = self.breaker(decode_id, prefill_id)
         granted = b.allow()
-        if granted and b.state == "half_open":  # the probe is out until it reports or its window ends
+        if granted and b.state == BreakerState.HALF_OPEN:  # the probe is out until it reports or its window ends
             heapq.heappush(self._timed, (self.clock() + b.probe_window_s + 1e-3, (decode_id, prefill_id)))
         self._moved((decode_id, prefill_id))
         return granted
@@ -188,7 +188,7 @@ class TransferLedger:
 
     def record_success(self, decode_id: str, prefill_id: str) -> None:
         b = self.breaker(decode_id, prefill_id)
-        if b.consecutive_failures == 0 and b.state == "closed":
+        if b.consecutive_failures == 0 and b.state == BreakerState.CLOSED:
             return  # a healthy pair stays as it is (the common case: nothing to refresh)
         b.record_success()
         self._moved((decode_id, prefill_id))
@@ -242,7 +242,7 @@ class TransferLedger:
     def _trip(self, decode_id: str, prefill_id: str, reason: str) -> None:
         b = self.breaker(decode_id, prefill_id)
         for _ in range(b.failure_threshold + 1):
-            if b.state == "open":
+            if b.state == BreakerState.OPEN:
                 break
             b.record_failure()  # the breaker's own rule opens it: threshold failures, or a failed probe
         self._reasons[(decode_id, prefill_id)] = reason

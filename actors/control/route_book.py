@@ -34,7 +34,7 @@ from actors.control.ledger import TransferLedger
 from actors.control.registry import EngineEntry
 from actors.kv.plan.compat import pair_problem
 from actors.rates import EngineRates
-from actors.routes import PrefillRoute, RouteDelta, RouteTable
+from actors.routes import BreakerState, PrefillRoute, RouteDelta, RouteTable
 
 logger = logging.getLogger("raypd.coordinator")
 
@@ -183,7 +183,7 @@ class RouteBook:
             if problem is not None or engines[p].draining:
                 continue
             state = self.ledger.state_of(decode_id, p)
-            if state is not None and (state.state == "open" or state.probe_in_flight):
+            if state is not None and (state.state == BreakerState.OPEN or state.probe_in_flight):
                 continue
-            routes.append(PrefillRoute(p, state.state if state is not None else "closed"))
+            routes.append(PrefillRoute(p, state.state if state is not None else BreakerState.CLOSED))
         return tuple(routes)

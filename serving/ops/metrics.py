@@ -33,13 +33,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from serving.routing.status import READINESS_CODES, jsonable
+from actors.routes import BreakerState
+from serving.routing.pool import RouterCounter
+from serving.routing.status import ReadinessCode, jsonable
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+BREAKER_STATES = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 # engine gauges: metric suffix -> (help, value of one engine's stats)
 ENGINE_GAUGES: dict[str, tuple[str, Callable[[Any], float]]] = {
@@ -70,7 +72,7 @@ class RouterCollector(Collector):
             ready = GaugeMetricFamily("raypd_ready", "1 on this front's readiness state, 0 on the others: ok (a "
                                       "P/D path or a permitted fallback, /health 200) or why not (/health 503)",
                                       labels=["reason"])
-            for code in READINESS_CODES:
+            for code in ReadinessCode:
                 ready.add_metric([code], 1 if snap.readiness.code == code else 0)
             yield ready
         yield _labelled(CounterMetricFamily("raypd_engine_hangs", "engine incarnations the coordinator judged hung "
@@ -125,9 +127,9 @@ class RouterCollector(Collector):
             yield _labelled(GaugeMetricFamily("raypd_prefix_index_blocks", "KV blocks the router's prefix index "
                                               "holds per engine", labels=["engine"]), snap.planner.prefix_index_engines)
         yield CounterMetricFamily("raypd_prefill_retries", "prefills retried on another engine",
-                                  value=snap.counters.get("prefill_retries", 0))
+                                  value=snap.counters.get(RouterCounter.PREFILL_RETRIES, 0))
         yield CounterMetricFamily("raypd_aborts", "requests aborted on the engines (client went away)",
-                                  value=snap.counters.get("aborted", 0))
+                                  value=snap.counters.get(RouterCounter.ABORTED, 0))
         yield from pool_metrics(snap.pools)
         up = GaugeMetricFamily("raypd_engine_up", "1 when the engine answered its last stats call",
                                labels=["engine"])

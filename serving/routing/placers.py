@@ -22,7 +22,8 @@ from actors.protocol.request import EngineRequest
 from actors.routes import RouteTable
 from serving.placement_config import PlacementConfig
 from serving.routing.slo_model import EngineEstimate, Placement, place
-from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, best, select
+from serving.routing.decisions import Decision, DecisionReason, DisaggDecision
+from serving.routing.policy import Candidate, ScoreSettings, best, select
 from serving.routing.pool import EnginePool
 from serving.routing.shortlist import PrefillShortlist, shortlist
 
@@ -130,14 +131,14 @@ class SloPlacer:
                        answer_tokens=req.max_tokens)
         if chosen is None:  # decode engines that may not prefill and no prefill engine: refused
             d = live[0]
-            return RoutePlan(d, (), DisaggDecision("reject", "no_prefill_engine"), cached.get(d, 0))
+            return RoutePlan(d, (), DisaggDecision(Decision.REJECT, DecisionReason.NO_PREFILL_ENGINE), cached.get(d, 0))
         d = chosen.option.decode_id
         others = [p.option.prefill_id for p in chosen.predictions
                   if p.option.decode_id == d and p.option.prefill_id not in (None, chosen.option.prefill_id)]
-        _, _, why = chosen.reason.partition("/")
         if chosen.option.prefill_id is None:
-            return RoutePlan(d, tuple(others), DisaggDecision("local", why), cached.get(d, 0), chosen)
-        return RoutePlan(d, (chosen.option.prefill_id, *others), DisaggDecision("remote", why), cached.get(d, 0),
+            return RoutePlan(d, tuple(others), DisaggDecision(Decision.LOCAL, chosen.why), cached.get(d, 0), chosen)
+        return RoutePlan(d, (chosen.option.prefill_id, *others), DisaggDecision(Decision.REMOTE, chosen.why),
+                         cached.get(d, 0),
                          chosen)
 
 

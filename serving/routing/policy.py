@@ -29,7 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
+
+from serving.routing.decisions import Decision, DecisionReason, DisaggDecision
 
 
 class Candidate(NamedTuple):  # built per engine per request: a NamedTuple is the cheapest typed record
@@ -63,21 +65,11 @@ def best(candidates: Sequence[Candidate], prompt_tokens: int, cache_weight: floa
                for i, c in enumerate(candidates))[1]
 
 
-@dataclass(frozen=True)
-class DisaggDecision:
-    decision: Literal["remote", "local", "reject"]
-    reason: str
-
-    @property
-    def remote(self) -> bool:
-        return self.decision == "remote"
-
-
 def decide_prefill(prefill: Candidate | None, fallback_local: bool = True) -> DisaggDecision:
     """Remote prefill whenever a usable prefill engine exists (placement `disaggregate`)."""
     if prefill is None:
-        return DisaggDecision("local" if fallback_local else "reject", "no_prefill_engine")
-    return DisaggDecision("remote", "uncached_prompt")
+        return DisaggDecision(Decision.LOCAL if fallback_local else Decision.REJECT, DecisionReason.NO_PREFILL_ENGINE)
+    return DisaggDecision(Decision.REMOTE, DecisionReason.UNCACHED_PROMPT)
 
 
 @dataclass(frozen=True)

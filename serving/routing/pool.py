@@ -31,12 +31,14 @@ import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence, Set as AbstractSet
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol
 
 from actors.protocol.request import EngineRequest, PrefillResult, TokenChunk
 from actors.protocol.stats import EngineStats
 from actors.routes import RouteTable
 from serving.routing.deadlines import EngineDeadlines
+from serving.routing.decisions import FallbackReason
 from serving.routing.rates import RateEstimator
 
 logger = logging.getLogger("raypd.router")
@@ -121,6 +123,18 @@ class DecodeCharge:
             self.load.requests = max(0, self.load.requests - 1)
 
 
+class RouterCounter(StrEnum):
+    """What `EnginePool.counters` counts; the values are `raypd status`'s and `/metrics`' names."""
+
+    REQUESTS = "requests"
+    REJECTED_NO_DECODE = "rejected_no_decode"
+    REJECTED_NO_PREFILL = "rejected_no_prefill"
+    PREFILL_RETRIES = "prefill_retries"
+    RECOMPUTED = "recomputed"
+    MIGRATION_FAILED = "migration_failed"
+    ABORTED = "aborted"
+
+
 class EnginePool:
     def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
                  resolve_engine: Callable[[str], EngineClient | None] | None = None,
@@ -132,8 +146,8 @@ class EnginePool:
         self.resolve_engine = resolve_engine
         self.decode_load: dict[str, Load] = {d: Load() for d in self.decodes}
         self.prefill_load: dict[str, Load] = {p: Load() for p in self.prefills}
-        self.counters: Counter[str] = Counter()  # requests, retries, aborted, recomputed...
-        self.fallbacks: Counter[str] = Counter()  # reason -> count
+        self.counters: Counter[RouterCounter] = Counter()
+        self.fallbacks: Counter[FallbackReason] = Counter()
         self.migrations: Counter[str] = Counter()  # reason -> streams moved to another decode engine
         self.transfer_failures: Counter[tuple[str, str]] = Counter()  # (decode, prefill), as observed
         self.prefill_failures: Counter[str] = Counter()  # prefill id

@@ -57,9 +57,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from actors.protocol.request import EngineRequest, PrefillResult, Stamps, TokenChunk
-from actors.routes import RouteTable
+from actors.routes import BreakerState, RouteTable
 from serving.config import RouterConfig
 from serving.routing.deadlines import EngineDeadlines
+from serving.routing.decisions import Decision, DecisionReason, FallbackReason
 from serving.routing.directory import Directory, DirectoryView
 from serving.routing.route_errors import (
     EngineFailed,
@@ -71,7 +72,7 @@ from serving.routing.route_errors import (
 )
 from serving.routing.placers import RoutePlan
 from serving.routing.planner import RoutePlanner, planner_for
-from serving.routing.pool import DecodeCharge, EngineClient, EnginePool, EngineStatus
+from serving.routing.pool import DecodeCharge, EngineClient, EnginePool, EngineStatus, RouterCounter
 from serving.routing.probes import ProbeGrants
 from serving.routing.protocols import PoolStatusSource
 from serving.routing.rates import RateEstimator, hop_of
@@ -109,7 +110,7 @@ class Router:
         # half-open pairs' probes: asked off the request path, held well within the ledger's window
         self.probes = ProbeGrants(lambda d, p: self.directory.admit_probe(d, p), probe_timeout_s, probe_hold_s, clock)
         self._rr = itertools.count()
-        self._states: tuple[RouteTable | None, dict[str, dict[str, str]]] = (None, {})
+        self._states: tuple[RouteTable | None, dict[str, dict[str, BreakerState]]] = (None, {})
         # the pools' status (the autoscaler's, when one runs), asked with the engine stats and shown beside them
         self.pool_status_source = pool_status
         self.pool_status: object | None = None  # its last answer (None: no source, or it did not answer)
@@ -129,7 +130,7 @@ class Router:
         for p in ranked:
             if p not in states or p not in self.pool.prefills or p in exclude:
                 continue
-            if states[p] == "closed" or self.probes.take(decode_id, p):
+            if states[p] == BreakerState.CLOSED or self.probes.take(decode_id, p):
                 return p
             half_open.append(p)
             self.probes.ask_later(decode_id, p)
@@ -138,7 +139,7 @@ class Router:
                 return p
         return None
 
-    def _states_of(self, decode_id: str, routes: RouteTable) -> dict[str, str]:
+    def _states_of(self, decode_id: str, routes: RouteTable) -> dict[str, BreakerState]:
         """Prefill engine -> breaker state of the pair with `decode_id`, kept per table (not per request)."""
         if self._states[0] is not routes:
             self._states = (routes, {})
@@ -155,13 +156,13 @@ class Router:
         running on any engine in that case.
         """
         estimate = req.num_prompt_tokens  # the front tokenized the prompt: a real count
-        self.pool.counters["requests"] += 1
+        self.pool.counters[RouterCounter.REQUESTS] += 1
         routes = await self.routes()
         failed_decodes: set[str] = set()
         while True:
             plan = self.planner.plan(self.pool, req, routes, next(self._rr), failed_decodes)
             if plan is None:
-                self.pool.counters["rejected_no_decode"] += 1
+                self.pool.counters[RouterCounter.REJECTED_NO_DECODE] += 1
                 hung = self.deadlines.suspected_in(routes.generations)
                 raise NoDecodeEngine("no decode engine is available" + (
                     f" (missed their deadlines, treated as hung: {', '.join(sorted(hung))})" if hung else "") + (
@@ -192,7 +193,7 @@ class Router:
             tried.add(prefill_id)
             route.attempts += 1
             if route.attempts > 1:
-                self.pool.counters["prefill_retries"] += 1
+                self.pool.counters[RouterCounter.PREFILL_RETRIES] += 1
             engine_req = req.replace(request_id=self._attempt_id(req.request_id, route.attempts))
             route.prefill_id = prefill_id
             out = await self._prefill(route, engine_req, estimate)
@@ -203,12 +204,12 @@ class Router:
     async def _local(self, route: Route, req: EngineRequest, plan: RoutePlan, charge: DecodeCharge) -> RoutedStream:
         """The decode engine prefills itself: a local decision, or the fallback."""
         route.prefill_id = None
-        if plan.decision.decision == "local" and plan.decision.reason != "no_prefill_engine":
+        if plan.decision.decision == Decision.LOCAL and plan.decision.reason != DecisionReason.NO_PREFILL_ENGINE:
             route.path = "local"
         else:
-            reason = "prefill_failed" if route.failures else "no_prefill_engine"
+            reason = FallbackReason.PREFILL_FAILED if route.failures else FallbackReason.NO_PREFILL_ENGINE
             if self.config.no_prefill_fallback != "decode_local":
-                self.pool.counters["rejected_no_prefill"] += 1
+                self.pool.counters[RouterCounter.REJECTED_NO_PREFILL] += 1
                 why = "; ".join(route.failures) or "no compatible prefill engine with a closed breaker"
                 raise NoPrefillEngine(f"no prefill engine is available for decode engine {route.decode_id}: {why}")
             route.path = "fallback"

@@ -84,6 +84,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from serving.placement_config import VLLM_DEFAULT_BUDGET, PlacementConfig
+from serving.routing.decisions import DecisionReason
 
 Role = Literal["prefill", "decode", "both"]
 PREFILL_CAPABLE: frozenset[str] = frozenset({"prefill", "both"})
@@ -169,11 +170,16 @@ class Prediction:
 @dataclass(frozen=True)
 class Placement:
     option: Option
-    reason: str
+    why: DecisionReason  # what made this option win
     prediction: Prediction
     alternative: Prediction | None  # the best option of the other kind
     ttft_target_s: float
     predictions: tuple[Prediction, ...] = field(default=(), repr=False)  # every option, best first
+
+    @property
+    def reason(self) -> str:
+        """The option's kind and why, as shown: "disagg/itl_protect"."""
+        return f"{self.option.kind}/{self.why}"
 
     @property
     def meets_slo(self) -> bool:
@@ -334,19 +340,19 @@ def place(prompt_tokens: int, engines: Sequence[EngineEstimate], config: Placeme
     return Placement(best.option, _reason(best, alternative, config), best, alternative, target, ranked)
 
 
-def _reason(chosen: Prediction, alt: Prediction | None, config: PlacementConfig) -> str:
-    kind = chosen.option.kind
+def _reason(chosen: Prediction, alt: Prediction | None, config: PlacementConfig) -> DecisionReason:
     if alt is None:
-        return "colocated/no_prefill_engine" if kind == "colocated" else "disagg/only_option"
+        colocated = chosen.option.kind == "colocated"
+        return DecisionReason.NO_PREFILL_ENGINE if colocated else DecisionReason.ONLY_OPTION
     d_ttft = config.ttft_weight * (alt.ttft_violation_s - chosen.ttft_violation_s)
     d_itl = config.itl_weight * (alt.itl_violation_s - chosen.itl_violation_s)
     if d_itl > _EPS and d_itl >= d_ttft:
-        return f"{kind}/itl_protect"
+        return DecisionReason.ITL_PROTECT
     # decided by the first token: which part of the alternative's TTFT made it slower
     per_token = alt.compute_s / alt.uncached_tokens
-    parts = {"prefill_queue": alt.queue_wait_s - chosen.queue_wait_s,
-             "prefix_cached": (alt.uncached_tokens - chosen.uncached_tokens) * per_token}
+    parts = {DecisionReason.PREFILL_QUEUE: alt.queue_wait_s - chosen.queue_wait_s,
+             DecisionReason.PREFIX_CACHED: (alt.uncached_tokens - chosen.uncached_tokens) * per_token}
     why, gain = max(parts.items(), key=lambda kv: kv[1])
     # a part explains the choice when it outweighs the rest of the difference (handoff, rates)
     rest = (alt.ttft_s - chosen.ttft_s) - gain
-    return f"{kind}/{why}" if gain > _EPS and gain >= rest else f"{kind}/ttft"
+    return why if gain > _EPS and gain >= rest else DecisionReason.TTFT

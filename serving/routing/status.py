@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from actors.routes import PairState, RouteTable
@@ -22,7 +23,13 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-READINESS_CODES = ("ok", "no_decode_engine", "decode_engines_hung", "no_prefill_engine")
+class ReadinessCode(StrEnum):
+    """Why a router can or cannot place a request; the values are `raypd_ready`'s `reason` labels."""
+
+    OK = "ok"
+    NO_DECODE_ENGINE = "no_decode_engine"
+    DECODE_ENGINES_HUNG = "decode_engines_hung"
+    NO_PREFILL_ENGINE = "no_prefill_engine"
 
 
 @dataclass(frozen=True)
@@ -35,8 +42,7 @@ class Readiness:
     pd_paths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # decode -> usable prefill engines
     decode_local: bool = False  # decode engines may prefill themselves
     directory_error: str | None = None
-    # why not, as a label: ok | no_decode_engine | decode_engines_hung | no_prefill_engine
-    code: str = "ok"
+    code: ReadinessCode = ReadinessCode.OK
     hung: tuple[str, ...] = ()  # engines held back: they missed a deadline (serving/routing/deadlines.py)
 
     @classmethod
@@ -48,15 +54,15 @@ class Readiness:
         pd_paths = {d: tuple(pool.usable_prefills(d, routes)) for d in live}
         local_ok = bool(live) and (decode_local or not pool.prefills)
         ready = any(pd_paths.values()) or local_ok
-        reason, code = None, "ok"
+        reason, code = None, ReadinessCode.OK
         if not live and any(d in routes.decodes for d in hung):
             reason, code = (f"no decode engine can take a request: {', '.join(hung)} missed their deadlines "
-                            "(treated as hung; the coordinator restarts them)"), "decode_engines_hung"
+                            "(treated as hung; the coordinator restarts them)"), ReadinessCode.DECODE_ENGINES_HUNG
         elif not live:
-            reason, code = "no decode engine is alive", "no_decode_engine"
+            reason, code = "no decode engine is alive", ReadinessCode.NO_DECODE_ENGINE
         elif not ready:
             reason, code = ("no compatible prefill engine with a closed breaker, and the fallback is reject",
-                            "no_prefill_engine")
+                            ReadinessCode.NO_PREFILL_ENGINE)
         return cls(ready, reason, tuple(live), pd_paths, local_ok, directory_error, code, hung)
 
     def to_json(self) -> dict[str, Any]:

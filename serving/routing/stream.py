@@ -33,7 +33,7 @@ from typing import Protocol
 
 from actors.protocol.request import EngineRequest, TokenChunk
 from serving.routing.route_errors import EngineUnavailable, RequestRejected
-from serving.routing.pool import DecodeCharge, EnginePool
+from serving.routing.pool import DecodeCharge, EnginePool, RouterCounter
 
 logger = logging.getLogger("raypd.router")
 
@@ -172,7 +172,7 @@ class RoutedStream:
             self._let_prefill_go()
             self.migrator.outcome_reported()
         if chunk.recomputed:
-            self.pool.counters["recomputed"] += 1
+            self.pool.counters[RouterCounter.RECOMPUTED] += 1
 
     async def _migrate(self, exc: Exception) -> TokenChunk:
         """Continue on another live decode engine from what was streamed; the first chunk
@@ -218,7 +218,7 @@ class RoutedStream:
             logger.warning("%s: decode engine %s failed (%s); continued on %s after %d tokens",
                            self.request_id, dead, type(exc).__name__, target, len(self.token_ids))
             return first
-        self.pool.counters["migration_failed"] += 1
+        self.pool.counters[RouterCounter.MIGRATION_FAILED] += 1
         return TokenChunk.error_chunk(
             self.engine_request_id, f"decode engine {dead} failed mid-stream and no engine could take the "
             f"stream over: {exc}", self.num_prompt_tokens)
@@ -258,7 +258,7 @@ class RoutedStream:
         unfinished = not self.finished
         self._release()
         if unfinished:
-            self.pool.counters["aborted"] += 1
+            self.pool.counters[RouterCounter.ABORTED] += 1
             self.pool.abort_decode(self.decode_id, self.engine_request_id)
             self._let_prefill_go()
         self.pool.close_gen(self._gen)
