@@ -160,8 +160,7 @@ class IndexCursor:
 class PackedOps(Sequence[IndexOp]):
     """A run of `IndexOp`s as they travel: every hash in one bytes object of 64-bit words, each op's
     engine, kind, scheme and hash count beside it. Unpickling one is a few objects, not one int per
-    block hash (a 100 ms delta at 256 engines and 100k events/s held a router's loop 1-2 ms, a snapshot
-    ~13 ms); each op's hashes become ints when the op is read, so a replica applying in slices
+    block hash (unpickling those held a router's loop at 256 engines: docs/benchmarks.md); each op's hashes become ints when the op is read, so a replica applying in slices
     (`PrefixReplica.apply_in_slices`) spreads that work over its loop's turns."""
 
     __slots__ = ("engine_ids", "kinds", "schemes", "counts", "words", "_starts")

@@ -2,9 +2,8 @@
 
 A pair whose breaker is half-open takes one probe request, granted once cluster-wide by the
 coordinator's ledger (`Directory.admit_probe`); the probe's outcome closes or reopens the breaker.
-Asking is a coordinator round trip, and a busy coordinator answers in hundreds of ms
-(benchmarks/control_plane.py at 256 engines with KV events): a request must not wait for it while a
-closed pair can serve it. Life cycle of one pair's probe in this router:
+Asking is a coordinator round trip, slow on a busy coordinator (docs/benchmarks.md, control
+plane): a request must not wait for it while a closed pair can serve it. Life cycle of one pair's probe in this router:
 
   1. asked      a request ranked the half-open pair ahead of the closed one it then took:
                 `ask_later` asks the ledger in a task of its own (one ask per pair at a time);

@@ -1,31 +1,15 @@
 """Per-(block, head) KV checksums: recorded by the producer at hold, checked by the reader (`transfer.verify`).
 
-`verify` is `off`, `sample` or `all`. With it on, the producer computes, when
-it leases a finished prefill's blocks, one 64-bit checksum per (block, head)
-over every layer and plane it holds, and writes them into its lease board
-(`actors.kv.lease.lease_board`); a reader READs the entries of the blocks it checks
-in the same READ as the lease record (no extra round trip), recomputes them
-from what landed in its own cache (after the layout permute) and fails the
-pull on any difference. `sample` checks the blocks whose id hashes with the
-lease's tag to 0 mod `SAMPLE_EVERY`: both sides pick the same ones, so the
-producer only computes those.
+`verify` is `off`, `sample` or `all`. With it on, the producer checksums each (block, head) of a
+finished prefill's leased blocks over every layer and plane it holds and writes them into its lease
+board (`lease_board`); a reader READs the entries of the blocks it checks with the lease record (no
+extra round trip), recomputes them from what landed in its own cache (after the layout permute) and
+fails the pull on any difference. `sample` checks the blocks whose id hashes with the lease's tag to
+0 mod `SAMPLE_EVERY`: both sides pick the same ones.
 
-The checksum is position-weighted and layout-independent, so the two sides
-agree whatever their axis order, block size (ratio) or TP split. Per (layer,
-K/V, block, head) the block's elements of that head, in canonical (token, dim)
-order, are read as 32-bit words (D is the innermost axis of every layout, so
-the words are the same on both sides) and
-
-    s = sum over words of  word * b(position)          (mod 2^32)
-    checksum(block, head) = sum over (layer, kv) of  a(layer, kv, global head) * s   (mod 2^64)
-
-with `b` odd 32-bit and `a` odd 64-bit constants (token within the producer's
-block, word; global layer, K/V, global head). One flipped bit changes it
-always (an odd weight is invertible mod 2^32); moved or swapped elements
-change it but for chance collisions. Computed with torch on the cache's own
-device: on CPU `s` is an integer matrix-vector product (~5.5 GiB/s on one
-core here, twice a multiply-then-sum; `benchmarks/transfer.py` reports it),
-elsewhere a multiply-and-sum truncated to 32 bits, which gives the same value.
+The checksum is position-weighted and layout-independent (`region_sums`): both sides agree whatever
+their axis order, block size (ratio) or TP split; one flipped bit always changes it. Computed with
+torch on the cache's own device.
 """
 
 from __future__ import annotations
@@ -109,7 +93,21 @@ def word_sums(words: torch.Tensor, w: torch.Tensor, matvec: bool) -> torch.Tenso
 
 
 def region_sums(rows: torch.Tensor, layer: int, kv: int, heads: list[int]) -> torch.Tensor:
-    """Checksum contribution [blocks, heads] of one (layer, kv) slice [blocks, heads, n, d] (int64)."""
+    """Checksum contribution [blocks, heads] of one (layer, kv) slice [blocks, heads, n, d] (int64).
+
+    Per (layer, K/V, block, head) the block's elements of that head, in canonical (token, dim)
+    order, are read as 32-bit words (D is the innermost axis of every layout, so the words are the
+    same on both sides) and
+
+        s = sum over words of  word * b(position)          (mod 2^32)
+        checksum(block, head) = sum over (layer, kv) of  a(layer, kv, global head) * s   (mod 2^64)
+
+    with `b` odd 32-bit and `a` odd 64-bit constants (token within the producer's block, word;
+    global layer, K/V, global head). An odd weight is invertible mod 2^32, so one flipped bit
+    always changes it; moved or swapped elements change it but for chance collisions. On CPU `s`
+    is an integer matrix-vector product, elsewhere a multiply-and-sum truncated to 32 bits (the
+    same value: `word_sums`).
+    """
     r = rows.contiguous()
     if (r.shape[-1] * r.element_size()) % 4:
         raise ValueError(f"a head row of {r.shape[-1]} x {r.element_size()} bytes is not whole 32-bit words")

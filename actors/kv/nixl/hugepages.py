@@ -1,18 +1,16 @@
 """Back registered KV memory with transparent huge pages before NIXL registers it.
 
-On one host UCX moves KV with CMA (`process_vm_readv`), which pins the
-source's pages for every descriptor: with 4 KiB pages that pinning, not the
-copy, dominates a READ of many small blocks. Asking the kernel to back the
-regions with 2 MiB pages (`MADV_HUGEPAGE`) cuts it; measured on the dev box in
-`actors/kv/NIXL_NOTES.md`. Contents are unchanged. Best effort: a kernel or
-policy that refuses leaves the memory as it was; nothing here raises.
+On one host UCX moves KV with CMA (`process_vm_readv`), which pins the source's pages for every
+descriptor: with 4 KiB pages that pinning, not the copy, dominates a READ of many small blocks;
+2 MiB pages (`MADV_HUGEPAGE`) cut it (actors/kv/NIXL_NOTES.md). Contents are unchanged. Best
+effort: a kernel or policy that refuses leaves the memory as it was; nothing here raises.
 
 Memory already touched needs its 4 KiB pages replaced. Two ways, the same contents:
-- a freshly zeroed, private anonymous region (an engine's KV cache when it registers:
-  vLLM allocates it with `torch.zeros`) is handed back (`MADV_DONTNEED`) and faults in
-  again as zeroed 2 MiB pages on first touch. Checking the zeros costs ~0.1 s a GiB;
-- anything else is copied into huge pages in place (`MADV_COLLAPSE`, Linux >= 6.1):
-  ~4 s of kernel time per GiB on a 2-core EPYC here, on every engine start.
+- a freshly zeroed, private anonymous region (an engine's KV cache when it registers: vLLM
+  allocates it with `torch.zeros`) is handed back (`MADV_DONTNEED`) and faults in again as zeroed
+  2 MiB pages on first touch (the zeros are checked first);
+- anything else is copied into huge pages in place (`MADV_COLLAPSE`, Linux >= 6.1), at a cost in
+  kernel time per GiB on every engine start.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """A thin, typed wrapper around one NIXL agent (UCX backend) for KV-block READs.
 
-`NixlAgent` owns exactly one NIXL agent and everything created through it
-(registrations, remote agents, prepared descriptor lists, transfer handles:
-`actors.kv.nixl.nixl_handles`) and releases each exactly once on `shutdown()`. It
-offers what the KV transport needs: register KV memory, exchange metadata,
-prepare descriptor lists once per peer (strided rows: cheap even for large
-caches), post READs by descriptor index with a notification for the block
-owner, poll them without blocking, exchange standalone notifications.
-
-* Caller mistakes are typed errors (`actors.kv.nixl.nixl_checks` validates before
-  NIXL sees anything); a transfer that fails *after* it was posted (dead peer)
-  is reported by `check()` as ``"ERR"``, never as an exception.
-* Progress: the agent is built by `actors.kv.nixl.nixl_binding` with NIXL's UCX
-  progress thread on, asleep in ``poll()`` on the UCX worker's event fd (1 s
-  timeout). It serves peers' READs of our memory and collects notifications
-  while the owner thread is busy elsewhere (a vLLM prefill step), so nobody
-  has to call into the agent for a peer's READ to complete, and an idle agent
-  costs ~0 CPU (measured by `benchmarks/transfer.py`). `check()` also drives
-  progress for our own READs.
-* Threads: the owner uses the agent from one thread (a vLLM worker's step
-  thread, a rank actor's executor thread, or one event loop); the wrapper has
-  no lock. NIXL's ``NIXL_THREAD_SYNC_STRICT`` serializes agent calls and the
-  UCX worker is multi-threaded for the progress thread (`nixl_binding`).
-
-UCX's default error-handling mode ("peer") is kept: it makes a dead peer a
-failed transfer instead of a hang. Measured facts: `actors/kv/NIXL_NOTES.md`.
+`NixlAgent` owns one NIXL agent and everything created through it (registrations, remote agents,
+prepared descriptor lists, transfer handles: `nixl_handles`) and releases each exactly once on
+`shutdown()`. Invariants:
+* caller mistakes are typed errors (`nixl_checks` validates before NIXL sees anything); a transfer
+  that fails *after* it was posted (dead peer) is ``"ERR"`` from `check()`, never an exception;
+* NIXL's UCX progress thread (`nixl_binding`) serves peers' READs and collects notifications while
+  the owner is busy; `check()` drives progress for our own READs;
+* one owner thread uses the agent (no lock here); UCX's "peer" error mode makes a dead peer a
+  failed transfer, not a hang (actors/kv/NIXL_NOTES.md).
 `nixl` is imported lazily, so `actors.kv` imports where nixl is not installed.
 """
 

@@ -1,33 +1,15 @@
 """How raypd creates a NIXL agent: from the binding, with UCX's progress thread asleep on an fd.
 
-Why a progress thread. In UCX's ``peer`` error mode a READ only completes
-when the *target* agent drives UCX progress too (wire-up, notifications and
-the final flush travel over TCP loopback; `actors/kv/NIXL_NOTES.md`). A
-producer is a vLLM worker whose one Python thread is busy computing prefill
-steps: without a thread of its own, a decode engine's pull waited for the
-producer's whole next prefill step (7-8 s stalls under load).
+A progress thread because, in UCX's ``peer`` error mode, a READ only completes when the *target*
+agent drives UCX progress too, and a producer's one Python thread is busy computing prefill steps
+(actors/kv/NIXL_NOTES.md). Not `nixl._api.nixl_agent`: it hard-codes ``pthrDelay = 0``, a thread
+waking every millisecond; raypd builds the agent from the binding with a 1 s ``poll()`` timeout, so
+the thread sleeps until UCX has an event and no thread here spins.
 
-Why not `nixl._api.nixl_agent`. It hard-codes ``pthrDelay = 0``. NIXL's UCX
-progress thread arms the UCX worker and ``poll()``s the worker's event fd
-with a timeout of ``pthrDelay`` (µs, rounded up to whole ms): 0 becomes 1 ms,
-a thread waking 1000 times a second for nothing. raypd builds the agent from
-the binding (``nixlBind.nixlAgentConfig`` / ``nixlBind.nixlAgent``, the
-objects `nixl_agent` wraps) with a 1 s timeout: the thread sleeps in
-``poll()`` until UCX has an event (a peer's READ, a notification, a
-connection) and wakes once a second otherwise (upstream keeps the timeout as
-a safety net for fds UCX fails to signal). An idle agent's threads cost
-~0 CPU: `benchmarks/transfer.py` measures them over an idle spell
-(NIXL_NOTES.md (d)); no thread here spins.
-
-Thread safety. With the progress thread on, NIXL creates the UCX worker
-multi-threaded (``UCS_THREAD_MODE_MULTI``) whatever the agent's sync mode,
-and the progress thread appends incoming notifications to a list under its
-own mutex that ``getNotifs`` swaps out: notifications arrive although the
-owner never progresses. The agent's own state gets
-``NIXL_THREAD_SYNC_STRICT``: every API call holds the agent's lock, so a call
-from another thread (a handle released by the garbage collector) can never
-interleave with the owner's. The progress thread runs backend code only and
-never takes that lock, so it never waits behind the owner.
+Threads: with the progress thread on, the UCX worker is multi-threaded and incoming notifications
+are collected under the thread's own mutex; the agent's own state gets ``NIXL_THREAD_SYNC_STRICT``
+(every API call holds the agent's lock), which the progress thread never takes, so it never waits
+behind the owner.
 """
 
 from __future__ import annotations
