@@ -1,50 +1,12 @@
 """The coordinator: one named Ray actor per cluster that engines register with.
 
-Life cycle of an engine incarnation as the coordinator sees it:
-
-  register_engine     every rank's handshake payload is decoded and checked (protocol, compat
-                      hash, sizes); the engine is refused if its model id is known under another
-                      compatibility hash; every (prefill, decode) pair it forms is judged once and
-                      the verdict (ok or the reason) is kept for the routers. Each registration is
-                      a new incarnation (`generation`);
-  watch               one pending `watch()` call per liveness handle (the engine actor, its rank
-                      actors) that only ends when that actor dies: death is an event, not something
-                      found by pinging. Hangs are found by probing (`actors.control.liveness`): a
-                      sweep every `hang_check_s`, and at once when a router reports a missed
-                      deadline (`engine_hung`); a hung incarnation is evicted and killed, so that
-                      Ray restarts it;
-  evict               a dead or hung incarnation is removed: its pairs' breakers open, its handoffs
-                      end (the prefill side is told to let go), every decode engine drops its NIXL
-                      agents, and the engine's own `watch_registration` call returns so it
-                      re-registers once it can (a restarted engine always meets a fresh handshake);
-  start-up deadline   an evicted engine (not draining) must register again within `startup_deadline_s`
-                      (Ray restarts it); a restart that hangs before it registers (no probe reaches
-                      it) is killed for restart again past its deadline, counted (`startup_timeouts`)
-                      and awaited anew; unregistering or a dead-for-good actor ends it (`startup_watch`);
-  handshake_payloads  decode ranks fetch exactly the payloads they need;
-  routes              routers fetch live decode engines -> usable prefill engines with every pair's
-                      breaker (the ledger owns the breakers); the table is built once per change
-                      (`RouteBook`) and `routes_if_changed` answers a router whose copy is current
-                      with nothing.
-
-Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the records an engine
-coalesced since its last batch (handoffs opened and aborted, per-unit outcomes, salvage, handshake
-failures), applied in its order, one batch in flight per engine (`actors.engine.ledger_reporter`).
-The single-record methods (`open_handoff`, `report_outcomes`...) remain for tools and tests.
-Nothing here is on a request's path to its first token: engines and routers send these
-fire-and-forget or from background tasks; a router awaits only `admit_probe`, and only for a
-half-open pair.
-
-Routing state it owns besides the directory:
-
-  kv_events           a registered engine's relayed KV cache events feed the prefix index (one
-                      owner); routers replicate it with `prefix_index_updates`; an engine's
-                      entries go with it;
-  set_draining        routers stop choosing the engine (`routes()` leaves it out); the autoscaler
-                      stops it once idle.
-
-If the coordinator itself restarts (Ray restarts it), engines see their
-`watch_registration` call fail and register again with the new incarnation.
+It owns the directory (registered engine incarnations, their judged pairs, the route table routers
+poll), the transfer ledger and its pair breakers, liveness (deaths are events of pending `watch()`
+calls, hangs are found by probes) and the prefix index. Invariants: every registration is a new
+incarnation (`generation`); an evicted incarnation's pairs, handoffs and peers' agents go with it
+and the engine registers again; nothing here is on a request's path to its first token (a router
+awaits only `admit_probe`, for a half-open pair). The life cycle of an engine incarnation as it
+sees it: `Coordinator`.
 """
 
 from __future__ import annotations
@@ -76,6 +38,53 @@ logger = logging.getLogger("raypd.coordinator")
 
 
 class Coordinator:
+    """Life cycle of an engine incarnation as the coordinator sees it:
+
+      register_engine     every rank's handshake payload is decoded and checked (protocol, compat
+                          hash, sizes); the engine is refused if its model id is known under another
+                          compatibility hash; every (prefill, decode) pair it forms is judged once and
+                          the verdict (ok or the reason) is kept for the routers. Each registration is
+                          a new incarnation (`generation`);
+      watch               one pending `watch()` call per liveness handle (the engine actor, its rank
+                          actors) that only ends when that actor dies: death is an event, not something
+                          found by pinging. Hangs are found by probing (`actors.control.liveness`): a
+                          sweep every `hang_check_s`, and at once when a router reports a missed
+                          deadline (`engine_hung`); a hung incarnation is evicted and killed, so that
+                          Ray restarts it;
+      evict               a dead or hung incarnation is removed: its pairs' breakers open, its handoffs
+                          end (the prefill side is told to let go), every decode engine drops its NIXL
+                          agents, and the engine's own `watch_registration` call returns so it
+                          re-registers once it can (a restarted engine always meets a fresh handshake);
+      start-up deadline   an evicted engine (not draining) must register again within `startup_deadline_s`
+                          (Ray restarts it); a restart that hangs before it registers (no probe reaches
+                          it) is killed for restart again past its deadline, counted (`startup_timeouts`)
+                          and awaited anew; unregistering or a dead-for-good actor ends it (`startup_watch`);
+      handshake_payloads  decode ranks fetch exactly the payloads they need;
+      routes              routers fetch live decode engines -> usable prefill engines with every pair's
+                          breaker (the ledger owns the breakers); the table is built once per change
+                          (`RouteBook`) and `routes_if_changed` answers a router whose copy is current
+                          with nothing.
+
+    Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the records an engine
+    coalesced since its last batch (handoffs opened and aborted, per-unit outcomes, salvage, handshake
+    failures), applied in its order, one batch in flight per engine (`actors.engine.ledger_reporter`).
+    The single-record methods (`open_handoff`, `report_outcomes`...) remain for tools and tests.
+    Nothing here is on a request's path to its first token: engines and routers send these
+    fire-and-forget or from background tasks; a router awaits only `admit_probe`, and only for a
+    half-open pair.
+
+    Routing state it owns besides the directory:
+
+      kv_events           a registered engine's relayed KV cache events feed the prefix index (one
+                          owner); routers replicate it with `prefix_index_updates`; an engine's
+                          entries go with it;
+      set_draining        routers stop choosing the engine (`routes()` leaves it out); the autoscaler
+                          stops it once idle.
+
+    If the coordinator itself restarts (Ray restarts it), engines see their
+    `watch_registration` call fail and register again with the new incarnation.
+    """
+
     def __init__(self, hang_check_s: float = 10.0, ping_timeout_s: float = 10.0,
                  handoff_deadline_s: float = 60.0, breaker: dict | BreakerConfig | None = None,
                  probe_failure_threshold: int = 2, startup_deadline_s: float = DEFAULT_STARTUP_DEADLINE_S):

@@ -1,42 +1,11 @@
 """The transfer ledger: every in-flight P->D handoff, its one verdict, and the pair breakers.
 
-The ledger is the only owner of the (prefill, decode) circuit breakers: routers
-read their states with the routes and report prefill failures here; decode
-engines report transfer outcomes here; nobody else keeps a breaker for a pair.
-
-Life cycle of a handoff:
-
-  open       a decode engine received a prefilled request (its transfer params);
-  report     decode reporting units (synthetic: each rank; vLLM: the engine,
-             whose own aggregator already merged its workers) send per-request
-             outcomes; `KVOutputAggregator` (one per decode engine) turns them
-             into one verdict once every unit has reported;
-  unit_died  a step cut short by a dead unit (synthetic engines: a rank actor;
-             vLLM has no such step, its workers die with their engine core):
-             what the step had collected is stashed
-             (`ft_defer_kv_connector_outputs`) and replayed at once, so the
-             verdicts still complete;
-  verdict    ok or failed; it feeds the pair breaker and closes the handoff;
-             it records what decided it (`Verdict.source`; counted in
-             `ended_by`): report | salvage | handshake, and the handoffs that
-             end without one: aborted | expired | eviction (its engine died) |
-             left (its engine shut down);
-  abort      the client went away: the handoff closes, no breaker is touched;
-  expire     no verdict by the deadline: failed (the caller releases the
-             prefill blocks); nobody waits forever for KV.
-
-Breaker inputs: transfer verdicts, handshake failures, prefill failures the
-routers report, expired handoffs, and an engine's death (which opens every
-pair it is part of at once). Each pair keeps its last failure reason.
-
-Cost per report is O(1) in the number of handoffs and pairs: deadlines sit in a
-heap (stale entries skipped, compacted when they outnumber the live ones),
-open handoffs are counted per engine, and every pair's `PairState` is kept
-ready and refreshed only when its breaker moves (a report, a probe, or time:
-cooldowns and probe windows that end are due in a second heap). `changes`
-counts visible moves, so the coordinator rebuilds the routers' table only then.
-
-Pure: no Ray; the coordinator actor owns one.
+The ledger is the only owner of the (prefill, decode) circuit breakers: routers read their states
+with the routes and report prefill failures here; decode engines report transfer outcomes here;
+nobody else keeps a breaker for a pair. Invariants: a handoff gets exactly one verdict (or ends
+aborted, expired, evicted or left), nobody waits forever for KV (a handoff without a verdict by its
+deadline fails), and a report costs O(1) in the number of handoffs and pairs. Pure: no Ray; the
+coordinator actor owns one. The life cycle of a handoff: `TransferLedger`.
 """
 
 from __future__ import annotations
@@ -97,6 +66,41 @@ class LedgerSnapshot:
 
 
 class TransferLedger:
+    """Life cycle of a handoff:
+
+      open       a decode engine received a prefilled request (its transfer params);
+      report     decode reporting units (synthetic: each rank; vLLM: the engine,
+                 whose own aggregator already merged its workers) send per-request
+                 outcomes; `KVOutputAggregator` (one per decode engine) turns them
+                 into one verdict once every unit has reported;
+      unit_died  a step cut short by a dead unit (synthetic engines: a rank actor;
+                 vLLM has no such step, its workers die with their engine core):
+                 what the step had collected is stashed
+                 (`ft_defer_kv_connector_outputs`) and replayed at once, so the
+                 verdicts still complete;
+      verdict    ok or failed; it feeds the pair breaker and closes the handoff;
+                 it records what decided it (`Verdict.source`; counted in
+                 `ended_by`): report | salvage | handshake, and the handoffs that
+                 end without one: aborted | expired | eviction (its engine died) |
+                 left (its engine shut down);
+      abort      the client went away: the handoff closes, no breaker is touched;
+      expire     no verdict by the deadline: failed (the caller releases the
+                 prefill blocks); nobody waits forever for KV.
+
+    Breaker inputs: transfer verdicts, handshake failures, prefill failures the
+    routers report, expired handoffs, and an engine's death (which opens every
+    pair it is part of at once). Each pair keeps its last failure reason.
+
+    Cost per report is O(1) in the number of handoffs and pairs: deadlines sit in a
+    heap (stale entries skipped, compacted when they outnumber the live ones),
+    open handoffs are counted per engine, and every pair's `PairState` is kept
+    ready and refreshed only when its breaker moves (a report, a probe, or time:
+    cooldowns and probe windows that end are due in a second heap). `changes`
+    counts visible moves, so the coordinator rebuilds the routers' table only then.
+
+    Pure: no Ray; the coordinator actor owns one.
+    """
+
     def __init__(self, breaker: BreakerConfig | None = None, deadline_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic):
         self.breaker_config = breaker or BreakerConfig()

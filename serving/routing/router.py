@@ -1,49 +1,13 @@
 """The P/D router: which decode engine, which prefill engine, and the handoff between them.
 
-Life cycle of one request (`Router.open`):
-
-  1. plan (`serving.routing.planner`): among the decode engines the directory
-     (the coordinator) lists as alive, the one with the lowest score (prompt
-     tokens its prefix cache lacks + tokens still owed by the requests this
-     router sent it; `serving.routing.policy`), its usable prefill engines
-     best first, and remote or local prefill (counted with its reason); the
-     decode engine is charged for the request until its stream ends (`DecodeCharge`);
-  2. remote attempts (a remote decision): the first of those prefill engines
-     the directory lists as usable with that decode engine (compatible, pair
-     breaker not open: the coordinator's ledger owns the breakers; a half-open
-     pair is used only if this router wins its one probe, asked in the background
-     while a closed pair can serve: `serving.routing.probes`) runs the prompt and returns a
-     `PrefillResult`: the first token, streamed to the client at once, and the
-     transfer params the decode engine pulls the KV with; the decode engine
-     continues from token two and applies the transfer failure policy itself.
-     A prefill that fails because of the engine is reported to the ledger and
-     retried once on another prefill engine (`prefill_retries`); one refused
-     because of the request is `InvalidRequest`, never retried, never reported;
-     the half-open probe (`admit_probe`, within `probe_timeout_s`) is the only
-     coordinator call a request may wait for, and only when half-open pairs are
-     all it has left: everything else is decided from the router's cached view
-     (`serving.routing.directory`), refreshed in the background;
-  3. local: a local decision (the uncached prompt is short, the prefill pool
-     is saturated), or no (more) usable prefill engine: the decode engine
-     prefills itself (`decode_local`) or the request is refused (`reject`);
-  4. the caller iterates the returned `RoutedStream`; if its decode engine
-     dies mid-stream, the stream migrates (`Migrator`: this router, with the
-     planner's decode choice) to another live decode engine (or the restarted
-     one, within `migration_wait_s`); closing it early (client disconnect)
-     aborts the request on the decode and on the prefill engine.
-
-Every engine call a client waits for has a deadline derived from its work
-(`serving.routing.deadlines`): a prefill, a stream's first chunk, each later
-chunk. An engine that misses one is treated as hung, like a dead one: the
-attempt fails over (another prefill engine, another decode engine, or the
-stream migrates), the engine gets no new work from this router, and the
-coordinator is told (it probes, evicts and restarts the engine). A request
-that no engine can take now is refused at once (`NoDecodeEngine`: 503).
-
-Pure asyncio: engines are `EngineClient`s (`serving.routing.pool`) and the
-coordinator a `Directory` (`serving.routing.directory`), so unit tests drive it
-with fakes; `serving.cluster.clients` adapts Ray actor handles. Routing errors
-are `serving.routing.route_errors`; the front maps them to HTTP statuses.
+A request is planned (`serving.routing.planner`), prefilled remotely with one retry on another
+prefill engine or locally (the fallback, or `reject`), and streamed as a `RoutedStream` that
+migrates when its decode engine dies. Invariants: every engine call a client waits for has a
+deadline (`serving.routing.deadlines`), and an engine that misses one is treated as hung; the only
+coordinator call a request may wait for is a half-open pair's probe, everything else comes from
+the router's cached view (`serving.routing.directory`). Pure asyncio: engines are `EngineClient`s
+and the coordinator a `Directory`, so unit tests drive it with fakes; routing errors are
+`serving.routing.route_errors`. The life cycle of one request: `Router`.
 """
 
 from __future__ import annotations
@@ -89,6 +53,52 @@ class PrefillTiming:
 
 
 class Router:
+    """Life cycle of one request (`Router.open`):
+
+      1. plan (`serving.routing.planner`): among the decode engines the directory
+         (the coordinator) lists as alive, the one with the lowest score (prompt
+         tokens its prefix cache lacks + tokens still owed by the requests this
+         router sent it; `serving.routing.policy`), its usable prefill engines
+         best first, and remote or local prefill (counted with its reason); the
+         decode engine is charged for the request until its stream ends (`DecodeCharge`);
+      2. remote attempts (a remote decision): the first of those prefill engines
+         the directory lists as usable with that decode engine (compatible, pair
+         breaker not open: the coordinator's ledger owns the breakers; a half-open
+         pair is used only if this router wins its one probe, asked in the background
+         while a closed pair can serve: `serving.routing.probes`) runs the prompt and returns a
+         `PrefillResult`: the first token, streamed to the client at once, and the
+         transfer params the decode engine pulls the KV with; the decode engine
+         continues from token two and applies the transfer failure policy itself.
+         A prefill that fails because of the engine is reported to the ledger and
+         retried once on another prefill engine (`prefill_retries`); one refused
+         because of the request is `InvalidRequest`, never retried, never reported;
+         the half-open probe (`admit_probe`, within `probe_timeout_s`) is the only
+         coordinator call a request may wait for, and only when half-open pairs are
+         all it has left: everything else is decided from the router's cached view
+         (`serving.routing.directory`), refreshed in the background;
+      3. local: a local decision (the uncached prompt is short, the prefill pool
+         is saturated), or no (more) usable prefill engine: the decode engine
+         prefills itself (`decode_local`) or the request is refused (`reject`);
+      4. the caller iterates the returned `RoutedStream`; if its decode engine
+         dies mid-stream, the stream migrates (`Migrator`: this router, with the
+         planner's decode choice) to another live decode engine (or the restarted
+         one, within `migration_wait_s`); closing it early (client disconnect)
+         aborts the request on the decode and on the prefill engine.
+
+    Every engine call a client waits for has a deadline derived from its work
+    (`serving.routing.deadlines`): a prefill, a stream's first chunk, each later
+    chunk. An engine that misses one is treated as hung, like a dead one: the
+    attempt fails over (another prefill engine, another decode engine, or the
+    stream migrates), the engine gets no new work from this router, and the
+    coordinator is told (it probes, evicts and restarts the engine). A request
+    that no engine can take now is refused at once (`NoDecodeEngine`: 503).
+
+    Pure asyncio: engines are `EngineClient`s (`serving.routing.pool`) and the
+    coordinator a `Directory` (`serving.routing.directory`), so unit tests drive it
+    with fakes; `serving.cluster.clients` adapts Ray actor handles. Routing errors
+    are `serving.routing.route_errors`; the front maps them to HTTP statuses.
+    """
+
     def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
                  directory: Directory, config: RouterConfig | None = None,
                  directory_ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic,

@@ -1,78 +1,14 @@
 """SLO-aware placement of one request (pure: no Ray, no asyncio): colocated or disaggregated, and where.
 
-Options. Colocated on X (role decode or both); disaggregated: prefill on Y
-(role prefill or both, Y != X), decode on X. `allowed(prefill_id, decode_id)`
-(None for colocated) is the deployment's filter: compatibility, breakers,
-`no_prefill_fallback: reject`.
-
-Per engine E (`EngineEstimate`): r = prefill tokens/s, s = step time of its
-current decode batch (a prefill-only engine: its bare step), B = chunked-prefill
-budget (vLLM's max_num_batched_tokens), q = prompt tokens queued or prefilling,
-n = streams decoding, c = this prompt's prefix E holds, h = the caller's own hop
-to E (the router's local correction; 0 when unknown). Prompt of P tokens.
-For an option whose prefilling engine is E (Y, or X when colocated):
-
-  u          = max(1, P - c_E)               (vLLM recomputes at least the last token)
-  steps      = ceil((q + u) / B)              every step carries at most B prompt tokens
-  TTFT       = (q + u) / r + steps * s + h [+ remote_first_token_overhead_s]
-               (the first token streams from E: the KV pull is not in TTFT)
-  stall gap  = s + min(q + u, B) / r          what each of E's n streams waits per step,
-               for ceil(u / B) steps of this request
-  stall cost = per stream, the lesser of what the stall adds past the per-step target,
-               ceil(u/B) * max(0, stall gap - itl_target), and what it adds past the stream's TPOT
-               budget, max(0, over + ceil(u/B) * (stall gap - s)) - max(0, over), where
-               over = A * (s / (1 - rho_E) - mean target) (its steps, stretched by E's own prefill
-               share, against the mean ITL target; A: this request's answer tokens, standing in
-               for theirs). A stall that stays within either costs nothing
-  first gap  colocated: s_X;  disaggregated: pull(Y->X, P - c_X) + s_X + min(q_X, B_X) / r_X
-               (pull = the pair's overhead + tokens / its rate; X's own prefill chunks share its steps)
-  own ITL    = (s_X + what one more stream adds to X's step) / (1 - rho_X): rho_X is the share of
-               its recent time X spent prefilling (prefill tokens it was given per second / r_X,
-               capped at `max_prefill_busy`): a stream placed on an engine that keeps prefilling
-               is stalled by those prefills for its whole life. This is what makes the P/D split
-               emerge on role-flexible engines: streams gather where little is prefilled, prompts
-               go where few streams would be stalled.
-
-Targets: TTFT target = max(ttft_target_s, ttft_slowdown * P / fastest r) (a
-long prompt has a longer budget, as the benchmark's SLO gives it);
-`itl_target_s` per step; mean target = max(itl_target_mean_s, mean_itl_slowdown *
-bare step) for a stream's mean ITL (TPOT); `first_gap_target_s` for the
-first->second token gap. `raypd config --plan` sets ttft_target_s and
-itl_target_mean_s to the user's targets.
-Violation (seconds, weighted):
-
-  ttft_weight * max(0, TTFT - target)
-  + itl_weight * (n * stall cost                                     (the stream-seconds E's streams lose)
-                  + max(0, first gap - first_gap_target)
-                  + A * max(0, own ITL - mean target of X))
-                  (A = the answer's tokens: the seconds its whole stream loses to a slow decode engine)
-
-Choice: least violation, then least TTFT, then the caller's order (it rotates
-equals for round robin). All options that meet both targets have violation 0,
-so among them the fastest first token wins; when none meets them, the least
-weighted violation does.
-
-The old static thresholds are special cases. `short_prompt_tokens`: with the
-decode engine idle enough, colocated is predicted faster by the handoff it
-saves (remote_first_token_overhead_s in TTFT, the pull in the first gap), so
-short prompts stay local until a local prefill would stall X's streams past
-the ITL target. `prefill_saturation_tokens`: a long prefill queue is q / r of
-TTFT on that engine, so a saturated prefill pool makes colocated win
-(`colocated/prefill_queue`) as soon as X's stall costs less than the wait.
-
-Reason ("<colocated|disagg>/<why>"), from the chosen option and the best option
-of the other kind (`Placement.alternative`):
-  colocated/no_prefill_engine, disagg/only_option   the other kind is not allowed / has no engine;
-  <kind>/itl_protect     the other kind violates the ITL targets more (X's streams stalled,
-                         or a slow pull) by more than it gains in TTFT;
-  <kind>/prefill_queue   decided by TTFT, mostly the other option's prefill queue (q / r);
-  <kind>/prefix_cached   decided by TTFT, mostly the prompt prefix the chosen prefill engine holds;
-  <kind>/ttft            decided by TTFT otherwise (the handoff saved, a faster or idler engine).
-`Placement.meets_slo` says whether the choice is predicted to meet both targets.
-
-`chunked_prefill_budget` (serving.placement_config, with the targets and priors of
-`PlacementConfig`) picks B so that one local prefill step stays within the ITL
-target; `serving.sizing.live` simulates pools placed by it for scaling advice.
+Options: colocated on X (role decode or both); disaggregated: prefill on Y (role prefill or both,
+Y != X), decode on X. `allowed(prefill_id, decode_id)` (None for colocated) is the deployment's
+filter: compatibility, breakers, `no_prefill_fallback: reject`. Each option's TTFT, stall of the
+streams it would interrupt, first gap and own ITL are predicted from the engines' own rates
+(`predict`), weighed against the targets, and the least violation wins (`place`), with the reason
+that decided it. The static thresholds of earlier placements (`short_prompt_tokens`,
+`prefill_saturation_tokens`) are special cases of it. `chunked_prefill_budget`
+(`serving.placement_config`) picks the chunk budget so one local prefill step stays within the ITL
+target; `serving.sizing.live` simulates pools placed by this model for scaling advice.
 docs/placement.md has the reasoning and the knobs.
 """
 
@@ -279,9 +215,51 @@ def _decode_side(x: EngineEstimate, prompt_tokens: int, config: PlacementConfig,
 
 def predict(opts: Sequence[Option], engines: dict[str, EngineEstimate], prompt_tokens: int, config: PlacementConfig,
             target_s: float, transfer: TransferOf | None = None, answer_tokens: int = 1) -> list[Prediction]:
-    """TTFT, gaps and violations of each option (the formulas of the module docstring); each engine's
-    parts are computed once for all the options it is in (one loop: a call per option cost a tenth of
-    a placement at 256 engines)."""
+    """TTFT, gaps and violations of each option; each engine's parts are computed once for all the
+    options it is in (one loop, not a call per option).
+
+    Per engine E (`EngineEstimate`): r = prefill tokens/s, s = step time of its
+    current decode batch (a prefill-only engine: its bare step), B = chunked-prefill
+    budget (vLLM's max_num_batched_tokens), q = prompt tokens queued or prefilling,
+    n = streams decoding, c = this prompt's prefix E holds, h = the caller's own hop
+    to E (the router's local correction; 0 when unknown). Prompt of P tokens.
+    For an option whose prefilling engine is E (Y, or X when colocated):
+
+      u          = max(1, P - c_E)               (vLLM recomputes at least the last token)
+      steps      = ceil((q + u) / B)              every step carries at most B prompt tokens
+      TTFT       = (q + u) / r + steps * s + h [+ remote_first_token_overhead_s]
+                   (the first token streams from E: the KV pull is not in TTFT)
+      stall gap  = s + min(q + u, B) / r          what each of E's n streams waits per step,
+                   for ceil(u / B) steps of this request
+      stall cost = per stream, the lesser of what the stall adds past the per-step target,
+                   ceil(u/B) * max(0, stall gap - itl_target), and what it adds past the stream's TPOT
+                   budget, max(0, over + ceil(u/B) * (stall gap - s)) - max(0, over), where
+                   over = A * (s / (1 - rho_E) - mean target) (its steps, stretched by E's own prefill
+                   share, against the mean ITL target; A: this request's answer tokens, standing in
+                   for theirs). A stall that stays within either costs nothing
+      first gap  colocated: s_X;  disaggregated: pull(Y->X, P - c_X) + s_X + min(q_X, B_X) / r_X
+                   (pull = the pair's overhead + tokens / its rate; X's own prefill chunks share its steps)
+      own ITL    = (s_X + what one more stream adds to X's step) / (1 - rho_X): rho_X is the share of
+                   its recent time X spent prefilling (prefill tokens it was given per second / r_X,
+                   capped at `max_prefill_busy`): a stream placed on an engine that keeps prefilling
+                   is stalled by those prefills for its whole life. This is what makes the P/D split
+                   emerge on role-flexible engines: streams gather where little is prefilled, prompts
+                   go where few streams would be stalled.
+
+    Targets: TTFT target = max(ttft_target_s, ttft_slowdown * P / fastest r) (a
+    long prompt has a longer budget, as the benchmark's SLO gives it);
+    `itl_target_s` per step; mean target = max(itl_target_mean_s, mean_itl_slowdown *
+    bare step) for a stream's mean ITL (TPOT); `first_gap_target_s` for the
+    first->second token gap. `raypd config --plan` sets ttft_target_s and
+    itl_target_mean_s to the user's targets.
+    Violation (seconds, weighted):
+
+      ttft_weight * max(0, TTFT - target)
+      + itl_weight * (n * stall cost                                     (the stream-seconds E's streams lose)
+                      + max(0, first gap - first_gap_target)
+                      + A * max(0, own ITL - mean target of X))
+                      (A = the answer's tokens: the seconds its whole stream loses to a slow decode engine)
+    """
     prefilling: dict[str, _PrefillSide] = {}
     decoding: dict[str, _DecodeSide] = {}
     pull_of = transfer or _prior_transfer(config)
@@ -320,7 +298,23 @@ def _prior_transfer(config: PlacementConfig) -> TransferOf:
 def place(prompt_tokens: int, engines: Sequence[EngineEstimate], config: PlacementConfig | None = None,
           transfer: TransferOf | None = None, allowed: Allowed | None = None,
           answer_tokens: int = 1) -> Placement | None:
-    """The best allowed option for a prompt of `prompt_tokens`, with its reason; None without any option."""
+    """The best allowed option for a prompt of `prompt_tokens`, with its reason; None without any option.
+
+    Choice: least violation, then least TTFT, then the caller's order (it rotates
+    equals for round robin). All options that meet both targets have violation 0,
+    so among them the fastest first token wins; when none meets them, the least
+    weighted violation does.
+
+    The reason (`Placement.why`; shown as "<colocated|disagg>/<why>"), from the chosen option and the best option
+    of the other kind (`Placement.alternative`):
+      colocated/no_prefill_engine, disagg/only_option   the other kind is not allowed / has no engine;
+      <kind>/itl_protect     the other kind violates the ITL targets more (X's streams stalled,
+                             or a slow pull) by more than it gains in TTFT;
+      <kind>/prefill_queue   decided by TTFT, mostly the other option's prefill queue (q / r);
+      <kind>/prefix_cached   decided by TTFT, mostly the prompt prefix the chosen prefill engine holds;
+      <kind>/ttft            decided by TTFT otherwise (the handoff saved, a faster or idler engine).
+    `Placement.meets_slo` says whether the choice is predicted to meet both targets.
+    """
     if prompt_tokens < 1:
         raise ValueError("a prompt has at least one token")
     config = config or PlacementConfig()
