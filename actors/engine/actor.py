@@ -1,39 +1,12 @@
 """EngineActor: one prefill, decode or colocated engine as a Ray actor.
 
-Life cycle of a request through an engine pair:
-
-  prefill engine  prefill(req)   the prompt is run with max_tokens=1 and
-                                 do_remote_decode; its blocks stay held under a
-                                 lease; the first token and the transfer params
-                                 come back;
-  decode engine   generate(req)  with those params the decode ranks pull the
-                                 KV (read plans, NIXL READs), then tokens are
-                                 streamed back as deltas; without params the
-                                 engine prefills locally (colocated path, or a
-                                 migrated stream: prompt + tokens already sent);
-                  generate_to    the same chunks sent to a same-node ingress's
-                                 inbox (token_outbox.py), not as Ray items;
-  either          abort(req_id)  releases the request's blocks and leases; a
-                                 decode request aborted before its verdict
-                                 closes its ledger handoff (no breaker moves).
-
-A transfer failure is answered per `transfer.failure_policy`: `recompute`
-prefills the prompt locally (the client sees a normal answer), `fail` ends the
-stream with finish_reason "error" and the reason.
-
-Life cycle of the actor itself (one incarnation per process):
-
-  start      build the backend, register with the coordinator (a new
-             generation), keep one `watch_registration` call pending there: it
-             returns when the coordinator evicts this incarnation and fails
-             when the coordinator dies; either way the engine registers again
-             (nothing is polled while all is well);
-  restart    Ray restarts a crashed actor (`max_restarts`); the new process sees
-             `was_current_actor_reconstructed` and starts itself, so the engine
-             rejoins with no command from anyone (fresh agents, fresh handshakes);
-  watch      never returns: the coordinator's pending call fails when this
-             process dies, which is how it learns of the death at once;
-  shutdown   unregister, stop the backend.
+It runs a backend (vLLM, or the synthetic engine), stays registered with the coordinator
+(`actors.engine.coordinator_link`) and serves requests: `prefill`, `generate` (or `generate_to` a
+same-node inbox) and `abort`. Invariants: one incarnation per process, and a crashed actor that Ray
+restarts starts itself and rejoins with fresh agents and handshakes; a transfer failure is answered
+per `transfer.failure_policy` (`recompute` prefills locally, `fail` ends the stream with
+finish_reason "error"); a decode request aborted before its verdict closes its ledger handoff
+without moving a breaker. The life cycles of a request and of the actor: `EngineActor`.
 """
 
 from __future__ import annotations
@@ -72,6 +45,42 @@ SHUTDOWN_STEP_S = 5.0  # each step of shutdown() before vLLM's own
 
 
 class EngineActor(CoordinatorLink):
+    """Life cycle of a request through an engine pair:
+
+      prefill engine  prefill(req)   the prompt is run with max_tokens=1 and
+                                     do_remote_decode; its blocks stay held under a
+                                     lease; the first token and the transfer params
+                                     come back;
+      decode engine   generate(req)  with those params the decode ranks pull the
+                                     KV (read plans, NIXL READs), then tokens are
+                                     streamed back as deltas; without params the
+                                     engine prefills locally (colocated path, or a
+                                     migrated stream: prompt + tokens already sent);
+                      generate_to    the same chunks sent to a same-node ingress's
+                                     inbox (token_outbox.py), not as Ray items;
+      either          abort(req_id)  releases the request's blocks and leases; a
+                                     decode request aborted before its verdict
+                                     closes its ledger handoff (no breaker moves).
+
+    A transfer failure is answered per `transfer.failure_policy`: `recompute`
+    prefills the prompt locally (the client sees a normal answer), `fail` ends the
+    stream with finish_reason "error" and the reason.
+
+    Life cycle of the actor itself (one incarnation per process):
+
+      start      build the backend, register with the coordinator (a new
+                 generation), keep one `watch_registration` call pending there: it
+                 returns when the coordinator evicts this incarnation and fails
+                 when the coordinator dies; either way the engine registers again
+                 (nothing is polled while all is well);
+      restart    Ray restarts a crashed actor (`max_restarts`); the new process sees
+                 `was_current_actor_reconstructed` and starts itself, so the engine
+                 rejoins with no command from anyone (fresh agents, fresh handshakes);
+      watch      never returns: the coordinator's pending call fails when this
+                 process dies, which is how it learns of the death at once;
+      shutdown   unregister, stop the backend.
+    """
+
     async def __init__(self, config: dict, coordinator_name: str | None = None):
         self.cfg = EngineConfig.model_validate(config)
         self.engine_id = self.cfg.engine_id or f"{self.cfg.role}-{uuid.uuid4().hex[:6]}"

@@ -1,37 +1,12 @@
 """Everything one rank does to move KV: the code path shared by vLLM and the synthetic engine.
 
-Life cycle of a request on a decode (reader) rank:
-
-  1. start_pull  the first request of a shape (remote engine, tp, pp, dcp)
-                 handshakes (`connect`): payloads of exactly the ranks
-                 `handshake_target_ranks` names, peers added and connected,
-                 descriptor lists prepared (`PeerPlan`, cached), and for every
-                 source rank the lists of its lease board (`actors.kv.lease.confirm`).
-                 Every request then checks its block ids against both sides'
-                 block counts (vectorised), computes descriptor indices and
-                 posts one READ per source rank; replicas we skip are told at
-                 once. Nothing reaches the wire unless every id is valid;
-  2. step        data READs done -> the lease confirmation is READ from every
-                 source's board (the record, plus checksums with
-                 `transfer.verify`); HELD everywhere -> the blocks are permuted
-                 into the local layout (block-size ratio, HND/NHD), checked
-                 against the checksums, the sources are notified and the pull
-                 is reported done. RELEASED, no record within the read timeout,
-                 a checksum mismatch or any READ error fails the pull: its
-                 blocks are reported invalid and every source gets an ok=false
-                 notice, so producers free at once (fail closed);
-  3. abandon     a request that will never pull tells its producers the same.
-
-On a prefill (producer) rank, `hold` / `release` and the lease part of `step`
-are `actors.kv.lease.producer.LeaseKeeper`'s (its module opens with that life cycle).
-
-`step()` is the one place that decides what a step polls (pulls, then
-leases with the notices that arrived) and returns everything it produced as a
-`StepResult`. Nothing here starts a thread or spins: the owner calls `step()`
-(vLLM: every engine step) while `needs_step`. Moving bytes does not wait for
-`step()`: NIXL's progress thread (`actors.kv.nixl.nixl_binding`) serves peers'
-READs of this rank's memory and its board and collects notices even while the
-owner is busy, so a producer owes its readers nothing between its steps.
+A reader rank plans a remote engine once per shape at first contact (`plan.pull_plan.plan_stage`),
+then posts one READ per source rank per pull, confirms the producers' leases (`lease.confirm`) and
+permutes the blocks into its own layout; a producer rank holds and releases leases
+(`lease.producer.LeaseKeeper`). Invariants: nothing reaches the wire unless every block id is
+valid; a pull is done only when every source's lease record read HELD (and its checksums match),
+else it fails closed and every producer hears it at once; `step()` is the one place that decides
+what a step polls, and nothing here starts a thread or spins. The life cycles: `RankTransfer`.
 """
 
 from __future__ import annotations
@@ -83,6 +58,40 @@ class _Pull:
 
 
 class RankTransfer:
+    """Life cycle of a request on a decode (reader) rank:
+
+      1. start_pull  the first request of a shape (remote engine, tp, pp, dcp)
+                     handshakes (`connect`): payloads of exactly the ranks
+                     `handshake_target_ranks` names, peers added and connected,
+                     descriptor lists prepared (`PeerPlan`, cached), and for every
+                     source rank the lists of its lease board (`actors.kv.lease.confirm`).
+                     Every request then checks its block ids against both sides'
+                     block counts (vectorised), computes descriptor indices and
+                     posts one READ per source rank; replicas we skip are told at
+                     once. Nothing reaches the wire unless every id is valid;
+      2. step        data READs done -> the lease confirmation is READ from every
+                     source's board (the record, plus checksums with
+                     `transfer.verify`); HELD everywhere -> the blocks are permuted
+                     into the local layout (block-size ratio, HND/NHD), checked
+                     against the checksums, the sources are notified and the pull
+                     is reported done. RELEASED, no record within the read timeout,
+                     a checksum mismatch or any READ error fails the pull: its
+                     blocks are reported invalid and every source gets an ok=false
+                     notice, so producers free at once (fail closed);
+      3. abandon     a request that will never pull tells its producers the same.
+
+    On a prefill (producer) rank, `hold` / `release` and the lease part of `step`
+    are `actors.kv.lease.producer.LeaseKeeper`'s (its module opens with that life cycle).
+
+    `step()` is the one place that decides what a step polls (pulls, then
+    leases with the notices that arrived) and returns everything it produced as a
+    `StepResult`. Nothing here starts a thread or spins: the owner calls `step()`
+    (vLLM: every engine step) while `needs_step`. Moving bytes does not wait for
+    `step()`: NIXL's progress thread (`actors.kv.nixl.nixl_binding`) serves peers'
+    READs of this rank's memory and its board and collects notices even while the
+    owner is busy, so a producer owes its readers nothing between its steps.
+    """
+
     def __init__(self, identity: RankIdentity, geometry: CacheGeometry, planes: list[list[torch.Tensor]],
                  compat: CompatInfo, transport: TransportBase, is_mla: bool = False, faults: FaultPolicy = NO_FAULTS,
                  clock: Callable[[], float] = time.monotonic, early_notice_ttl_s: float = 60.0,

@@ -1,34 +1,12 @@
 """The producer's lease board: registered memory a reader READs to learn whether its lease held.
 
-A reader's data READ is one-sided: nothing tells it whether the producer still
-held the blocks while the bytes moved. So every producer rank publishes, in
-DRAM registered with its NIXL agent, one 64-bit record per held lease, and
-(with `transfer.verify` on) a checksum per (block, head) of what the lease
-holds. After its data READ completed, the reader READs the lease's record (and
-the checksums of the blocks it checks): a record still HELD proves the blocks
-were not given back before the data READ ended, so vLLM cannot have reused
-them; RELEASED (or no record within the read timeout) fails the pull. No clock
-crosses nodes, and the producer's owner thread does nothing on the reader's
-path (a busy prefill step cannot delay the answer).
-
-Life cycle of one lease's record (`LeaseBoard`, owned by the rank's `RankTransfer`):
-
-  1. hold      checksums of the lease's blocks are written first (all, a
-               sample, or none: `mode`), then the record `tag | mode | HELD`
-               in a free slot of the tag's bucket (one aligned 8-byte store);
-  2. read      readers READ the whole bucket (`BUCKET` slots) after their
-               data READ, find their tag, and see HELD;
-  3. release   the reader notices, an abort or the lease's expiry turn the
-               record into `tag | RELEASED` *before* the blocks are reported
-               free to the engine; a reader seeing it fails at once;
-  4. reuse     a later hold may take a RELEASED slot (its readers then find no
-               record and fail when the read timeout passes).
-
-Record word: bits 0-1 state (0 empty, 1 held, 2 released), bits 2-3 checksum
-mode (0 none, 1 sample, 2 all), bits 4-63 the tag (60 bits of blake2b of the
-lease id: both sides compute it, so no id travels). A full bucket (more than
-`BUCKET` live leases hashing alike) publishes no record: its readers fail
-closed, counted in `full`.
+A reader's data READ is one-sided: nothing tells it whether the producer still held the blocks
+while the bytes moved. So every producer rank publishes, in DRAM registered with its NIXL agent,
+one 64-bit record per held lease (and, with `transfer.verify` on, a checksum per (block, head)).
+Invariant: a record still HELD after the data READ proves the blocks were not given back before it
+ended, so vLLM cannot have reused them; RELEASED, or no record within the read timeout, fails the
+pull (fail closed). No clock crosses nodes, and the producer's owner thread does nothing on the
+reader's path. A record's life cycle and its word: `LeaseBoard`.
 """
 
 from __future__ import annotations
@@ -92,6 +70,25 @@ class LeaseBoard:
 
     No lock: written only by the rank's owner thread; readers' READs see
     whole aligned 8-byte words.
+
+    Life cycle of one lease's record (`LeaseBoard`, owned by the rank's `RankTransfer`):
+
+      1. hold      checksums of the lease's blocks are written first (all, a
+                   sample, or none: `mode`), then the record `tag | mode | HELD`
+                   in a free slot of the tag's bucket (one aligned 8-byte store);
+      2. read      readers READ the whole bucket (`BUCKET` slots) after their
+                   data READ, find their tag, and see HELD;
+      3. release   the reader notices, an abort or the lease's expiry turn the
+                   record into `tag | RELEASED` *before* the blocks are reported
+                   free to the engine; a reader seeing it fails at once;
+      4. reuse     a later hold may take a RELEASED slot (its readers then find no
+                   record and fail when the read timeout passes).
+
+    Record word: bits 0-1 state (0 empty, 1 held, 2 released), bits 2-3 checksum
+    mode (0 none, 1 sample, 2 all), bits 4-63 the tag (60 bits of blake2b of the
+    lease id: both sides compute it, so no id travels). A full bucket (more than
+    `BUCKET` live leases hashing alike) publishes no record: its readers fail
+    closed, counted in `full`.
     """
 
     def __init__(self, num_blocks: int, heads: int, with_sums: bool, buckets: int = BUCKETS):
