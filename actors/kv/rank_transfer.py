@@ -83,13 +83,10 @@ class RankTransfer:
     On a prefill (producer) rank, `hold` / `release` and the lease part of `step`
     are `actors.kv.lease.producer.LeaseKeeper`'s (its module opens with that life cycle).
 
-    `step()` is the one place that decides what a step polls (pulls, then
-    leases with the notices that arrived) and returns everything it produced as a
-    `StepResult`. Nothing here starts a thread or spins: the owner calls `step()`
-    (vLLM: every engine step) while `needs_step`. Moving bytes does not wait for
-    `step()`: NIXL's progress thread (`actors.kv.nixl.nixl_binding`) serves peers'
-    READs of this rank's memory and its board and collects notices even while the
-    owner is busy, so a producer owes its readers nothing between its steps.
+    `step()` polls pulls, then leases with the notices that arrived, and returns a `StepResult`;
+    the owner calls it (vLLM: every engine step) while `needs_step`. Moving bytes does not wait for
+    it: NIXL's progress thread (`actors.kv.nixl.nixl_binding`) serves peers' READs of this rank's
+    memory and board meanwhile, so a producer owes its readers nothing between its steps.
     """
 
     def __init__(self, identity: RankIdentity, geometry: CacheGeometry, planes: list[list[torch.Tensor]],
