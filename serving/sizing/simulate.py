@@ -1,30 +1,12 @@
 """One shape under one workload at one rate, simulated step by step: what each request would see.
 
-  simulate(shape, profile, workload, rate, slo, limits, placement, role_rates, requests) -> RateResult
-  StepLimits / ShapeLimits   what a step may carry on each role's engines (vLLM's
-                             max_num_batched_tokens and max_num_seqs; deployment.shape_limits reads them)
-
 The engine model is vLLM's continuous batching with chunked prefill, costed by the product's one
-linear model (actors/rates.py): a step carries one token of each of the n running decodes, then up
-to budget - n prompt tokens of the waiting prompts, first come first served (a prompt may be split
-across steps), and lasts step_s + step_per_stream_s * n + prompt_tokens / prefill_tokens_per_s. A
-request's first token comes at the end of the step that finishes its prompt.
-
-Colocated (`both` engines): each request is placed as raypd's router places it under placement
-`slo` (`placement`: the deployment's `router.slo`): the product's `place()` is shown the engines
-of the router's shortlist (the SHORTLIST with the fewest streams and those with the fewest queued
-prompt tokens: all of them in a small pool), each as its estimate would show it (rates from the
-profile, its queued prompt tokens, its streams, the share of its recent time spent prefilling), and
-chooses colocated on one engine, or prefill on one and decode on another (the KV then moves in the
-profile's transfer time). Without `placement` (another
-policy), the engine with the least outstanding work (queued prompt tokens x c + decodes x b)
-prefills and decodes it. Disaggregated shapes: a request goes to the least loaded prefill engine
-(its steps carry no decodes); with its first token its KV moves to the least loaded decode engine,
-which then produces the other tokens.
-
-Speed: a run of decode-only steps (no prompt waiting, nothing new) advances to the next decode that
-finishes in one event, and is cut short at the step boundary when new work arrives, so the cost
-grows with requests and prefill steps, not with output tokens.
+linear rate model (`actors.rates`); requests are placed as raypd's router places them (the
+product's own `place()` on colocated shapes), so the simulation and the service cannot disagree
+on placement. `StepLimits` / `ShapeLimits` are what a step may carry on each role's engines
+(vLLM's max_num_batched_tokens and max_num_seqs). Its cost grows with requests and prefill steps,
+not with output tokens (runs of decode-only steps advance in one event). The model, the placement
+and the speed-up: `simulate`.
 """
 
 from __future__ import annotations
@@ -195,7 +177,30 @@ def simulate(shape: Shape, profile: HardwareProfile, workload: Workload, rate: f
     """`workload`'s requests at `rate` on `shape`'s engines (rates: `profile.for_size`, or `role_rates`
     of the engine's role where given: what a live pool measured), deterministic; `placement`: the
     router's SLO model places each request on `both` engines (None: least loaded). `requests`: these
-    arrivals instead of `workload.requests(rate)` (a benchmark predicting the very requests it sends)."""
+    arrivals instead of `workload.requests(rate)` (a benchmark predicting the very requests it sends).
+
+    The engine model is vLLM's continuous batching with chunked prefill, costed by the product's one
+    linear model (actors/rates.py): a step carries one token of each of the n running decodes, then up
+    to budget - n prompt tokens of the waiting prompts, first come first served (a prompt may be split
+    across steps), and lasts step_s + step_per_stream_s * n + prompt_tokens / prefill_tokens_per_s. A
+    request's first token comes at the end of the step that finishes its prompt.
+
+    Colocated (`both` engines): each request is placed as raypd's router places it under placement
+    `slo` (`placement`: the deployment's `router.slo`): the product's `place()` is shown the engines
+    of the router's shortlist (the SHORTLIST with the fewest streams and those with the fewest queued
+    prompt tokens: all of them in a small pool), each as its estimate would show it (rates from the
+    profile, its queued prompt tokens, its streams, the share of its recent time spent prefilling), and
+    chooses colocated on one engine, or prefill on one and decode on another (the KV then moves in the
+    profile's transfer time). Without `placement` (another
+    policy), the engine with the least outstanding work (queued prompt tokens x c + decodes x b)
+    prefills and decodes it. Disaggregated shapes: a request goes to the least loaded prefill engine
+    (its steps carry no decodes); with its first token its KV moves to the least loaded decode engine,
+    which then produces the other tokens.
+
+    Speed: a run of decode-only steps (no prompt waiting, nothing new) advances to the next decode that
+    finishes in one event, and is cut short at the step boundary when new work arrives, so the cost
+    grows with requests and prefill steps, not with output tokens.
+    """
     role_rates = role_rates or {}
     decode_steps = workload.output_tokens - 1  # tokens after the first, one per decode step
     engines: list[_Engine] = []

@@ -1,29 +1,13 @@
 """A synthetic engine: tp x pp rank actors, one block pool, leases and pulls.
 
-Life cycle of a request:
-
-  prefill   blocks are allocated (one id list shared by every rank, as vLLM
-            does), every rank writes its share, every rank holds the blocks
-            under a lease; the transfer params are returned;
-  decode    blocks are allocated, every rank pulls its read plan; per-rank
-            outcomes are aggregated (`KVOutputAggregator`) into one verdict;
-            tokens are derived from the checksums of what was read; the
-            decode blocks are freed;
-  release   the prefill engine frees a request's blocks once every rank's
-            lease is released (readers notified, aborted or expired);
-            `poll()` drives this and must be called while leases are held;
-  abort     frees a request's blocks on this engine at once (prefill: its
-            lease on every rank; decode: its pull).
-
-Life cycle of the engine's ranks: each rank actor is restarted by Ray when it
-dies, at most `rank_max_restarts` times (the deployment's `restarts.max_restarts`). The engine keeps one pending `watch()` call per rank, so
-a death is seen at once: held prefill blocks are freed (their KV is gone with
-the rank), pulls in flight fail (what their step had collected is salvaged
-through the coordinator's `unit_died`), and once the rank is back with a fresh
-NIXL agent the engine is a new incarnation: `on_new_incarnation` registers its
-new handshakes.
-
-Async so it can live inside an engine actor; tests drive it with asyncio.run.
+What a vLLM engine does to KV, without a model: prefill writes and leases blocks on every rank,
+decode pulls every rank's read plan and folds the ranks' outcomes into one verdict
+(`KVOutputAggregator`), and tokens are derived from the checksums of what was read, so a wrong
+byte shows as a wrong token. Invariants: one block id list is shared by every rank (as vLLM does);
+a prefill's blocks return to the pool only once every rank's lease is released; a rank's death
+voids every lease and pull of the incarnation before it (`RankSupervision`). Async so it can live
+inside an engine actor; tests drive it with asyncio.run. The life cycle of a request:
+`SyntheticEngine`.
 """
 
 from __future__ import annotations
@@ -62,6 +46,32 @@ class EngineShape:
 
 
 class SyntheticEngine(RankSupervision):
+    """Life cycle of a request:
+
+      prefill   blocks are allocated (one id list shared by every rank, as vLLM
+                does), every rank writes its share, every rank holds the blocks
+                under a lease; the transfer params are returned;
+      decode    blocks are allocated, every rank pulls its read plan; per-rank
+                outcomes are aggregated (`KVOutputAggregator`) into one verdict;
+                tokens are derived from the checksums of what was read; the
+                decode blocks are freed;
+      release   the prefill engine frees a request's blocks once every rank's
+                lease is released (readers notified, aborted or expired);
+                `poll()` drives this and must be called while leases are held;
+      abort     frees a request's blocks on this engine at once (prefill: its
+                lease on every rank; decode: its pull).
+
+    Life cycle of the engine's ranks: each rank actor is restarted by Ray when it
+    dies, at most `rank_max_restarts` times (the deployment's `restarts.max_restarts`). The engine keeps one pending `watch()` call per rank, so
+    a death is seen at once: held prefill blocks are freed (their KV is gone with
+    the rank), pulls in flight fail (what their step had collected is salvaged
+    through the coordinator's `unit_died`), and once the rank is back with a fresh
+    NIXL agent the engine is a new incarnation: `on_new_incarnation` registers its
+    new handshakes.
+
+    Async so it can live inside an engine actor; tests drive it with asyncio.run.
+    """
+
     def __init__(self, engine_id: str, role: str, model: SyntheticModel, shape: EngineShape,
                  coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0,
                  register: bool = True, fault_rate: float = 0.0, verify: str = "off",
