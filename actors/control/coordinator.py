@@ -68,10 +68,8 @@ class Coordinator:
     Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the records an engine
     coalesced since its last batch (handoffs opened and aborted, per-unit outcomes, salvage, handshake
     failures), applied in its order, one batch in flight per engine (`actors.engine.ledger_reporter`).
-    The single-record methods (`open_handoff`, `report_outcomes`...) remain for tools and tests.
-    Nothing here is on a request's path to its first token: engines and routers send these
-    fire-and-forget or from background tasks; a router awaits only `admit_probe`, and only for a
-    half-open pair.
+    The single-record methods (`open_handoff`, `report_outcomes`...) remain for tools and tests;
+    engines and routers send all of these fire-and-forget or from background tasks.
 
     Routing state it owns besides the directory:
 
