@@ -1,27 +1,12 @@
 """The planner's model at run time (pure): which live pool to grow or shrink by one engine.
 
 The autoscaler (`serving.cluster.autoscaler`) asks `scale_advice` every interval; the shape planner
-(`serving.sizing.plan`) asks `simulate` the same question before deployment. One model answers both:
-
-  1. the live shape   each role's serving engines (`LivePool`); the pool's rates are the means of
-                      what its engines measured of themselves (`EngineEstimate`: prefill rate, bare
-                      step, growth per stream), its step limits their chunk budget and `max_seqs`
-  2. the workload     `requests` requests at the measured arrival rate (Poisson), each with the
-                      mix's uncached prompt tokens and its output tokens (`LoadMix`)
-  3. the targets      TTFT as placement computes it for the mix's prompt (`ttft_target`), and the
-                      placement's `itl_target_s` per output token
-  4. the candidates   the shape as it is, with one more engine in each pool that may grow, and with
-                      one fewer in each pool that may shrink, each simulated step by step
-                      (`simulate`, the router's own `place()` placing requests on `both` engines)
-  5. the answer       pressure = the worst of TTFT p90 / its target and TPOT p90 / its target.
-                      Above 1: grow the pool whose extra engine brings the pressure lowest, if it
-                      lowers it at all (reason: `ttft` or `itl`, the worse ratio now; `no_relief`
-                      when none may grow or none would help). Else shrink the pool whose shape with one
-                      engine fewer keeps the pressure lowest, if under `down_fraction`. Else `steady`.
-
-Bounds, delays, cooldowns and draining stay with the autoscaler (`autoscale_policy.RolePolicy`). A
-KV pull between engines is priced by the placement's transfer priors (the autoscaler does not see the
-routers' learned pairs).
+(`serving.sizing.plan`) asks `simulate` the same question before deployment: one model answers
+both. The live pools' rates are what their engines measured of themselves, the workload the
+measured arrival rate and mix, the candidates the shape as it is and with one engine more or fewer
+in each pool, each simulated step by step with the router's own `place()`. Bounds, delays,
+cooldowns and draining stay with the autoscaler (`autoscale_policy.RolePolicy`); a KV pull is
+priced by the placement's transfer priors. The steps: `scale_advice`.
 """
 
 from __future__ import annotations
@@ -123,7 +108,28 @@ def _shape(counts: dict[Role, int]) -> Shape | None:
 def scale_advice(pools: Sequence[LivePool], arrival_rate: float, mix: LoadMix, config: PlacementConfig | None = None,
                  down_fraction: float = 0.5, requests: int = ADVICE_REQUESTS) -> ScaleAdvice:
     """Grow the pool whose extra engine relieves a predicted miss most; shrink one that would stay well
-    within the targets with one engine fewer (module docstring)."""
+    within the targets with one engine fewer.
+
+      1. the live shape   each role's serving engines (`LivePool`); the pool's rates are the means of
+                          what its engines measured of themselves (`EngineEstimate`: prefill rate, bare
+                          step, growth per stream), its step limits their chunk budget and `max_seqs`
+      2. the workload     `requests` requests at the measured arrival rate (Poisson), each with the
+                          mix's uncached prompt tokens and its output tokens (`LoadMix`)
+      3. the targets      TTFT as placement computes it for the mix's prompt (`ttft_target`), and the
+                          placement's `itl_target_s` per output token
+      4. the candidates   the shape as it is, with one more engine in each pool that may grow, and with
+                          one fewer in each pool that may shrink, each simulated step by step
+                          (`simulate`, the router's own `place()` placing requests on `both` engines)
+      5. the answer       pressure = the worst of TTFT p90 / its target and TPOT p90 / its target.
+                          Above 1: grow the pool whose extra engine brings the pressure lowest, if it
+                          lowers it at all (reason: `ttft` or `itl`, the worse ratio now; `no_relief`
+                          when none may grow or none would help). Else shrink the pool whose shape with one
+                          engine fewer keeps the pressure lowest, if under `down_fraction`. Else `steady`.
+
+    Bounds, delays, cooldowns and draining stay with the autoscaler (`autoscale_policy.RolePolicy`). A
+    KV pull between engines is priced by the placement's transfer priors (the autoscaler does not see the
+    routers' learned pairs).
+    """
     pools = [p for p in pools if p.engines]
     if not pools:
         return ScaleAdvice(None, 0, "no_engines")
