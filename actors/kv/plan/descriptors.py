@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from actors.kv.transfer_errors import BlockRangeError, LayoutError
-from actors.kv.plan.layout import BlockLayout, CacheGeometry, strides_of
+from actors.kv.plan.layout import BlockLayout, CacheGeometry
 from actors.kv.plan.read_plan import ReadSpec
 
 Run = tuple[int, int]  # (offset inside a unit, nbytes)
@@ -148,6 +148,15 @@ def checked_block_ids(side: str, block_ids: Sequence[int] | np.ndarray, num_bloc
 
 
 # ------------------------------------------------------------ byte runs of a block
+
+
+def strides_of(axes: Sequence[str], dims: dict[str, int], itemsize: int) -> dict[str, int]:
+    """Byte stride of each axis of a dense block whose axes are `axes`, outermost first."""
+    strides, acc = {}, itemsize
+    for axis in reversed(axes):
+        strides[axis] = acc
+        acc *= dims[axis]
+    return strides
 
 
 def _prefix_offsets(axes: Sequence[str], dims: dict[str, int], strides: dict[str, int], stop: str) -> list[int]:

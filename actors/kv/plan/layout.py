@@ -185,15 +185,6 @@ def compatible_geometry(local: CacheGeometry, remote: CacheGeometry) -> None:
 # ----------------------------------------------------------------- strides
 
 
-def strides_of(axes: Sequence[str], dims: dict[str, int], itemsize: int) -> dict[str, int]:
-    """Byte stride of each axis of a dense block whose axes are `axes`, outermost first."""
-    strides, acc = {}, itemsize
-    for axis in reversed(axes):
-        strides[axis] = acc
-        acc *= dims[axis]
-    return strides
-
-
 # -------------------------------------------------------- receive transforms
 
 
