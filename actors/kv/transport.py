@@ -1,26 +1,12 @@
 """Per-rank KV transport: peers, descriptor lists, READs per request, completion, notices.
 
-Life cycle of one request's pull on a decode rank:
-
-  add_peer            once per remote rank (handshake): connect to its agent;
-  local_list /        once per descriptor table: prepared lists are cached
-  remote_list         (local ones per table, remote ones per (peer, table)) and
-                      released with their peer; KV lists are of the cache's
-                      memory kind, lease-board lists of DRAM (`register_extra`
-                      adds DRAM this rank READs into or is read from);
-  start_read          post one READ by descriptor index; `notif` reaches the
-                      peer when the data has moved;
-  poll                non-blocking; a request is DONE when all its READs are,
-                      FAILED as soon as one READ errors, raises, or the request
-                      outlives `read_timeout_s` (a dead peer must never leave a
-                      request waiting forever); every handle is released once.
-
-`NixlTransport` (`actors.kv.nixl.nixl_transport`) moves bytes with NIXL (UCX); the unit tests' `FakeTransport`
-(tests/unit/fake_transport.py) moves them with memmove inside one process, with
-fault switches for the layers above. Both share the bookkeeping in `TransportBase`,
-so tests of one exercise the other's logic too. Nothing here starts a thread or spins: NIXL's UCX
-progress thread (asleep on the UCX worker's fd, `actors.kv.nixl.nixl_binding`)
-serves peers' READs and collects notifications; `poll()` reads states.
+`TransportBase` keeps the bookkeeping; `NixlTransport` (`actors.kv.nixl.nixl_transport`) moves
+bytes with NIXL (UCX), the unit tests' `FakeTransport` with memmove inside one process (with fault
+switches for the layers above), so tests of one exercise the other's logic too. Invariants:
+prepared lists are cached and released with their peer; a request is DONE when all its READs are
+and FAILED as soon as one errors or it outlives `read_timeout_s` (a dead peer never leaves a request
+waiting forever); every handle is released once; nothing here starts a thread or spins (NIXL's
+progress thread serves peers' READs). The life cycle of one request's pull: `TransportBase`.
 """
 
 from __future__ import annotations
@@ -69,7 +55,30 @@ class TransportStats:
 
 
 class TransportBase:
-    """Request bookkeeping shared by the real and the fake transport."""
+    """Request bookkeeping shared by the real and the fake transport.
+
+    Life cycle of one request's pull on a decode rank:
+
+      add_peer            once per remote rank (handshake): connect to its agent;
+      local_list /        once per descriptor table: prepared lists are cached
+      remote_list         (local ones per table, remote ones per (peer, table)) and
+                          released with their peer; KV lists are of the cache's
+                          memory kind, lease-board lists of DRAM (`register_extra`
+                          adds DRAM this rank READs into or is read from);
+      start_read          post one READ by descriptor index; `notif` reaches the
+                          peer when the data has moved;
+      poll                non-blocking; a request is DONE when all its READs are,
+                          FAILED as soon as one READ errors, raises, or the request
+                          outlives `read_timeout_s` (a dead peer must never leave a
+                          request waiting forever); every handle is released once.
+
+    `NixlTransport` (`actors.kv.nixl.nixl_transport`) moves bytes with NIXL (UCX); the unit tests' `FakeTransport`
+    (tests/unit/fake_transport.py) moves them with memmove inside one process, with
+    fault switches for the layers above. Both share the bookkeeping in `TransportBase`,
+    so tests of one exercise the other's logic too. Nothing here starts a thread or spins: NIXL's UCX
+    progress thread (asleep on the UCX worker's fd, `actors.kv.nixl.nixl_binding`)
+    serves peers' READs and collects notifications; `poll()` reads states.
+    """
 
     def __init__(self, name: str, geometry: CacheGeometry, read_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic):

@@ -1,26 +1,12 @@
 """Reader side of the lease confirmation: after the data READ, READ the lease's record (and checksums).
 
-Life cycle of one pull's confirmation on a decode rank (`RankTransfer.step`):
-
-  1. the data READs of every source completed (no notice rides on them);
-  2. `post`: per source one READ of the bucket holding the lease's record in
-     the producer's board (`actors.kv.lease.lease_board`), landing in this rank's
-     `Landing` row of the pull's first local block, plus, with
-     `transfer.verify` on, one READ of the checksum entries of the blocks
-     this rank checks (landing at their local positions): in-flight pulls
-     never share a local block, so they never share landing memory;
-  3. `outcome`: HELD in every source -> confirmed (the blocks were still
-     leased after the data READ finished, so they were never reused while
-     it ran); RELEASED in any -> expired (failed pull); no record -> the
-     producer has not leased it yet (a very fast reader) or the record was
-     reused: READ it again a moment later, until the read timeout;
-  4. `mismatches`: recompute the checksums from what landed (after the
-     layout permute) and compare; any difference fails the pull.
-
-Only then are notices sent (so no producer releases a lease before its
-readers read the record) and the pull reported done. Every id and range is
-checked as for the data READ: landing rows come from checked local ids and
-the remote lists are proven inside the peer's board when prepared.
+Invariants: a pull is confirmed only when every source's record read HELD after its data READ
+completed (the blocks were never reused while it ran); RELEASED anywhere expires it; no record yet
+is READ again a moment later, until the read timeout; with `transfer.verify` on, the checksums are
+recomputed from what landed and any difference fails the pull. Notices go out only after that, so
+no producer releases a lease before its readers read the record. In-flight pulls never share
+landing memory, and every id and range is checked as for the data READ. The life cycle of one
+pull's confirmation: `Confirmer`.
 """
 
 from __future__ import annotations
@@ -79,7 +65,30 @@ class SourceConfirm:
 
 
 class Confirmer:
-    """Landing memory and per-source lists of one reader rank; posts and reads confirmations."""
+    """Landing memory and per-source lists of one reader rank; posts and reads confirmations.
+
+    Life cycle of one pull's confirmation on a decode rank (`RankTransfer.step`):
+
+      1. the data READs of every source completed (no notice rides on them);
+      2. `post`: per source one READ of the bucket holding the lease's record in
+         the producer's board (`actors.kv.lease.lease_board`), landing in this rank's
+         `Landing` row of the pull's first local block, plus, with
+         `transfer.verify` on, one READ of the checksum entries of the blocks
+         this rank checks (landing at their local positions): in-flight pulls
+         never share a local block, so they never share landing memory;
+      3. `outcome`: HELD in every source -> confirmed (the blocks were still
+         leased after the data READ finished, so they were never reused while
+         it ran); RELEASED in any -> expired (failed pull); no record -> the
+         producer has not leased it yet (a very fast reader) or the record was
+         reused: READ it again a moment later, until the read timeout;
+      4. `mismatches`: recompute the checksums from what landed (after the
+         layout permute) and compare; any difference fails the pull.
+
+    Only then are notices sent (so no producer releases a lease before its
+    readers read the record) and the pull reported done. Every id and range is
+    checked as for the data READ: landing rows come from checked local ids and
+    the remote lists are proven inside the peer's board when prepared.
+    """
 
     def __init__(self, transport: TransportBase, num_blocks: int, verify: str, with_sums: bool):
         self.transport, self.num_blocks, self.verify = transport, num_blocks, verify

@@ -1,23 +1,11 @@
 """What a reader prepares once per remote engine so that a pull costs a lookup.
 
-At handshake, for every remote pp rank (`StagePlan`) and every remote rank it
-reads (`SourceRead`), the read plan's head slice, layers, block-size ratio or
-token shard is turned into two `DescTable`s (ours and the peer's), both
-prepared with the transport once, plus the first descriptor index of every
-(region pair, run). A request then only has its block ids checked (one
-vectorised min/max per side) and its descriptor indices computed by numpy
-broadcasting (`SourceRead.indices`); nothing is planned per request.
-
-Descriptor order is region-major, then run, then local block: a request's
-pairs are sorted by their local position, so every run of blocks adjacent in
-*both* caches sits next to each other in the READ in ascending order, whatever
-order the engine listed them in (vLLM hands out freed blocks in reverse, so
-runs often come descending on both sides), and NIXL merges each run into one
-extent when it builds the transfer. On one host every extent is one
-`process_vm_readv` call (~2.5 us of kernel overhead each, on top of the copy,
-`actors/kv/NIXL_NOTES.md`): fewer extents is what makes scattered pulls fast.
-`SourceRead.indices` also returns how many extents the READ has after merging
-(`spans`), so the benchmark and the stats can show it.
+At handshake (`plan_stage`), for every remote pp rank (`StagePlan`) and every remote rank it reads
+(`SourceRead`), the read plan's head slice, layers, block-size ratio or token shard is turned into
+two `DescTable`s (ours and the peer's), both prepared with the transport once, plus the first
+descriptor index of every (region pair, run). Invariant: nothing is planned per request; a request
+only has its block ids checked (one vectorised min/max per side) and its descriptor indices
+computed by numpy broadcasting (`SourceRead.indices`, which also counts the extents NIXL posts).
 """
 
 from __future__ import annotations
@@ -65,7 +53,12 @@ class SourceRead:
                 ) -> tuple[np.ndarray, np.ndarray, int, int]:
         """(local indices, remote indices, bytes, spans) of one request; ids are already checked.
 
-        `spans` is the number of extents NIXL posts once it merged neighbours.
+        Descriptor order is region-major, then run, then local block: a request's pairs are sorted
+        by their local position, so every run of blocks adjacent in *both* caches sits next to each
+        other in the READ in ascending order, whatever order the engine listed them in (vLLM hands
+        out freed blocks in reverse), and NIXL merges each run into one extent. On one host every
+        extent is one `process_vm_readv` call (actors/kv/NIXL_NOTES.md): fewer extents is what makes
+        scattered pulls fast. `spans` is the number of extents NIXL posts once it merged neighbours.
         """
         if self.token_shard is None:
             ratio = self.local_units

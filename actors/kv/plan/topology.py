@@ -1,26 +1,11 @@
 """Rank mapping between a local engine and the remote engines it reads KV from.
 
-Every rank owns one `TransferTopology`. It answers, from sizes alone:
-  * whom to handshake with (`handshake_target_ranks`) before a remote engine
-    is known, and whom to read from once it is (`target_remote_ranks`);
-  * how many local readers each remote rank must hear from before it frees a
-    request's blocks (`dcp_consumer_count`);
-  * the block-size and TP ratios, and whether a cache is replicated.
-`actors.kv.plan.read_plan` turns these answers into the reads that fill a rank.
-
-Head ownership. A non-MLA cache with K kv heads split over `tp` ranks gives
-rank r the global heads [r*K/tp, (r+1)*K/tp) when tp <= K, and the single
-head r // (tp/K) when tp > K (the cache is then replicated in groups). MLA
-keeps one latent "head" that every rank holds.
-
-Decode context parallelism (DCP, MLA only here) shards tokens: with dcp size d
-the rank of dcp rank j holds the tokens t with t % d == j. raypd supports
-dcp in {1, tp} on either side with sizes dividing one another, as vLLM does.
-
-Semantics follow the customer's reference (vLLM's class of the same name):
-unknown engines raise `KeyError`; an MLA topology accepts any
-`total_num_kv_heads` (the checkpoint's head count; the cache has one latent
-head). Input errors are `TopologyError` (a `ValueError`) naming both sides.
+Every rank owns one `TransferTopology`. It answers from sizes alone whom to handshake with, whom
+to read from, how many local readers each remote rank must hear from before it frees a request's
+blocks, the block-size and TP ratios, and whether a cache is replicated; `plan.read_plan` turns
+these answers into the reads that fill a rank. Semantics follow vLLM's class of the same name:
+unknown engines raise `KeyError`; input errors are `TopologyError` (a `ValueError`) naming both
+sides. Head ownership and DCP: `TransferTopology`.
 """
 
 from __future__ import annotations
@@ -111,6 +96,20 @@ class TransferTopology:
 
     `attn_backends` and `tensor_shape` are carried for parity with vLLM's
     class (opaque here: this package imports no vLLM).
+
+    Head ownership. A non-MLA cache with K kv heads split over `tp` ranks gives
+    rank r the global heads [r*K/tp, (r+1)*K/tp) when tp <= K, and the single
+    head r // (tp/K) when tp > K (the cache is then replicated in groups). MLA
+    keeps one latent "head" that every rank holds.
+
+    Decode context parallelism (DCP, MLA only here) shards tokens: with dcp size d
+    the rank of dcp rank j holds the tokens t with t % d == j. raypd supports
+    dcp in {1, tp} on either side with sizes dividing one another, as vLLM does.
+
+    Semantics follow the customer's reference (vLLM's class of the same name):
+    unknown engines raise `KeyError`; an MLA topology accepts any
+    `total_num_kv_heads` (the checkpoint's head count; the cache has one latent
+    head). Input errors are `TopologyError` (a `ValueError`) naming both sides.
     """
 
     tp_rank: int
