@@ -1,23 +1,11 @@
 """Producer-side block leases: who may still read a finished prefill's KV blocks.
 
-Life cycle of one request on a prefill engine:
-
-1. Prefill finishes. Its KV blocks are not freed; they are held under a lease
-   (`grant`) naming how many reader ranks will pull them (the decode side's
-   `dcp_consumer_count` for this rank) and how long they may take (`ttl_s`).
-2. Each decode rank, after its NIXL READ completes, notifies this rank
-   (`notify(req_id, reader)`). Notifications are idempotent per reader name,
-   because transports may redeliver.
-3. When the last distinct reader has been heard, the lease is released and
-   `notify` hands back the block ids for the engine to free.
-4. If readers never show up (decode crashed, request dropped), the periodic
-   `expire()` sweep releases the lease once `expires_at` has passed.
-5. An abort (`release`) frees the blocks at once.
-
-Every path returns the block ids exactly once, so free-block counts return to
-baseline whatever happens. Late or unknown notifications are counted, never
-raised: a decode rank that is slower than the lease is not a producer error.
-The clock is injected (`clock=`) so expiry is testable without sleeping.
+A finished prefill's blocks are held under a lease naming how many reader ranks will pull them and
+how long they may take; the last distinct reader's notice, expiry or an abort releases it.
+Invariants: every path returns the block ids exactly once, so free-block counts return to baseline
+whatever happens; notices are idempotent per reader (transports may redeliver); late or unknown
+notices are counted, never raised. The clock is injected, so expiry is testable without sleeping.
+The life cycle: `LeaseTable`.
 """
 
 from __future__ import annotations
@@ -66,6 +54,23 @@ class LeaseTable:
 
     No lock: the table belongs to one rank's `RankTransfer`, which is driven
     from one thread (a vLLM worker's step thread or a rank actor's executor).
+
+    1. Prefill finishes. Its KV blocks are not freed; they are held under a lease
+       (`grant`) naming how many reader ranks will pull them (the decode side's
+       `dcp_consumer_count` for this rank) and how long they may take (`ttl_s`).
+    2. Each decode rank, after its NIXL READ completes, notifies this rank
+       (`notify(req_id, reader)`). Notifications are idempotent per reader name,
+       because transports may redeliver.
+    3. When the last distinct reader has been heard, the lease is released and
+       `notify` hands back the block ids for the engine to free.
+    4. If readers never show up (decode crashed, request dropped), the periodic
+       `expire()` sweep releases the lease once `expires_at` has passed.
+    5. An abort (`release`) frees the blocks at once.
+
+    Every path returns the block ids exactly once, so free-block counts return to
+    baseline whatever happens. Late or unknown notifications are counted, never
+    raised: a decode rank that is slower than the lease is not a producer error.
+    The clock is injected (`clock=`) so expiry is testable without sleeping.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):

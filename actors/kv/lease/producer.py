@@ -1,23 +1,11 @@
 """A prefill rank's side of a transfer: leases, their board records and checksums, readers' notices.
 
-Life cycle of a request on a prefill (producer) rank (`LeaseKeeper`, driven by `RankTransfer`):
-
-  1. hold      the request's blocks go under a lease (`LeaseTable`); with
-               `transfer.verify` on, their checksums (all, or the sample both
-               sides agree on) are written to the lease board, then the lease's
-               record is published HELD (`actors.kv.lease.lease_board`); notices that
-               came before the lease (a reader that gave up early) apply now;
-  2. read      readers READ the blocks, then the record (and checksums); the
-               owner does nothing for it (NIXL's progress thread serves them);
-  3. notices   each reader's notice, sent once it saw HELD, counts; the last
-               one releases the lease; an ok=false notice (a reader gave up)
-               releases it at once;
-  4. expiry    a lease no reader finished within its TTL is released;
-  5. release   the engine frees a lease itself (abort, nobody will read).
-
-Whichever way a lease ends, its record turns RELEASED *before* its blocks are
-reported free (by `step()` or `release()`), so a reader that READs the record
-after that fails its pull instead of using blocks the engine may reuse.
+`LeaseKeeper`, driven by `RankTransfer`, holds a request's blocks under a lease, publishes its
+record (and, with `transfer.verify`, checksums) on the lease board, and releases it on the last
+reader's notice, an ok=false notice, expiry or the engine's own release. Invariant: whichever way a
+lease ends, its record turns RELEASED *before* its blocks are reported free, so a reader that READs
+the record after that fails its pull instead of using blocks the engine may reuse. The owner does
+nothing for a read (NIXL's progress thread serves it). The life cycle: `LeaseKeeper`.
 """
 
 from __future__ import annotations
@@ -41,7 +29,25 @@ logger = logging.getLogger("raypd.transfer")
 
 
 class LeaseKeeper:
-    """Leases of one rank with their board records; no lock (the rank's owner thread only)."""
+    """Leases of one rank with their board records; no lock (the rank's owner thread only).
+
+      1. hold      the request's blocks go under a lease (`LeaseTable`); with
+                   `transfer.verify` on, their checksums (all, or the sample both
+                   sides agree on) are written to the lease board, then the lease's
+                   record is published HELD (`actors.kv.lease.lease_board`); notices that
+                   came before the lease (a reader that gave up early) apply now;
+      2. read      readers READ the blocks, then the record (and checksums); the
+                   owner does nothing for it (NIXL's progress thread serves them);
+      3. notices   each reader's notice, sent once it saw HELD, counts; the last
+                   one releases the lease; an ok=false notice (a reader gave up)
+                   releases it at once;
+      4. expiry    a lease no reader finished within its TTL is released;
+      5. release   the engine frees a lease itself (abort, nobody will read).
+
+    Whichever way a lease ends, its record turns RELEASED *before* its blocks are
+    reported free (by `step()` or `release()`), so a reader that READs the record
+    after that fails its pull instead of using blocks the engine may reuse.
+    """
 
     def __init__(self, geometry: CacheGeometry, planes: list[list[torch.Tensor]], head0: int, verify: str,
                  board: LeaseBoard | None, faults: FaultPolicy = NO_FAULTS,

@@ -1,19 +1,11 @@
 """Descriptor lists prepared once per peer, and the per-request index math.
 
-A rank's KV cache is a list of regions (one per layer and plane), each
-`num_blocks` blocks of `block_bytes`. A READ from one source rank moves the
-same byte runs out of every block it touches, so both sides are described
-once, at handshake, as a `DescTable`: every block is cut into `units` equal
-units (sub-blocks of a smaller remote block, or token slots for token-sharded
-reads) and every unit into the same `runs` (offset, nbytes). Descriptor
-`((region * K + k) * num_blocks + block) * units + unit` is run k of that unit.
-
-A table is handed to NIXL as strided rows (address, length, stride, count),
-one row per (region, run) when the units tile the block, so preparing even a
-large cache costs microseconds. Whether every descriptor lies inside its
-region is proven once, here, when the table is built (`DescTable.__post_init__`);
-a request then only needs its block ids checked (`checked_block_ids`, one
-vectorised min/max) and its descriptor indices computed (numpy broadcasting).
+Both sides of a READ are described once, at handshake, as a `DescTable`: every block cut into
+equal units and every unit into the same byte runs (`UnitCut`; `read_cuts` cuts a read's two
+tables). Invariants: whether every descriptor lies inside its region is proven once, when the table
+is built; a request then only needs its block ids checked (`checked_block_ids`, one vectorised
+min/max) and its descriptor indices computed (numpy broadcasting). The numbering and how NIXL is
+handed a table: `DescTable`.
 """
 
 from __future__ import annotations
@@ -55,7 +47,23 @@ class UnitCut:
 
 @dataclass(frozen=True)
 class DescTable:
-    """Every descriptor of a set of regions cut by `cut`; bounds are proven at construction."""
+    """Every descriptor of a set of regions cut by `cut`; bounds are proven at construction.
+
+    A rank's KV cache is a list of regions (one per layer and plane), each
+    `num_blocks` blocks of `block_bytes`. A READ from one source rank moves the
+    same byte runs out of every block it touches, so both sides are described
+    once, at handshake, as a `DescTable`: every block is cut into `units` equal
+    units (sub-blocks of a smaller remote block, or token slots for token-sharded
+    reads) and every unit into the same `runs` (offset, nbytes). Descriptor
+    `((region * K + k) * num_blocks + block) * units + unit` is run k of that unit.
+
+    A table is handed to NIXL as strided rows (address, length, stride, count),
+    one row per (region, run) when the units tile the block, so preparing even a
+    large cache costs microseconds. Whether every descriptor lies inside its
+    region is proven once, here, when the table is built (`DescTable.__post_init__`);
+    a request then only needs its block ids checked (`checked_block_ids`, one
+    vectorised min/max) and its descriptor indices computed (numpy broadcasting).
+    """
 
     bases: tuple[int, ...]  # region start addresses, in region index order
     num_blocks: int

@@ -1,21 +1,11 @@
-"""KV cache geometry, block strides and the transforms applied on receive.
+"""KV cache geometry, block layouts and the transforms applied on receive.
 
-A rank's cache is `num_layers` layers of `planes` regions each. A region is
-`num_blocks` contiguous blocks; a block is a dense array whose axes, in memory
-order, are named by a `BlockLayout`:
-
-  H  kv heads held by the rank      N  token slots (block size)
-  D  head size                      KV K and V, when both live in one block
-
-Examples: GPU flash-attention HND = planes=2 (K, V), axes (H, N, D); NHD =
-(N, H, D); vLLM's CPU backend = planes=1, axes (H, KV, N, D); MLA = planes=1,
-axes (N, D) with one latent head (H=1, implicit).
-
-A READ copies the remote bytes of a head slice into the local block in the
-*remote* axis order (with the local head count): for a smaller remote block
-the local block receives `ratio` remote blocks back to back. `to_local_layout`
-then permutes the received blocks in place into the local order. Token-sharded
-(DCP) reads instead move single token rows straight to their final place.
+A rank's cache is `num_layers` layers of `planes` regions, each `num_blocks` dense blocks whose
+axes, in memory order, a `BlockLayout` names. Invariant: a whole-block READ lands in the *remote*
+axis order (with the local head count), and `to_local_layout` then permutes the received blocks in
+place into the local order; token-sharded (DCP) reads move single token rows straight to their
+final place. `compatible_geometry` refuses what cannot be mapped. The axes and examples:
+`CacheGeometry`.
 """
 
 from __future__ import annotations
@@ -62,7 +52,25 @@ MLA_ND = BlockLayout(("N", "D"))
 
 @dataclass(frozen=True)
 class CacheGeometry:
-    """Where a rank's KV blocks live; sent to peers in the handshake."""
+    """Where a rank's KV blocks live; sent to peers in the handshake.
+
+    A rank's cache is `num_layers` layers of `planes` regions each. A region is
+    `num_blocks` contiguous blocks; a block is a dense array whose axes, in memory
+    order, are named by a `BlockLayout`:
+
+      H  kv heads held by the rank      N  token slots (block size)
+      D  head size                      KV K and V, when both live in one block
+
+    Examples: GPU flash-attention HND = planes=2 (K, V), axes (H, N, D); NHD =
+    (N, H, D); vLLM's CPU backend = planes=1, axes (H, KV, N, D); MLA = planes=1,
+    axes (N, D) with one latent head (H=1, implicit).
+
+    A READ copies the remote bytes of a head slice into the local block in the
+    *remote* axis order (with the local head count): for a smaller remote block
+    the local block receives `ratio` remote blocks back to back. `to_local_layout`
+    then permutes the received blocks in place into the local order. Token-sharded
+    (DCP) reads instead move single token rows straight to their final place.
+    """
 
     layout: BlockLayout
     num_layers: int
