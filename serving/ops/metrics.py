@@ -1,26 +1,11 @@
 """raypd's metrics, all named `raypd_*`: the replica's own registry and the cluster-wide copy.
 
-Recorded by the front as requests flow (`ServiceMetrics`): request counts by
-endpoint and status, time to first token and inter-token latency per P/D path
-(pd | local | fallback), the P/D handoff (prefill's token -> decode engine's
-first token: KV pull + one decode step), end-to-end latency, tokens.
-Read from the router at scrape time (a custom collector, so nothing is copied
-on the hot path): prefill / decode queue depths, the breaker of every
-(prefill, decode) pair as the coordinator's ledger holds it (the one owner of
-breakers; the router reads it with its routes), KV transfer failures the
-router saw, prefill failures, retries, fallbacks, stream migrations, readiness
-(`raypd_ready{reason}`: what `/health` answers), deadlines the engines missed and
-the hangs the coordinator judged (`raypd_engine_hangs_total`), and the
-engines' own stats (free blocks, leases held, running requests, transfer
-bytes and handshakes when the backend reports them).
-
-Two exports of the same events:
-  - the front's `GET /metrics`: this replica's registry (one per app, so tests
-    and several replicas in one process never collide);
-  - Ray's metrics (`serving.ops.cluster_metrics`, when the process is connected to
-    Ray): every replica records into Ray's per-node metrics agent, so a scrape
-    of each node's metrics port (`raypd status` prints them) adds up across
-    ingress replicas. Ray prefixes the names: `ray_raypd_requests_total`.
+The front records requests as they flow (`ServiceMetrics`); the router's state is read at scrape
+time by a custom collector (`RouterCollector`), so nothing is copied on the hot path. Labels come
+from the routing enums (`serving.routing.decisions`, `RouterCounter`, `ReadinessCode`,
+`BreakerState`). Two exports of the same events: the front's `GET /metrics` (one registry per app)
+and Ray's metrics (`serving.ops.cluster_metrics`), which add up across ingress replicas. What is
+recorded and read: `ServiceMetrics`.
 """
 
 from __future__ import annotations
@@ -199,7 +184,30 @@ def pool_metrics(pools: Any) -> Iterator[Metric]:
 
 
 class ServiceMetrics:
-    """The front's events, recorded into the replica's registry and (optionally) Ray's metrics."""
+    """The front's events, recorded into the replica's registry and (optionally) Ray's metrics.
+
+    Recorded by the front as requests flow (`ServiceMetrics`): request counts by
+    endpoint and status, time to first token and inter-token latency per P/D path
+    (pd | local | fallback), the P/D handoff (prefill's token -> decode engine's
+    first token: KV pull + one decode step), end-to-end latency, tokens.
+    Read from the router at scrape time (a custom collector, so nothing is copied
+    on the hot path): prefill / decode queue depths, the breaker of every
+    (prefill, decode) pair as the coordinator's ledger holds it (the one owner of
+    breakers; the router reads it with its routes), KV transfer failures the
+    router saw, prefill failures, retries, fallbacks, stream migrations, readiness
+    (`raypd_ready{reason}`: what `/health` answers), deadlines the engines missed and
+    the hangs the coordinator judged (`raypd_engine_hangs_total`), and the
+    engines' own stats (free blocks, leases held, running requests, transfer
+    bytes and handshakes when the backend reports them).
+
+    Two exports of the same events:
+      - the front's `GET /metrics`: this replica's registry (one per app, so tests
+        and several replicas in one process never collide);
+      - Ray's metrics (`serving.ops.cluster_metrics`, when the process is connected to
+        Ray): every replica records into Ray's per-node metrics agent, so a scrape
+        of each node's metrics port (`raypd status` prints them) adds up across
+        ingress replicas. Ray prefixes the names: `ray_raypd_requests_total`.
+    """
 
     def __init__(self, router_getter: Callable[[], Any] | None = None, registry: CollectorRegistry | None = None,
                  cluster: Any = None):
