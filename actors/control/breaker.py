@@ -1,21 +1,11 @@
-"""Per-peer circuit breaker (closed -> open -> half_open -> closed).
+"""Per-peer circuit breaker (closed -> open -> half_open -> closed), one per (prefill, decode) pair.
 
-A decode engine keeps one breaker per prefill peer: after `failure_threshold`
-consecutive transfer failures the peer is skipped for `cooldown_s`. Once the
-cooldown has passed, `allow()` admits exactly one probe and holds everyone else
-for `probe_window_s`:
-
-- the probe fails -> open again for `cooldown_s`;
-- the probe succeeds -> closed, failure count reset;
-- the probe never reports back -> after `probe_window_s` the next caller probes.
-
-Semantics follow vLLM's `CircuitBreaker`, including its two lenient rules:
-a success reported in any state closes the breaker (the peer demonstrably
-works), and a failure reported while open restarts the cooldown.
-
-The clock is injected (`clock=`) so every transition is testable without
-sleeping. State changes are logged on "raypd.breaker" and counted; `snapshot()` gives
-a plain dict for status pages and metrics.
+After `failure_threshold` consecutive transfer failures the peer is skipped for `cooldown_s`; then
+`allow()` admits exactly one probe within `probe_window_s`. Semantics follow vLLM's
+`CircuitBreaker`, including its two lenient rules (a success in any state closes it; a failure while
+open restarts the cooldown). The states are `actors.routes.BreakerState`. The clock is injected, so
+every transition is testable without sleeping; state changes are logged on "raypd.breaker" and
+counted. The transitions: `CircuitBreaker`.
 """
 
 from __future__ import annotations
@@ -44,10 +34,27 @@ def _positive_seconds(value: object, what: str) -> float:
 
 
 class CircuitBreaker:
-    """Breaker guarding one peer; see the module docstring.
+    """Breaker guarding one peer.
 
     No lock: breakers live in the coordinator's ledger and in the router, each
     used from one asyncio event loop, so calls never interleave.
+
+    A decode engine keeps one breaker per prefill peer: after `failure_threshold`
+    consecutive transfer failures the peer is skipped for `cooldown_s`. Once the
+    cooldown has passed, `allow()` admits exactly one probe and holds everyone else
+    for `probe_window_s`:
+
+    - the probe fails -> open again for `cooldown_s`;
+    - the probe succeeds -> closed, failure count reset;
+    - the probe never reports back -> after `probe_window_s` the next caller probes.
+
+    Semantics follow vLLM's `CircuitBreaker`, including its two lenient rules:
+    a success reported in any state closes the breaker (the peer demonstrably
+    works), and a failure reported while open restarts the cooldown.
+
+    The clock is injected (`clock=`) so every transition is testable without
+    sleeping. State changes are logged on "raypd.breaker" and counted; `snapshot()` gives
+    a plain dict for status pages and metrics.
     """
 
     def __init__(
