@@ -62,7 +62,7 @@ class LedgerSnapshot:
     verdicts: dict[str, int]
     breakers: tuple[PairState, ...]
     awaiting_units: dict[str, int] = field(default_factory=dict)  # handoff -> units yet to report
-    ended_by: dict[str, int] = field(default_factory=dict)  # how handoffs ended (see the module docstring)
+    ended_by: dict[str, int] = field(default_factory=dict)  # how handoffs ended (see `TransferLedger`)
 
 
 class TransferLedger:

@@ -81,7 +81,7 @@ class RankTransfer:
       3. abandon     a request that will never pull tells its producers the same.
 
     On a prefill (producer) rank, `hold` / `release` and the lease part of `step`
-    are `actors.kv.lease.producer.LeaseKeeper`'s (its module opens with that life cycle).
+    are `actors.kv.lease.producer.LeaseKeeper`'s (its class docstring has that life cycle).
 
     `step()` polls pulls, then leases with the notices that arrived, and returns a `StepResult`;
     the owner calls it (vLLM: every engine step) while `needs_step`. Moving bytes does not wait for

@@ -73,7 +73,7 @@ class DirectoryView:
         self._raw: RouteTable | None = None  # the directory's last answer, as it came
 
     async def routes(self, force: bool = False) -> RouteTable:
-        """The view (see the module docstring); `force` waits for a fresh one."""
+        """The view (see the class docstring); `force` waits for a fresh one."""
         if force or self.table is None:
             self.waits += 1
             self._stale = False

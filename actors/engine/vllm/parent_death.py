@@ -35,7 +35,7 @@ def should_follow(env_value: str | None, pid: int) -> bool:
 
 
 def follow_parent(grace_s: float = GRACE_S, check_every_s: float = CHECK_EVERY_S) -> threading.Thread | None:
-    """In a vLLM process: end when the parent does (see the module docstring). The watching thread,
+    """In a vLLM process: end when the parent does. The watching thread,
     or None when this process is not below a raypd engine actor (or already follows).
 
     How: the actor names itself in its environment (`PARENT_ENV`) before vLLM spawns the core, so every
