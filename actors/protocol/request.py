@@ -1,20 +1,11 @@
 """A request's types between the front, the router and the engines (typed, picklable over Ray).
 
-Life cycle of one P/D request through these types:
-
-  front    the HTTP body is parsed, rendered (chat template) and tokenized with the
-           served model's tokenizer into an `EngineRequest`: prompt token ids +
-           `SamplingSpec` (engines never tokenize a prompt);
-  prefill  `Backend.prefill(EngineRequest)` -> `PrefillResult`: the first
-           sampled token (streamed to the client at once) and the transfer
-           params that name the prompt's KV blocks on the prefill engine;
-  decode   `Backend.generate(EngineRequest)` with prompt + first token and the
-           transfer params -> a stream of `TokenChunk`s; the first chunk
-           carries the transfer verdict (`recomputed`, or an error);
-  front    each `TokenChunk` becomes an SSE event or part of the JSON answer.
-
-`kv_transfer_params` stays a dict: it is vLLM's own boundary
-(`SamplingParams.extra_args`), validated by `actors.transfer_params`.
+Invariants: engines never tokenize a prompt (the front renders and tokenizes it into an
+`EngineRequest`: token ids + `SamplingSpec`); a prefill's `PrefillResult` carries the first token
+and the transfer params naming the prompt's KV blocks; the first `TokenChunk` of a decode carries
+the transfer verdict. `kv_transfer_params` stays a dict: it is vLLM's own boundary
+(`SamplingParams.extra_args`), validated by `actors.transfer_params`. The life cycle of one P/D
+request through these types: `EngineRequest`.
 """
 
 from __future__ import annotations
@@ -50,6 +41,23 @@ class SamplingSpec:
 
 @dataclass(frozen=True)
 class EngineRequest:
+    """Life cycle of one P/D request through these types:
+
+      front    the HTTP body is parsed, rendered (chat template) and tokenized with the
+               served model's tokenizer into an `EngineRequest`: prompt token ids +
+               `SamplingSpec` (engines never tokenize a prompt);
+      prefill  `Backend.prefill(EngineRequest)` -> `PrefillResult`: the first
+               sampled token (streamed to the client at once) and the transfer
+               params that name the prompt's KV blocks on the prefill engine;
+      decode   `Backend.generate(EngineRequest)` with prompt + first token and the
+               transfer params -> a stream of `TokenChunk`s; the first chunk
+               carries the transfer verdict (`recomputed`, or an error);
+      front    each `TokenChunk` becomes an SSE event or part of the JSON answer.
+
+    `kv_transfer_params` stays a dict: it is vLLM's own boundary
+    (`SamplingParams.extra_args`), validated by `actors.transfer_params`.
+    """
+
     request_id: str
     sampling: SamplingSpec = SamplingSpec()
     prompt_token_ids: tuple[int, ...] = ()

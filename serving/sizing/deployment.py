@@ -1,23 +1,12 @@
 """A shape as raypd's deployment: the config `raypd up` runs, and the step limits its engines get.
 
-  deployment_config(shape, base, unit, slo, budget)  `base` (a deployment file's mapping) with the engine
-                                        groups and router.placement of `shape` (and the SLO targets the
-                                        router's model then places against; `budget`: the chunk budget of
-                                        its decode-capable engines), validated (DeploymentConfig)
-  deployment_yaml(shape, base, unit, slo, budget)  the same as YAML (`raypd up --config` reads it back)
-  shape_limits(config, unit)            what a step may carry on each role's engines of that deployment
-                                        (vLLM's max_num_batched_tokens, max_num_seqs), for the simulation
-  budget_choices(config, unit)          the chunk budgets the planner tries on that deployment's
-                                        decode-capable engines (None: the deployment's own first)
-  core_ranges(sizes)                    one VLLM_CPU_OMP_THREADS_BIND per engine, cores handed out in order
-
-Only the groups (`count`, `num_cpus`, `cpu_bind` on a CPU box, `tp_size` on a GPU box), the placement
-and, on a CPU box, a `ray.num_cpus` too small for the engines change: the model, engine_kwargs and
-everything else stay as the base says; with a `budget`, the decode-capable groups' engine_kwargs also get
-`max_num_batched_tokens`. Colocated shapes run placement `slo`, P/D shapes `disaggregate`.
-With the plan's SLO targets, placement `slo` is told them (`slo_targets`): the TTFT target, and the TPOT
-target as each stream's mean-ITL budget, which is what a local prefill's stall is priced against. A
-target the base's `router.slo` sets stays the operator's.
+`deployment_config` / `deployment_yaml` turn a shape into a validated deployment from a base
+mapping; `shape_limits` is what a step may carry on each role's engines (for the simulation);
+`budget_choices` the chunk budgets the planner tries; `core_ranges` one VLLM_CPU_OMP_THREADS_BIND
+per engine. Invariants: only the engine groups, the placement (colocated shapes `slo`, P/D shapes
+`disaggregate`), a too-small `ray.num_cpus` and, with a budget, the decode-capable groups'
+`max_num_batched_tokens` change; everything else stays as the base says; the plan's SLO targets are
+given to placement `slo`, but a target the base's `router.slo` sets stays the operator's.
 """
 
 from __future__ import annotations
