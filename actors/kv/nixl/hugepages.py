@@ -2,7 +2,7 @@
 
 On one host UCX moves KV with CMA (`process_vm_readv`), which pins the source's pages for every
 descriptor: with 4 KiB pages that pinning, not the copy, dominates a READ of many small blocks;
-2 MiB pages (`MADV_HUGEPAGE`) cut it (actors/kv/NIXL_NOTES.md). Contents are unchanged. Best
+2 MiB pages (`MADV_HUGEPAGE`) cut it (docs/nixl_notes.md). Contents are unchanged. Best
 effort: a kernel or policy that refuses leaves the memory as it was; nothing here raises.
 
 Memory already touched needs its 4 KiB pages replaced. Two ways, the same contents:

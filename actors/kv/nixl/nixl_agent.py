@@ -8,7 +8,7 @@ prepared descriptor lists, transfer handles: `nixl_handles`) and releases each e
 * NIXL's UCX progress thread (`nixl_binding`) serves peers' READs and collects notifications while
   the owner is busy; `check()` drives progress for our own READs;
 * one owner thread uses the agent (no lock here); UCX's "peer" error mode makes a dead peer a
-  failed transfer, not a hang (actors/kv/NIXL_NOTES.md).
+  failed transfer, not a hang (docs/nixl_notes.md).
 `nixl` is imported lazily, so `actors.kv` imports where nixl is not installed.
 """
 

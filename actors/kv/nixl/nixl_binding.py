@@ -2,7 +2,7 @@
 
 A progress thread because, in UCX's ``peer`` error mode, a READ only completes when the *target*
 agent drives UCX progress too, and a producer's one Python thread is busy computing prefill steps
-(actors/kv/NIXL_NOTES.md). Not `nixl._api.nixl_agent`: it hard-codes ``pthrDelay = 0``, a thread
+(docs/nixl_notes.md). Not `nixl._api.nixl_agent`: it hard-codes ``pthrDelay = 0``, a thread
 waking every millisecond; raypd builds the agent from the binding with a 1 s ``poll()`` timeout, so
 the thread sleeps until UCX has an event and no thread here spins.
 

@@ -57,7 +57,7 @@ class SourceRead:
         by their local position, so every run of blocks adjacent in *both* caches sits next to each
         other in the READ in ascending order, whatever order the engine listed them in (vLLM hands
         out freed blocks in reverse), and NIXL merges each run into one extent. On one host every
-        extent is one `process_vm_readv` call (actors/kv/NIXL_NOTES.md): fewer extents is what makes
+        extent is one `process_vm_readv` call (docs/nixl_notes.md): fewer extents is what makes
         scattered pulls fast. `spans` is the number of extents NIXL posts once it merged neighbours.
         """
         if self.token_shard is None:
