@@ -8,3 +8,4 @@ from __future__ import annotations
 
 COORDINATOR_NAME = "raypd-coordinator"
 NAMESPACE = "raypd"  # every named raypd actor lives here
+ENGINE_ACTOR_PREFIX = "raypd-"  # a launched engine's actor is named this + its engine id

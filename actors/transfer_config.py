@@ -11,27 +11,39 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from actors.config_base import StrictModel
 
 FailurePolicy = Literal["fail", "recompute"]
 VerifyMode = Literal["off", "sample", "all"]
 
 
-class TransferConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class TransferConfig(StrictModel):
+    """How KV moves between a prefill and a decode engine, and what a failed move does."""
 
-    # a failed KV pull: `fail` ends the request with an error, `recompute` prefills it on the decode engine
-    failure_policy: FailurePolicy = "fail"
-    lease_ttl_s: float = Field(30.0, gt=0)  # a producer holds a prefill's blocks this long for its reader
-    read_timeout_s: float = Field(10.0, gt=0)  # a pull not done by then fails (a dead peer never hangs it)
-    # the coordinator's ledger gives a handoff this long to reach its verdict (actors.control.ledger)
-    handoff_deadline_s: float = Field(60.0, gt=0)
-    # vLLM decode: a pull of at most this many tokens loads synchronously, before the step's forward (the
-    # request computes in the step that admits it); larger ones load asynchronously (vLLM schedules the
-    # request once the pull is done: two scheduler steps later). 0: always async.
-    sync_load_max_tokens: int = Field(4096, ge=0)
-    fault_rate: float = Field(0.0, ge=0.0, le=1.0)  # test knob: fail this fraction of KV pulls on purpose
-    # KV integrity (actors.kv.lease.integrity): producers checksum each (block, head) when they lease a
-    # prefill, readers check all blocks or a 1-in-8 sample of them after the pull; a mismatch fails it.
-    # Off by default: on CPU `all` adds 1.6-6x the pull's time, `sample` 20-140 % (benchmarks/transfer.py).
-    verify: VerifyMode = "off"
+    failure_policy: FailurePolicy = Field("recompute", description=(
+        "a failed KV pull: `recompute` prefills the prompt again on the decode engine, `fail` ends the "
+        "request with an error"))
+    lease_ttl_s: float = Field(30.0, gt=0, description=(
+        "how long a prefill engine holds a prefilled request's KV blocks for the decode engine to read"))
+    read_timeout_s: float = Field(10.0, gt=0, description=(
+        "a KV pull not done by then fails (a dead peer never leaves a request waiting)"))
+    min_link_mbps: float = Field(100.0, ge=0, description=(
+        "the slowest link a KV pull may cross: a pull of B bytes may take read_timeout_s plus B at this "
+        "rate before it fails, so a slow link is not mistaken for a partition (0: read_timeout_s alone)"))
+    sync_wait_s: float = Field(2.0, gt=0, description=(
+        "vLLM decode engines: the longest a synchronous load may hold the engine's step (every stream on "
+        "the engine waits meanwhile); a pull not done by then fails and the failure policy applies"))
+    handoff_deadline_s: float = Field(60.0, gt=0, description=(
+        "the coordinator's ledger fails a prefill->decode handoff that has no verdict by then"))
+    sync_load_max_tokens: int = Field(4096, ge=0, description=(
+        "vLLM decode engines: a pull of at most this many tokens loads before the step's forward (the "
+        "request computes in the step that admits it); larger pulls load asynchronously (vLLM schedules "
+        "the request once the pull is done, two steps later). 0: always asynchronous"))
+    fault_rate: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "test knob: fail this fraction of KV pulls on purpose"))
+    verify: VerifyMode = Field("off", description=(
+        "KV integrity: producers checksum each (block, head) when they lease a prefill; readers check "
+        "every block (`all`) or a 1-in-8 sample (`sample`) after the pull, and a mismatch fails it. "
+        "Off by default: the checksums cost a large share of a pull's time on a CPU host"))

@@ -69,7 +69,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from actors.control.coordinator_actor import NAMESPACE, start_coordinator  # noqa: E402
-from actors.control.ledger import BreakerConfig  # noqa: E402
+from actors.control.breaker_config import BreakerConfig  # noqa: E402
 from actors.engine.ledger_reporter import DEFAULT_MAX_DELAY_S  # noqa: E402
 from serving.bench.provenance import git_state  # noqa: E402
 from cpbench import report  # noqa: E402

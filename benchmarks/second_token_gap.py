@@ -45,7 +45,7 @@ def engine(role, engine_id, model, bind, sync=None, max_model_len=2048):
     transfer = TransferConfig(lease_ttl_s=60, read_timeout_s=10,
                               **({} if sync is None else {"sync_load_max_tokens": sync}))
     cfg = EngineConfig(role=role, backend="vllm", engine_id=engine_id, model=model, max_model_len=max_model_len,
-                       cpu_bind=bind, dtype="float32", num_cpus=0, transfer=transfer,
+                       cpu={"bind": bind}, dtype="float32", num_cpus=0, transfer=transfer,
                        engine_kwargs={"enforce_eager": True})
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}
     return Engine.options(**opts).remote(cfg.model_dump(), COORDINATOR_NAME)

@@ -1,7 +1,11 @@
 """Core Kubernetes rules for what the CRD schemas cannot say: the pod templates KubeRay turns into
 Pods (names, images, quantities, requests <= limits, extended resources, ports, probes, volumes,
 env), and the KubeRay operator's own checks (ray-operator controllers/ray/utils/validation.go:
-name length, min/max replicas, rayStartParams, ...). kubernetes-validate is not a dependency.
+name length, min/max replicas, rayStartParams, ...).
+
+validate.py needs only PyYAML and jsonschema, so these run without kubernetes-validate; the test
+suite also checks every pod template against the Kubernetes API schemas with it (a dev
+dependency). Pod hardening is checkov's (checkov_scan.py), not these rules'.
 """
 
 from __future__ import annotations

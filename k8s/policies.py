@@ -1,4 +1,4 @@
-"""NetworkPolicy, PodMonitor and Secret documents, and how they fit the Ray pods they are for.
+"""NetworkPolicy, PodMonitor and Secret documents, one at a time, and the Ray pods' metrics port.
 
 No CRD describes these here, so each kind has a small schema of our own (OpenAPI v3 subsets,
 checked like the CRDs: unknown fields are errors, so a typo cannot silently drop a rule):
@@ -12,7 +12,7 @@ checked like the CRDs: unknown fields are errors, so a typo cannot silently drop
                                        newer field needs adding here); an endpoint names its port.
   v1 Secret                            type, data (base64), stringData, immutable; key names.
 
-How the documents fit the Ray pods they are for, across documents: `ray_pod_fit.py`.
+How these documents fit the Ray pods they are for is `release_fit.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from crd import schema_errors
 from kube_rules import _IANA_SVC, _LABEL_VALUE, _metadata_errors, _qualified_key
-from ray_pod_fit import scrape_errors
+from release_fit import pod_ports, ray_pods
 
 STR = {"type": "string"}
 STR_MAP = {"type": "object", "additionalProperties": STR}
@@ -140,6 +140,30 @@ def _peer_errors(peer: dict, where: str) -> list[str]:
         return []
     return [e for key in ("podSelector", "namespaceSelector") if key in peer
             for e in _selector_errors(peer[key], f"{where}.{key}")]
+
+
+def scrape_errors(doc: dict) -> list[str]:
+    """A Ray pod's metrics: `metrics-export-port` is a declared container port, and prometheus.io
+    annotations name a declared port and an absolute path."""
+    errs = []
+    if doc.get("kind") not in ("RayService", "RayCluster"):
+        return errs
+    for group, template, params in ray_pods(doc):
+        numbers = set(pod_ports(template).values())
+        metrics = params.get("metrics-export-port")
+        if metrics is not None and (not str(metrics).isdigit() or int(metrics) not in numbers):
+            errs.append(f"{group}: rayStartParams metrics-export-port {metrics} is not a container port of the "
+                        f"Ray container (declare it, named e.g. 'metrics')")
+        notes = (template.get("metadata") or {}).get("annotations") or {}
+        if notes.get("prometheus.io/scrape", "false") not in ("true", "false"):
+            errs.append(f"{group}: annotation prometheus.io/scrape must be \"true\" or \"false\"")
+        if notes.get("prometheus.io/scrape") == "true":
+            port = notes.get("prometheus.io/port", "")
+            if not port.isdigit() or int(port) not in numbers:
+                errs.append(f"{group}: annotation prometheus.io/port {port!r} is not a container port")
+            if not notes.get("prometheus.io/path", "/metrics").startswith("/"):
+                errs.append(f"{group}: annotation prometheus.io/path must start with '/'")
+    return errs
 
 
 def document_errors(doc: Any) -> list[str]:

@@ -1,18 +1,21 @@
-"""raypd's security posture for Ray pods, and the Pod Security Standards level a pod meets.
+"""raypd's own security rules for Ray pods, and the Pod Security Standards level a pod meets.
 
 `security_errors(doc)` checks a RayService / RayCluster / RayJob (every pod template KubeRay
-turns into Pods, the RayJob's submitter pod included):
+turns into Pods, the RayJob's submitter pod included) for what generic checks cannot know:
 
   cluster    authOptions.mode token (Ray token authentication; KubeRay's own rules: Ray >= 2.52,
              enableK8sTokenAuth only on a standalone RayCluster, with mode token and without
-             secretName); the head Service not exposed (no LoadBalancer/NodePort, no ingress).
-  pod        no hostNetwork/hostPID/hostIPC; runAsNonRoot and no uid 0; seccomp RuntimeDefault or
-             Localhost; no service-account token unless the in-tree autoscaler needs it (head).
-  container  not privileged; allowPrivilegeEscalation false; capabilities drop ALL and add at most
-             IPC_LOCK, only where UCX_TLS names an RDMA transport (memory registration);
-             readOnlyRootFilesystem with an emptyDir at /tmp.
+             secretName); the head Service not exposed (no LoadBalancer/NodePort, no ingress);
+             a RayJob's submitter pod given (KubeRay's default one has no securityContext).
+  container  no uid 0; capabilities add at most IPC_LOCK, and only where UCX_TLS names an RDMA
+             transport (memory registration); a read-only root has an emptyDir at /tmp (Ray's
+             session dir).
   API keys   (RayService, RayCluster) every Ray container gets RAYPD_API_KEYS from a Secret
              (secretKeyRef), never as a literal value.
+
+The generic hardening (no host namespaces, non-root, seccomp, not privileged, no privilege
+escalation, capabilities dropped, read-only root, no service-account token) is checkov's
+(checkov_scan.py; the mapping is in docs/kubernetes.md).
 
 `pod_security_level(pod_spec)` is the Pod Security Standards profile (kubernetes.io/docs/
 concepts/security/pod-security-standards) the pod meets: "restricted", "baseline" or
@@ -143,40 +146,22 @@ def pod_security_level(spec: dict) -> str:
 
 
 # ------------------------------------------------------------- raypd's posture
-def pod_posture_errors(spec: dict, where: str, *, token_mount_ok: bool = False) -> list[str]:
+def pod_posture_errors(spec: dict, where: str) -> list[str]:
+    """raypd's own container rules (the generic hardening is checkov's: checkov_scan.py)."""
     errs = []
-    for field in ("hostNetwork", "hostPID", "hostIPC"):
-        if spec.get(field):
-            errs.append(f"{where}.{field}: must not share the node's namespaces")
     pod_sc = _sc(spec)
-    if not token_mount_ok and spec.get("automountServiceAccountToken") is not False:
-        errs.append(f"{where}.automountServiceAccountToken: set false (Ray pods never call the Kubernetes API)")
     for cw, c in containers(spec):
         cwhere, sc = f"{where}.{cw} ({c.get('name')})", _sc(c)
-        caps = sc.get("capabilities") or {}
-        if not (pod_sc.get("runAsNonRoot") is True or sc.get("runAsNonRoot") is True) or sc.get("runAsNonRoot") is False:
-            errs.append(f"{cwhere}: runAsNonRoot must be true (pod or container securityContext)")
         if 0 in (pod_sc.get("runAsUser"), sc.get("runAsUser")):
             errs.append(f"{cwhere}: must not run as uid 0")
-        seccomp = (sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}).get("type")
-        if seccomp not in ("RuntimeDefault", "Localhost"):
-            errs.append(f"{cwhere}: seccompProfile must be RuntimeDefault (or Localhost), got {seccomp}")
-        if sc.get("privileged"):
-            errs.append(f"{cwhere}: must not be privileged")
-        if sc.get("allowPrivilegeEscalation") is not False:
-            errs.append(f"{cwhere}: allowPrivilegeEscalation must be false")
-        if "ALL" not in (caps.get("drop") or []):
-            errs.append(f"{cwhere}: capabilities must drop ALL")
-        added = set(caps.get("add") or [])
+        added = set((sc.get("capabilities") or {}).get("add") or [])
         if added - {ALLOWED_CAPABILITY}:
             errs.append(f"{cwhere}: adds {sorted(added - {ALLOWED_CAPABILITY})}; only {ALLOWED_CAPABILITY} "
                         f"(RDMA memory registration) may be added")
         if ALLOWED_CAPABILITY in added and not uses_rdma(c):
             errs.append(f"{cwhere}: {ALLOWED_CAPABILITY} without an RDMA transport in UCX_TLS "
                         f"(only RDMA memory registration needs it)")
-        if sc.get("readOnlyRootFilesystem") is not True:
-            errs.append(f"{cwhere}: readOnlyRootFilesystem must be true (write to emptyDirs at /tmp, /dev/shm)")
-        elif not _tmp_is_writable(spec, c):
+        if sc.get("readOnlyRootFilesystem") is True and not _tmp_is_writable(spec, c):
             errs.append(f"{cwhere}: a read-only root needs an emptyDir at /tmp (Ray's session dir)")
     return errs
 
@@ -227,12 +212,12 @@ def auth_errors(cluster: dict, where: str, kind: str) -> list[str]:
     return errs
 
 
-def _templates(cluster: dict, where: str) -> Iterator[tuple[str, dict, bool]]:
-    """(where, pod spec, is_head) of every group."""
+def _templates(cluster: dict, where: str) -> Iterator[tuple[str, dict]]:
+    """(where, pod spec) of every group."""
     head = cluster.get("headGroupSpec") or {}
-    yield f"{where}.headGroupSpec.template.spec", (head.get("template") or {}).get("spec") or {}, True
+    yield f"{where}.headGroupSpec.template.spec", (head.get("template") or {}).get("spec") or {}
     for i, g in enumerate(cluster.get("workerGroupSpecs") or []):
-        yield f"{where}.workerGroupSpecs[{i}].template.spec", (g.get("template") or {}).get("spec") or {}, False
+        yield f"{where}.workerGroupSpecs[{i}].template.spec", (g.get("template") or {}).get("spec") or {}
 
 
 def cluster_security_errors(cluster: Any, where: str, kind: str, *, serving: bool) -> list[str]:
@@ -246,9 +231,8 @@ def cluster_security_errors(cluster: Any, where: str, kind: str, *, serving: boo
     if head.get("enableIngress"):
         errs.append(f"{where}.headGroupSpec.enableIngress: would expose the dashboard; reach it with kubectl "
                     f"port-forward")
-    autoscaling = bool(cluster.get("enableInTreeAutoscaling"))
-    for twhere, spec, is_head in _templates(cluster, where):
-        errs += pod_posture_errors(spec, twhere, token_mount_ok=is_head and autoscaling)
+    for twhere, spec in _templates(cluster, where):
+        errs += pod_posture_errors(spec, twhere)
         if serving:
             errs += api_key_errors(spec, twhere)
     return errs
@@ -275,8 +259,9 @@ def security_errors(doc: Any) -> list[str]:
     return []
 
 
-def pod_specs(doc: Any) -> Iterator[tuple[str, dict]]:
-    """(group name, pod spec) of every pod a Ray document makes (for the Pod Security level)."""
+def pod_templates(doc: Any) -> Iterator[tuple[str, dict]]:
+    """(group name, pod template) of every Pod KubeRay makes from a Ray document (head, worker
+    groups, a RayJob's submitter)."""
     if not isinstance(doc, dict):
         return
     spec = doc.get("spec") or {}
@@ -284,11 +269,17 @@ def pod_specs(doc: Any) -> Iterator[tuple[str, dict]]:
                "RayJob": spec.get("rayClusterSpec")}.get(doc.get("kind"))
     if isinstance(cluster, dict):
         head = cluster.get("headGroupSpec") or {}
-        yield "head", (head.get("template") or {}).get("spec") or {}
+        yield "head", head.get("template") or {}
         for g in cluster.get("workerGroupSpecs") or []:
-            yield str(g.get("groupName")), (g.get("template") or {}).get("spec") or {}
+            yield str(g.get("groupName")), g.get("template") or {}
     if doc.get("kind") == "RayJob" and spec.get("submitterPodTemplate"):
-        yield "submitter", spec["submitterPodTemplate"].get("spec") or {}
+        yield "submitter", spec["submitterPodTemplate"]
+
+
+def pod_specs(doc: Any) -> Iterator[tuple[str, dict]]:
+    """(group name, pod spec) of every pod a Ray document makes (for the Pod Security level)."""
+    for name, template in pod_templates(doc):
+        yield name, template.get("spec") or {}
 
 
 def document_security_level(doc: Any) -> tuple[str, list[str]] | None:

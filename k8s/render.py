@@ -280,7 +280,7 @@ def _switch_backend(args: dict, backend: str, accel: str) -> None:
         args.update(rest)
         for role in ROLES:
             group = args.get(role, {})
-            group.pop("num_blocks", None)  # synthetic only
+            group.pop("synthetic", None)  # the synthetic backend's KV cache
             if accel == "cpu":
                 group.pop("block_size", None)  # vLLM's CPU attention wants multiples of 32: use its default
     else:

@@ -10,10 +10,10 @@ crd_errors       (crd.py) RayService/RayCluster/RayJob against the KubeRay CRD's
                  schema (k8s/kuberay_crds, vendored), strict like `kubectl apply`.
 core_errors      (kube_rules.py) the core Kubernetes rules for the pod templates KubeRay turns
                  into Pods, and the KubeRay operator's own checks.
-security_errors  (posture.py) Ray token auth (authOptions), no exposed head Service, and the
-                 pod hardening raypd ships: non-root, no privilege escalation, capabilities
-                 dropped (IPC_LOCK only for RDMA), RuntimeDefault seccomp, read-only root with
-                 /tmp writable, no service-account token, API keys only from a Secret.
+security_errors  (posture.py) raypd's own security rules: Ray token auth (authOptions), no
+                 exposed head Service, no uid 0, IPC_LOCK the only added capability and only
+                 for RDMA, /tmp writable under a read-only root, API keys only from a Secret.
+                 The generic pod hardening is checkov's (checkov_scan.py).
 document_errors  (policies.py) NetworkPolicy, PodMonitor and Secret against small schemas of
                  our own plus their rules; Ray pods' metrics port and prometheus.io annotations.
 raypd_errors     the raypd deployment inside a RayService: Ray Serve's schema for
@@ -25,7 +25,7 @@ raypd_errors     the raypd deployment inside a RayService: Ray Serve's schema fo
                  folder on a volume, /dev/shm, UCX. For a RayJob: its `raypd bench` entrypoint
                  parses with raypd's own CLI parser and takes its API key from the environment.
 
-Across all documents given (ray_pod_fit.release_errors): the NetworkPolicies / PodMonitors /
+Across all documents given (release_fit.release_errors): the NetworkPolicies / PodMonitors /
 Secrets fit the Ray pods they are for. The CLI also prints, per Ray document, the Pod
 Security Standards level its pods meet (the namespace's enforce level must allow it).
 """
@@ -54,8 +54,8 @@ if str(K8S_DIR) not in sys.path:
 from crd import crd_errors  # noqa: E402
 from kube_rules import core_errors, parse_quantity  # noqa: E402
 from policies import KINDS as POLICY_KINDS, document_errors  # noqa: E402
-from ray_pod_fit import release_errors  # noqa: E402
 from posture import API_KEYS_ENV, document_security_level, security_errors  # noqa: E402
+from release_fit import release_errors  # noqa: E402
 from render import IMPORT_PATH, ROLES, parse_ray_resources_param  # noqa: E402
 
 GPU = "nvidia.com/gpu"

@@ -5,9 +5,9 @@
 estimates from the priors). `chunked_prefill_budget` is the one piece of that model the
 deployment config needs itself: the vLLM chunk budget a decode-capable engine gets, from
 the rates its role's live engines measured (`MeasuredRates`) or else from the priors
-(`PlacementConfig.chunk_budget`, called by `DeploymentConfig.chunk_budget_of`). They live here, beside serving/config.py and
-importing nothing of serving/, so that the config module stays the ground floor that the
-routing layer imports, never the other way round.
+(`PlacementConfig.chunk_budget`, called by `DeploymentConfig.chunk_budget_of`). They live here,
+beside serving/config.py and importing nothing of serving/, so that the config module stays the
+ground floor that the routing layer imports, never the other way round.
 """
 
 from __future__ import annotations
@@ -17,43 +17,63 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-# vLLM's max_num_batched_tokens for an engine raypd starts (AsyncLLM, UsageContext.ENGINE_CONTEXT):
-# SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS on a CPU and a GPU alike (vLLM 0.32; the larger
-# defaults of H100-class GPUs are those of the LLM class and `vllm serve`, not of an AsyncLLM)
-VLLM_DEFAULT_BUDGET = 2048
+from actors.config_base import StrictModel
+from actors.engine.config import RatePriors
 
 
-class PlacementConfig(BaseModel):
-    """Targets, weights, and the priors the rate estimator starts from (`serving.routing.rates`)."""
+def __getattr__(name: str) -> Any:
+    """`VLLM_DEFAULT_BUDGET`: `vllm serve`'s max_num_batched_tokens for a one-rank engine on this host,
+    read from vLLM's table on first use (`vllm_default_budget`), never a number written here."""
+    if name == "VLLM_DEFAULT_BUDGET":
+        return vllm_default_budget({})
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    ttft_target_s: float = Field(1.0, gt=0)  # floor of the TTFT target
-    ttft_slowdown: float = Field(3.0, ge=0)  # target >= this x the prompt's idle compute time (0: floor only)
-    itl_target_s: float = Field(0.25, gt=0)  # per-step gap of the streams already decoding
-    first_gap_target_s: float = Field(1.0, gt=0)  # this request's first->second token gap
-    ttft_weight: float = Field(1.0, ge=0)
-    itl_weight: float = Field(1.0, ge=0)  # one stream-second of stall vs one second of TTFT excess
-    remote_first_token_overhead_s: float = Field(0.03, ge=0)  # the remote path's extra before token one
-    # priors, used until engines report samples (any machine, any model: samples replace them in seconds)
-    prior_prefill_tokens_per_s: float = Field(400.0, gt=0)
-    prior_step_s: float = Field(0.05, gt=0)  # a decode step's fixed part
-    prior_step_per_stream_s: float = Field(0.001, gt=0)  # ...and its growth per stream in the batch
-    prior_transfer_tokens_per_s: float = Field(20000.0, gt=0)
-    prior_transfer_overhead_s: float = Field(0.1, gt=0)
-    default_chunk_budget_tokens: int = Field(VLLM_DEFAULT_BUDGET, ge=1)  # when an engine's is unknown
-    # online learning: exponentially weighted, by age
-    rate_half_life_s: float = Field(60.0, gt=0)
-    transfer_half_life_s: float = Field(120.0, gt=0)
-    prior_weight: float = Field(1.0, gt=0)  # the priors count as this many average samples
-    min_history_weight: float = Field(4.0, ge=0)  # idle time never decays what was learned below this
-    # a stream's mean inter-token gap: at most this x its decode engine's bare step (or itl_target_mean)
-    mean_itl_slowdown: float = Field(1.5, ge=1.0)
-    itl_target_mean_s: float = Field(0.0, ge=0)
-    prefill_busy_window_s: float = Field(10.0, gt=0)  # how far back an engine's prefill share is measured
-    max_prefill_busy: float = Field(0.9, gt=0, lt=1)
+class SloTargets(StrictModel):
+    """The deployment's TTFT and ITL targets: one pair, read by the router's placement model
+    (`router.slo`, which carries them) and by the autoscaler (as factors of them)."""
+
+    ttft_target_s: float = Field(1.0, gt=0, description=(
+        "time to first token a request should get: the floor of its target (see `ttft_slowdown`)"))
+    itl_target_s: float = Field(0.25, gt=0, description=(
+        "the longest gap one step may put between two tokens of the streams already decoding (a local "
+        "prefill chunk included); also sets the chunk budget raypd gives CPU engines"))
+
+
+class PlacementConfig(RatePriors, SloTargets):
+    """The SLO targets, the placement model's weights, and the priors the rate estimator starts from
+    (`serving.routing.rates`)."""
+
+    ttft_slowdown: float = Field(3.0, ge=0, description=(
+        "a request's TTFT target is at least this x its prompt's prefill time on the fastest engine "
+        "(0: `ttft_target_s` alone)"))
+    first_gap_target_s: float = Field(1.0, gt=0, description="a request's own first->second token gap target")
+    ttft_weight: float = Field(1.0, ge=0, description="the weight of one second of TTFT over its target")
+    itl_weight: float = Field(1.0, ge=0, description=(
+        "the weight of one stream-second of decode stall (against one second of TTFT excess)"))
+    remote_first_token_overhead_s: float = Field(0.03, ge=0, description=(
+        "what the disaggregated path adds before the first token (the hop to the prefill engine and back)"))
+    prior_transfer_tokens_per_s: float = Field(20000.0, gt=0, description=(
+        "prior of a KV pull's rate, until the router measured a pair's pulls"))
+    prior_transfer_overhead_s: float = Field(0.1, gt=0, description="prior of a KV pull's fixed cost")
+    default_chunk_budget_tokens: int | None = Field(None, ge=1, description=(
+        "an engine's chunk budget (vLLM's max_num_batched_tokens) while it published none (unset: "
+        "`vllm serve`'s default on the host that asks, from vLLM's table)"))
+    transfer_half_life_s: float = Field(120.0, gt=0, description=(
+        "half-life of a pair's KV pull samples in the router's fit"))
+    mean_itl_slowdown: float = Field(1.5, ge=1.0, description=(
+        "a stream's mean inter-token gap target: this x its decode engine's bare step (or "
+        "`itl_target_mean_s`, the larger)"))
+    itl_target_mean_s: float = Field(0.0, ge=0, description="a stream's mean inter-token gap target (0: none)")
+    max_prefill_busy: float = Field(0.9, gt=0, lt=1, description=(
+        "the cap on the share of an engine's time the model counts as prefilling (what stretches the "
+        "inter-token gaps of the streams placed there)"))
+
+    def chunk_budget_fallback(self) -> int:
+        """The budget assumed for an engine that published none (`default_chunk_budget_tokens`)."""
+        return self.default_chunk_budget_tokens or vllm_default_budget({})
 
     def chunk_budget(self, measured: MeasuredRates | None, max_num_seqs: int, block_size: int) -> ChunkBudget:
         """The chunk budget that keeps a step with a prefill chunk within `itl_target_s`, at the rates
@@ -91,11 +111,13 @@ def chunked_prefill_budget(step_time_s: float, prefill_rate: float, itl_target_s
     return max(floor, min(max_tokens, blocks))
 
 
-def vllm_default_budget(engine_kwargs: Mapping[str, Any]) -> int:
-    """vLLM's own max_num_batched_tokens for an engine raypd starts with these engine arguments
-    (none of them setting it): `VLLM_DEFAULT_BUDGET`, doubled by `performance_mode: throughput`
-    as vLLM does (`EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`)."""
-    return VLLM_DEFAULT_BUDGET * (2 if engine_kwargs.get("performance_mode") == "throughput" else 1)
+def vllm_default_budget(engine_kwargs: Mapping[str, Any], world_size: int = 1) -> int:
+    """`vllm serve`'s max_num_batched_tokens on this host for an engine of `world_size` ranks with these
+    engine arguments (none of them setting it): vLLM's own table, doubled by `performance_mode:
+    throughput` as vLLM does (`actors.engine.vllm.serve_defaults`)."""
+    from actors.engine.vllm.serve_defaults import serve_batch_defaults
+
+    return serve_batch_defaults(world_size, engine_kwargs.get("performance_mode")).max_num_batched_tokens
 
 
 @dataclass(frozen=True)

@@ -31,3 +31,19 @@ def coordinator(ray_cluster):
     ray_cluster.get(handle.ping.remote())
     yield handle
     ray_cluster.kill(handle)
+
+
+@pytest.fixture(autouse=True)
+def no_false_kills(request):
+    """Fails a test that saw the coordinator kill an engine (hung, or past its start-up deadline) unless
+    it is marked `injects_faults` (tests/kill_guard.py). Reads nothing in a process without Ray."""
+    from kill_guard import false_kills, read_kills
+
+    if request.node.get_closest_marker("injects_faults") is not None:
+        yield
+        return
+    before = read_kills()
+    yield
+    problem = false_kills(before, read_kills(), injects_faults=False)
+    if problem is not None:
+        pytest.fail(problem)

@@ -22,11 +22,12 @@ import ray
 from actors.actor_restart import reconstructed
 from actors.kv.aggregator import KVConnectorOutput
 from actors.control.handoff_desk import HandoffDesk
-from actors.control.ledger import BreakerConfig, LedgerSnapshot, TransferLedger, Verdict
+from actors.control.breaker_config import BreakerConfig
+from actors.control.ledger import LedgerSnapshot, TransferLedger, Verdict
 from actors.control.liveness import Liveness
-from actors.control.startup_watch import DEFAULT_STARTUP_DEADLINE_S, StartupWatch
+from actors.control.startup_watch import StartupDeadline, StartupWatch
 from actors.control.route_book import RouteBook
-from actors.control.ledger_records import ControlStats, LedgerBatch
+from actors.control.ledger_records import ControlStats, EngineKills, LedgerBatch
 from actors.protocol.registration import EngineInfo, EngineSummary
 from actors.ray_names import COORDINATOR_NAME, NAMESPACE
 from actors.routes import EngineRates, RouteDelta, RouteTable
@@ -40,57 +41,49 @@ logger = logging.getLogger("raypd.coordinator")
 class Coordinator:
     """Life cycle of an engine incarnation as the coordinator sees it:
 
-      register_engine     every rank's handshake payload is decoded and checked (protocol, compat
-                          hash, sizes); the engine is refused if its model id is known under another
-                          compatibility hash; every (prefill, decode) pair it forms is judged once and
-                          the verdict (ok or the reason) is kept for the routers. Each registration is
-                          a new incarnation (`generation`);
-      watch               one pending `watch()` call per liveness handle (the engine actor, its rank
-                          actors) that only ends when that actor dies: death is an event, not something
-                          found by pinging. Hangs are found by probing (`actors.control.liveness`): a
-                          sweep every `hang_check_s`, and at once when a router reports a missed
-                          deadline (`engine_hung`); a hung incarnation is evicted and killed, so that
-                          Ray restarts it;
-      evict               a dead or hung incarnation is removed: its pairs' breakers open, its handoffs
-                          end (the prefill side is told to let go), every decode engine drops its NIXL
-                          agents, and the engine's own `watch_registration` call returns so it
-                          re-registers once it can (a restarted engine always meets a fresh handshake);
-      start-up deadline   an evicted engine (not draining) must register again within `startup_deadline_s`
-                          (Ray restarts it); a restart that hangs before it registers (no probe reaches
-                          it) is killed for restart again past its deadline, counted (`startup_timeouts`)
-                          and awaited anew; unregistering or a dead-for-good actor ends it (`startup_watch`);
+      register_engine     every rank's handshake payload is decoded and checked (protocol, compat hash,
+                          sizes); the engine is refused if its model id is known under another compatibility
+                          hash; every (prefill, decode) pair it forms is judged once and the verdict (ok or
+                          the reason) is kept for the routers. Each registration is a new incarnation;
+      watch               one pending `watch()` call per liveness handle (the engine actor, its rank actors)
+                          that only ends when that actor dies: death is an event, not found by pinging.
+                          Hangs are found by probing (`actors.control.liveness`): a sweep every
+                          `hang_check_s`, and at once when a router reports a missed deadline
+                          (`engine_hung`); a hung incarnation is evicted and killed for restart (`kills`);
+      evict               a dead or hung incarnation is removed: its pairs' breakers open, its handoffs end
+                          (the prefill side is told to let go), every decode engine drops its NIXL agents,
+                          and the engine's `watch_registration` call returns so it re-registers once it can
+                          (a restarted engine always meets a fresh handshake);
+      start-up deadline   an evicted engine (not draining) must register again within its start-up deadline
+                          (fixed, or a multiple of the measured start); a restart that hangs before it
+                          registers is killed for restart again past it, counted (`startup_timeouts`) and
+                          awaited anew; unregistering or a dead-for-good actor ends it; a restarted
+                          coordinator awaits the engine actors that do not register again (`startup_watch`);
       handshake_payloads  decode ranks fetch exactly the payloads they need;
       routes              routers fetch live decode engines -> usable prefill engines with every pair's
-                          breaker (the ledger owns the breakers); the table is built once per change
-                          (`RouteBook`) and `routes_if_changed` answers a router whose copy is current
-                          with nothing.
+                          breaker (the ledger's); the table is built once per change (`RouteBook`) and
+                          `routes_if_changed` answers a router whose copy is current with nothing.
 
     Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the records an engine
-    coalesced since its last batch (handoffs opened and aborted, per-unit outcomes, salvage, handshake
-    failures), applied in its order, one batch in flight per engine (`actors.engine.ledger_reporter`).
-    The single-record methods (`open_handoff`, `report_outcomes`...) remain for tools and tests;
-    engines and routers send all of these fire-and-forget or from background tasks.
+    coalesced since its last batch, applied in its order, one batch in flight per engine
+    (`actors.engine.ledger_reporter`). The single-record methods (`open_handoff`, `report_outcomes`...)
+    remain for tools and tests; engines and routers send all of these fire-and-forget.
 
-    Routing state it owns besides the directory:
-
-      kv_events           a registered engine's relayed KV cache events feed the prefix index (one
-                          owner); routers replicate it with `prefix_index_updates`; an engine's
-                          entries go with it;
-      set_draining        routers stop choosing the engine (`routes()` leaves it out); the autoscaler
-                          stops it once idle.
-
-    If the coordinator itself restarts (Ray restarts it), engines see their
-    `watch_registration` call fail and register again with the new incarnation.
+    Routing state it owns besides the directory: `kv_events` (a registered engine's relayed KV cache
+    events feed the prefix index; routers replicate it with `prefix_index_updates`) and `set_draining`
+    (routers stop choosing the engine; the autoscaler stops it once idle). If the coordinator itself
+    restarts, engines see their `watch_registration` call fail and register again.
     """
 
     def __init__(self, hang_check_s: float = 10.0, ping_timeout_s: float = 10.0,
                  handoff_deadline_s: float = 60.0, breaker: dict | BreakerConfig | None = None,
-                 probe_failure_threshold: int = 2, startup_deadline_s: float = DEFAULT_STARTUP_DEADLINE_S):
+                 probe_failure_threshold: int = 2, startup_deadline_s: float | None = None,
+                 startup: StartupDeadline | None = None):
         self.ledger = TransferLedger(BreakerConfig.model_validate(breaker or {}), deadline_s=handoff_deadline_s)
         self.liveness = Liveness(self._evict, timeout_s=ping_timeout_s, interval_s=hang_check_s,
                                  failure_threshold=probe_failure_threshold)
         self._engines: dict[str, EngineEntry] = {}
-        self.startups = StartupWatch(startup_deadline_s, on_event=self._event)  # restarted engines awaited
+        self.startups = StartupWatch(startup_deadline_s, on_event=self._event, policy=startup, registered=self._engines)
         self._model_hash: dict[str, str] = {}
         self.book = RouteBook(self.ledger)  # the pairs and the routers' table
         self._generation = 0
@@ -106,7 +99,8 @@ class Coordinator:
 
     async def configure(self, breaker: dict | None = None, handoff_deadline_s: float | None = None,
                         probe_interval_s: float | None = None, probe_timeout_s: float | None = None,
-                        probe_failure_threshold: int | None = None, startup_deadline_s: float | None = None) -> None:
+                        probe_failure_threshold: int | None = None, startup_deadline_s: float | None = None,
+                        startup: StartupDeadline | None = None) -> None:
         """Cluster-wide settings of the ledger, the liveness probes and the start-up deadline (the
         last deployment launched sets them; pairs whose breaker already exists keep theirs)."""
         if breaker is not None:
@@ -119,6 +113,8 @@ class Coordinator:
             self.liveness.timeout_s = probe_timeout_s
         if probe_failure_threshold is not None:
             self.liveness.failure_threshold = probe_failure_threshold
+        if startup is not None:
+            self.startups.policy = startup
         if startup_deadline_s is not None:
             self.startups.deadline_s = startup_deadline_s
 
@@ -149,7 +145,7 @@ class Coordinator:
         self._generation += 1
         entry = EngineEntry(engine_id, role, ranks, raw, list(handles or []), info or EngineInfo(), self._generation)
         self._engines[engine_id] = entry
-        self.startups.registered(engine_id)  # back: no start-up deadline pending
+        self.startups.registered(engine_id, entry.info.start_s)  # back: no start-up deadline pending
         self._model_hash[model] = chash
         entry.watchers = [asyncio.get_running_loop().create_task(self._watch(entry, h)) for h in entry.handles]
         pairs = self.book.add(entry, self._engines)
@@ -355,7 +351,12 @@ class Coordinator:
                             c["kv_events"], c["kv_blocks"], sum(self.prefix_index.engines().values()),
                             self.book.builds, c["route_calls"], c["route_unchanged"],
                             dict(self.startups.timeouts), self.startups.pending(),
-                            self.liveness.probe_failures, self.liveness.busy_timeouts)
+                            self.liveness.probe_failures, self.liveness.busy_timeouts, self.startups.deadline_s,
+                            self.startups.measured_s)
+
+    async def kills(self) -> EngineKills:
+        """Engines this incarnation killed so far, by reason (cheap: the suite's false-kill guard reads it)."""
+        return EngineKills(dict(self.liveness.hangs), dict(self.startups.timeouts))
 
     async def recent_events(self, limit: int = 100) -> list[dict]:
         return self.events[-limit:]

@@ -17,23 +17,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from actors.control.breaker_config import BreakerConfig
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
 from actors.control.breaker import CircuitBreaker
 from actors.routes import BreakerState, PairState
 
 Pair = tuple[str, str]  # (decode, prefill)
-
-
-class BreakerConfig(BaseModel):
-    """Per (prefill, decode) pair; the deployment file's `breaker:` section."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    failure_threshold: int = Field(3, ge=1)
-    cooldown_s: float = Field(10.0, gt=0)
-    probe_window_s: float = Field(5.0, gt=0)
 
 
 @dataclass(frozen=True)

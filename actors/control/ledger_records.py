@@ -110,3 +110,16 @@ class ControlStats:
     startups_awaited: dict[str, float] = field(default_factory=dict)
     probe_failures: int = 0  # liveness probes unanswered (or a stuck core), hung or not in the end
     probes_busy: int = 0  # probes unanswered while the engine called the coordinator: busy, not hung
+    startup_deadline_s: float = 0.0  # a restarted engine's start-up deadline now (fixed, or derived: `startup_watch`)
+    measured_start_s: float | None = None  # the longest start an engine reported at its registration
+
+
+@dataclass(frozen=True)
+class EngineKills:
+    """Engines this coordinator incarnation killed, per engine, by reason (`Coordinator.kills`)."""
+
+    hung: dict[str, int] = field(default_factory=dict)  # found hung by its probes (`liveness`)
+    startup_timeout: dict[str, int] = field(default_factory=dict)  # no registration by the start-up deadline
+
+    def total(self) -> int:
+        return sum(self.hung.values()) + sum(self.startup_timeout.values())

@@ -151,7 +151,7 @@ class EngineActor(CoordinatorLink):
             if self.cfg.backend == "vllm":
                 from actors.engine.vllm.compute_priority import lower_compute_priority
 
-                await asyncio.to_thread(lower_compute_priority, self.cfg.compute_nice)
+                await asyncio.to_thread(lower_compute_priority, self.cfg.cpu.compute_nice)
             self.startup.reached(KV_REGISTERED)
             if self._coordinator is not None:
                 self._kv_relay = relay_for(self.backend, self.engine_id, self._relay_kv_events)

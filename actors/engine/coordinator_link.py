@@ -18,6 +18,7 @@ import ray
 
 from actors.engine.config import EngineConfig
 from actors.engine.rates_publisher import RatesPublisher
+from actors.engine.startup import StartupLog
 from actors.protocol.backend import Backend
 from actors.protocol.registration import EngineInfo
 from actors.ray_names import NAMESPACE
@@ -34,6 +35,7 @@ class CoordinatorLink:
     coordinator_name: str | None
     closed: bool
     rates_publisher: RatesPublisher | None
+    startup: StartupLog
     _coordinator: Any
     _generation: int | None
     _handshakes: list[bytes]
@@ -56,7 +58,7 @@ class CoordinatorLink:
                 self.engine_id, self.cfg.role, handshakes,
                 [ray.get_runtime_context().current_actor] + self.backend.liveness_handles(),
                 EngineInfo(self.cfg.backend, self.cfg.model, os.getpid(),
-                           ray.get_runtime_context().get_node_id()),
+                           ray.get_runtime_context().get_node_id(), self.startup.start_s()),
             )
             self._generation, self._handshakes = reg.generation, handshakes
             if self.rates_publisher is not None:

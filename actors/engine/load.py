@@ -206,7 +206,7 @@ class LoadMeter:
         self._itl = _Latencies(window_s)
         self._prompt, self._output = _Ewma(), _Ewma()  # per decoded request
         self._arrivals = _Rate(window_s * 6, now)  # decode starts per second
-        self._given = _Rate(self.model.config.busy_window_s, now)  # prompt tokens given to prefill per second
+        self._given = _Rate(self.model.config.prefill_busy_window_s, now)  # prompt tokens given to prefill per second
 
     def prefill_started(self, req: Any) -> PrefillStart:
         n = _estimate_prompt_tokens(req)

@@ -16,12 +16,12 @@ def engine_actor_options(cfg: EngineConfig, max_restarts: int = 0) -> dict:
     `ping` (the liveness probe) must fail, not wait for the next incarnation.
     """
     env = {}
-    if cfg.cpu_bind:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
+    if cfg.cpu.bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu.bind
     if cfg.backend == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
-        if cfg.shm_busy_loop_s is not None:  # how vLLM's shared-memory readers wait (actors/engine/vllm/plugin.py)
-            env[BUSY_LOOP_ENV] = repr(cfg.shm_busy_loop_s)
+        if cfg.cpu.shm_busy_loop_s is not None:  # how vLLM's shared-memory readers wait (actors/engine/vllm/plugin.py)
+            env[BUSY_LOOP_ENV] = repr(cfg.cpu.shm_busy_loop_s)
         env.update(uniproc_env(cfg))  # engine_kwargs.distributed_executor_backend: uni (actors/engine/vllm/uniproc.py)
     return {
         "num_cpus": cfg.num_cpus,

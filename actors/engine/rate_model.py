@@ -41,7 +41,7 @@ class EngineRateModel:
         self.config, self.clock = config or RateModelConfig(), clock
         c, now = self.config, clock()
         self.prior = (c.prior_step_s, c.prior_step_per_stream_s, 1.0 / c.prior_prefill_tokens_per_s)
-        self._fit = RidgeFit(self.prior, ENGINE_FLOORS, c.half_life_s, c.prior_weight, c.min_history_weight, now)
+        self._fit = RidgeFit(self.prior, ENGINE_FLOORS, c.rate_half_life_s, c.prior_weight, c.min_history_weight, now)
         self._prefill_share = 0.0  # of the fit's sample weight, what carried prompt tokens (decay keeps it)
 
     def observe_step(self, seconds: float, decode_batch: int, prompt_tokens: int = 0, steps: int = 1,

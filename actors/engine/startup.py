@@ -41,6 +41,15 @@ class StartupLog:
     def failed(self, exc: BaseException) -> None:
         self.reached(FAILED, f"{type(exc).__name__}: {exc}"[:500])
 
+    def start_s(self) -> float:
+        """Seconds from the first phase (placed: the actor's creation) to the handshakes' publication
+        (its registration), or to now before that; 0 with no phase."""
+        with self._lock:
+            if not self._phases:
+                return 0.0
+            end = next((p.at for p in self._phases if p.phase == HANDSHAKE_PUBLISHED), time.time())
+            return end - self._phases[0].at
+
     def phases(self) -> list[StartPhase]:
         with self._lock:
             return list(self._phases)

@@ -1,6 +1,6 @@
 """Everything one rank does to move KV: the code path shared by vLLM and the synthetic engine.
 
-A reader rank plans a remote engine once per shape at first contact (`plan.pull_plan.plan_stage`),
+A reader rank plans a remote engine once per shape at first contact (`peer_book.PeerBook`),
 then posts one READ per source rank per pull, confirms the producers' leases (`lease.confirm`) and
 permutes the blocks into its own layout; a producer rank holds and releases leases
 (`lease.producer.LeaseKeeper`). Invariants: nothing reaches the wire unless every block id is
@@ -22,24 +22,22 @@ import torch
 
 from actors.kv.lease.confirm import EXPIRED, MISSING, Confirmer, SourceConfirm
 from actors.kv.plan.descriptors import checked_block_ids
-from actors.kv.transfer_errors import HandshakeError, KVTransferError
+from actors.kv.transfer_errors import KVTransferError
 from actors.kv.faults import NO_FAULTS, FaultPolicy, InjectedFault
-from actors.kv.handshake import CompatInfo, RankHandshake, decode_handshake
+from actors.kv.handshake import CompatInfo, RankHandshake
 from actors.kv.lease.integrity import check_mode
-from actors.kv.plan.layout import CacheGeometry, compatible_geometry, to_local_layout
+from actors.kv.plan.layout import CacheGeometry, to_local_layout
 from actors.kv.lease.lease_board import lease_tag
 from actors.kv.lease.notify import ReaderNotice
 from actors.kv.lease.producer import LeaseKeeper, new_board
-from actors.kv.plan.pull_plan import PeerKey, PeerPlan, StagePlan, plan_stage
+from actors.kv.peer_book import HandshakeDirectory, PeerBook
+from actors.kv.plan.pull_plan import PeerKey, PeerPlan, StagePlan
 from actors.kv.plan.pull_types import (INTEGRITY, LEASE_ENDED, NO_LEASE_RECORD, PullRequest, PullTiming, RankIdentity,
                                   Shape, StepResult)
 from actors.kv.plan.topology import TransferTopology, rank_global_heads
 from actors.kv.transport import TransportBase
 
 logger = logging.getLogger("raypd.transfer")
-
-# (engine id, pp rank, tp ranks) -> encoded handshake payloads of those ranks
-HandshakeDirectory = Callable[[str, int, list[int]], list[bytes]]
 
 
 @dataclass
@@ -111,8 +109,7 @@ class RankTransfer:
         self.keeper = LeaseKeeper(geometry, planes, head0, verify, self.board, faults, clock, early_notice_ttl_s)
         self.leases = self.keeper.leases
         self.confirmer = Confirmer(transport, geometry.num_blocks, verify, with_sums=verify != "off")
-        self._confirms: dict[PeerKey, SourceConfirm] = {}
-        self._plans: dict[Shape, PeerPlan] = {}
+        self.peers = PeerBook(identity.reader_name, geometry, compat, transport, self.topology, self.confirmer)
         self._pulls: dict[str, _Pull] = {}
         self.timings: dict[str, PullTiming] = {}  # the last finished pulls (bounded)
         self.integrity = {"checked_blocks": 0, "mismatched_pulls": 0, "unverifiable": 0}
@@ -129,48 +126,12 @@ class RankTransfer:
 
     # -------------------------------------------------------------- handshake
     def connect(self, shape: Shape, directory: HandshakeDirectory) -> PeerPlan:
-        """First contact with a remote engine of this shape: fetch payloads, add peers,
-        connect, prepare descriptor lists. Cached; later requests only look it up."""
-        plan = self._plans.get(shape)
-        if plan is not None:
-            return plan
-        engine_id, tp_size, pp_size, dcp_size = shape
-        if any(s[0] == engine_id for s in self._plans):  # another shape: a restarted engine
-            self.drop_engine(engine_id)
-        self.topology.unregister_remote_engine(engine_id)
-        targets = self.topology.handshake_target_ranks(tp_size, dcp_size)
-        stages = []
-        for pp_rank in range(pp_size):
-            payloads = directory(engine_id, pp_rank, targets)
-            if len(payloads) != len(targets):
-                raise HandshakeError("ranks", f"asked for ranks {targets}, got {len(payloads)} payloads")
-            peers: dict[int, RankHandshake] = {}
-            for data in payloads:
-                hs = decode_handshake(data, expect_compat_hash=self.compat.compat_hash())
-                if (hs.engine_id, hs.pp_rank, hs.tp_size, hs.dcp_size) != (engine_id, pp_rank, tp_size, dcp_size):
-                    raise HandshakeError("engine_id", f"payload of {hs.key} does not match the request")
-                compatible_geometry(self.geometry, hs.geometry)
-                self.transport.add_peer(hs)
-                peers[hs.tp_rank] = hs
-            stage = plan_stage(self.topology, self.transport, self.geometry, engine_id, pp_rank, peers)
-            for src in stage.reads:
-                self._confirms[src.key] = self.confirmer.prepare(
-                    len(stages) * 64 + stage.reads.index(src), src, peers[src.key[2]].board, src.all_layers,
-                    src.local_heads, src.remote_heads, src.remote_head0)
-            stages.append(stage)
-            # replicated: ranks holding the same KV are read once, the others only notified
-            logger.info("%s connected to %s: %s, replicated=%s", self.identity.reader_name, engine_id,
-                        self.topology.describe(engine_id, pp_rank),
-                        self.topology.replicates_kv_cache(engine_id, pp_rank))
-        plan = self._plans[shape] = PeerPlan(engine_id, tuple(stages))
-        return plan
+        """First contact with a remote engine of this shape (`PeerBook.connect`); cached."""
+        return self.peers.connect(shape, directory)
 
     def refresh_peers(self, agents: dict[PeerKey, str]) -> None:
         """Forget an engine whose ranks now answer under other agent names (it restarted)."""
-        for key, name in agents.items():
-            if self.transport.has_peer(key) and self.transport.peer(key).agent_name != name:
-                self.drop_engine(key[0])
-                return
+        self.peers.refresh(agents)
 
     # ---------------------------------------------------------------- reader
     def _notice(self, pull: _Pull, req_id: str, consumers: int, ok: bool) -> bytes:
@@ -221,6 +182,12 @@ class RankTransfer:
             for key in stage.notify:
                 self._send_quietly(key, self._notice(pull, req_id, 1, False))
 
+    def fail_pull(self, req_id: str, reason: str) -> None:
+        """End a pull now as failed: the next `step` reports it and tells its producers, as for a
+        pull the transport failed."""
+        if req_id in self._pulls:
+            self.transport.fail_request(req_id, reason)
+
     def cancel(self, req_id: str) -> None:
         self._pulls.pop(req_id, None)
         self.transport.cancel(req_id)
@@ -251,7 +218,7 @@ class RankTransfer:
         return pull.req.remote_request_id or req_id
 
     def _read_sources(self, pull: _Pull) -> list[SourceConfirm]:
-        return [self._confirms[src.key] for stage in pull.plan.stages for src in stage.reads]
+        return [self.peers.confirms[src.key] for stage in pull.plan.stages for src in stage.reads]
 
     def _confirm(self, req_id: str, pull: _Pull) -> None:
         """READ every source's lease record (and the checksums we check)."""
@@ -363,12 +330,7 @@ class RankTransfer:
     # ------------------------------------------------------------- lifecycle
     def drop_engine(self, engine_id: str) -> int:
         """Forget a remote engine (it died or restarted): plans, topology, peers."""
-        for shape in [s for s in self._plans if s[0] == engine_id]:
-            del self._plans[shape]
-        for key in [k for k in self._confirms if k[0] == engine_id]:
-            del self._confirms[key]
-        self.topology.unregister_remote_engine(engine_id)
-        return self.transport.remove_engine(engine_id)
+        return self.peers.drop_engine(engine_id)
 
     @property
     def pulls_in_flight(self) -> int:

@@ -39,6 +39,7 @@ class _Pending:
     handles: list[tuple[PeerKey, Any]]
     started: float
     failed: str | None = None
+    nbytes: int = 0  # posted so far: the read deadline grows with them
 
 
 @dataclass
@@ -81,12 +82,14 @@ class TransportBase:
     """
 
     def __init__(self, name: str, geometry: CacheGeometry, read_timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, min_link_mbps: float = 0.0):
         if read_timeout_s <= 0:
             raise TransferSetupError(f"read_timeout_s must be > 0, got {read_timeout_s}")
         self.name = name
         self.geometry = geometry
         self.read_timeout_s = read_timeout_s
+        # the slowest link a READ may cross without failing: its bytes at that rate extend the deadline
+        self._seconds_per_byte = 8.0 / (min_link_mbps * 1e6) if min_link_mbps > 0 else 0.0
         self._clock = clock
         self._peers: dict[PeerKey, RankHandshake] = {}
         self._local: dict[tuple[DescTable, str | None], Any] = {}
@@ -199,10 +202,16 @@ class TransportBase:
             pending.failed = pending.failed or f"read setup from {key} failed: {exc}"
             raise
         pending.handles.append((key, handle))
+        pending.nbytes += nbytes
         self.stats.reads_posted += 1
         self.stats.descriptors_posted += int(li.size)
         self.stats.spans_posted += int(li.size) if spans is None else int(spans)
         self.stats.bytes_posted += nbytes
+
+    def read_deadline_s(self, nbytes: int) -> float:
+        """How long a request's READs of `nbytes` may take: `read_timeout_s` plus the bytes at the
+        slowest link allowed, so a slow link is not mistaken for a dead peer."""
+        return self.read_timeout_s + nbytes * self._seconds_per_byte
 
     def fail_request(self, req_id: str, reason: str) -> None:
         """Mark a request failed (e.g. a later read of it could not be set up)."""
@@ -225,8 +234,9 @@ class TransportBase:
                     if state == "ERR" and pending.failed is None:
                         pending.failed = f"read from {key} failed"
                     states.append(state)
-            if pending.failed is None and now - pending.started > self.read_timeout_s:
-                pending.failed = f"reads not done after {self.read_timeout_s:.1f}s"
+            limit = self.read_deadline_s(pending.nbytes)
+            if pending.failed is None and now - pending.started > limit:
+                pending.failed = f"reads not done after {limit:.1f}s"
             if pending.failed is not None:
                 result.failed[req_id] = pending.failed
             elif states and all(s == "DONE" for s in states):

@@ -17,6 +17,7 @@ class EngineInfo:
     model: str = ""
     pid: int = 0
     node_id: str = ""  # the Ray node its process runs on (a hung one is killed there too: `liveness`)
+    start_s: float = 0.0  # its actor's creation to its first registration (the start-up deadline follows it)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from typing import Any
 from actors.engine.config import EngineConfig
 from actors.engine.vllm.args import CONNECTOR, KV_ROLES, platform_defaults
 from serving.config import ROLES, DeploymentConfig
-from serving.placement_config import vllm_default_budget
 
 # the engine arguments whose defaults raypd may replace; shown for every group even when vLLM's stand
 CHOSEN = ("max_num_batched_tokens", "max_num_seqs")
@@ -106,7 +105,7 @@ def _chosen(cfg: DeploymentConfig, ecfg: EngineConfig, key: str) -> EngineArg:
     cpu, gpu = platform_defaults(ecfg, is_cpu=True).get(key), platform_defaults(ecfg, is_cpu=False).get(key)
     if key == "max_num_seqs":
         why = ("CPU host: raypd's default for prefill engines, one prompt at a time (first come, first served); "
-               "GPU host: vLLM's default, prompts batched" if cpu is not None else "vLLM's default")
+               "GPU host: `vllm serve`'s default, prompts batched" if cpu is not None else "`vllm serve`'s default")
         return EngineArg(key, cpu, gpu, why)
     if cpu is None:
         return EngineArg(key, None, None, "vLLM's default (raypd sets a chunk budget on decode-capable engines "
@@ -114,11 +113,10 @@ def _chosen(cfg: DeploymentConfig, ecfg: EngineConfig, key: str) -> EngineArg:
     slo = cfg.router.slo
     why = (f"CPU host: raypd's chunk budget, a step with a prefill chunk within router.slo.itl_target_s "
            f"{slo.itl_target_s} s at the priors ({slo.prior_prefill_tokens_per_s:g} prompt tokens/s, "
-           f"{slo.prior_step_s:g} s per step); GPU host: vLLM's default "
-           f"({vllm_default_budget(ecfg.engine_kwargs)} on an engine raypd starts)")
+           f"{slo.prior_step_s:g} s per step); GPU host: `vllm serve`'s default for that GPU (vLLM's table)")
     if cfg.autoscaler.enabled:
         why += (". An engine the autoscaler starts gets the budget of the rates its role's engines measured "
-                "(on a GPU only when above vLLM's)")
+                "(on a GPU only when above `vllm serve`'s)")
     return EngineArg(key, cpu, gpu, why)
 
 

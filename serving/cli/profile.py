@@ -53,12 +53,12 @@ def _batches(text: str) -> tuple[int, ...]:
 
 
 def engine_size(cfg: DeploymentConfig, role: str, index: int) -> int:
-    """The units engine `index` of `role` runs on: CPU cores (cpu_bind, else num_cpus) or GPUs."""
+    """The units engine `index` of `role` runs on: CPU cores (cpu.bind, else num_cpus) or GPUs."""
     group = getattr(cfg, role)
     if group.tp_size * group.pp_size > 1 or group.resources.get("GPU"):
         return group.tp_size * group.pp_size
-    if group.cpu_bind and index < len(group.cpu_bind):
-        return len(_cores(group.cpu_bind[index]))
+    if group.cpu.bind and index < len(group.cpu.bind):
+        return len(_cores(group.cpu.bind[index]))
     return max(1, round(group.num_cpus))
 
 

@@ -143,7 +143,7 @@ def _for_this_cpu(cfg: DeploymentConfig) -> DeploymentConfig:
     at = 0
     for role, group in zip(ROLES, groups):
         if group.count:
-            data.setdefault(role, {})["cpu_bind"] = binds[at:at + group.count]
+            data.setdefault(role, {}).setdefault("cpu", {})["bind"] = binds[at:at + group.count]
         at += group.count
     engines_cpus = sum(g.num_cpus * g.count for g in groups)
     if cfg.ray.num_cpus is None and engines_cpus > len(cores):

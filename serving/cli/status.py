@@ -136,7 +136,9 @@ def print_status(status: dict, url: str | None) -> None:
     serve_info = status.get("serve") or {}
     ready = serve_info.get("readiness")
     if ready:
-        print(f"front: {'healthy' if ready['ready'] else 'NOT READY: ' + str(ready.get('reason'))}")
+        shown = ("healthy" + (f" ({ready['reason']})" if ready.get("reason") else "")) if ready["ready"] else (
+            "NOT READY: " + str(ready.get("reason")))
+        print(f"front: {shown}")
     else:
         print(f"front: not reachable ({status.get('serve_error', 'no Serve app')})")
     print("engines:")
@@ -164,6 +166,8 @@ def print_status(status: dict, url: str | None) -> None:
     for pair, b in sorted(breakers.items()):
         last = f"  last: {b['last_reason']}" if b.get("last_reason") else ""
         print(f"  {pair:<50} {b['state']:<9} failures={b.get('failures', 0)} opened={b['opened_count']}{last}")
+    for pair, rate in sorted((router.get("pull_rates") or {}).items()):
+        print(f"  learned pull {pair:<44} {rate['tokens_per_s']:.0f} tokens/s + {rate['overhead_s'] * 1e3:.0f} ms")
     if router.get("counters"):
         print("router: " + " ".join(f"{k}={v}" for k, v in sorted(router["counters"].items()))
               + "".join(f" fallback[{k}]={v}" for k, v in sorted((router.get("fallbacks") or {}).items()))

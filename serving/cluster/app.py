@@ -148,6 +148,7 @@ def build_app(config: dict[str, Any] | None = None) -> serve.Application:
         max_ongoing_requests=http.max_inflight_requests + 16,
         # a replica being stopped lets its streams finish (Serve's default cuts them after 20 s)
         graceful_shutdown_timeout_s=http.graceful_shutdown_timeout_s,
-        ray_actor_options={"num_cpus": http.replica_num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}},
+        ray_actor_options={"num_cpus": http.replica_num_cpus, "resources": dict(http.replica_resources),
+                           "runtime_env": {"env_vars": REPLICA_ENV}},
     )
     return ingress.bind(cfg.model_dump(mode="json"))

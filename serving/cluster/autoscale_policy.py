@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from serving.autoscaler_config import AutoscalerConfig, DecodeScaling, PrefillScaling
+from serving.placement_config import SloTargets
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,11 @@ class RolePolicy:
       thresholds  the per-role thresholds below:
 
       prefill  pressure: queued prompt tokens per engine above `queued_tokens_per_engine`,
-               or the p90 prefill latency (the pool's part of TTFT) above `ttft_target_s`;
+               or the p90 prefill latency (the pool's part of TTFT) above `ttft_target_factor` x
+               the deployment's TTFT target (`router.slo.ttft_target_s`);
       decode   pressure: outstanding tokens per engine above `outstanding_tokens_per_engine`,
                KV usage above `kv_usage_high`, or the p90 inter-token latency above
-               `itl_target_s`.
+               `itl_target_factor` x the deployment's ITL target (`router.slo.itl_target_s`).
 
     Queues are the engines' time-weighted averages (`actors.engine.load`), summed over
     the role's serving engines. Hysteresis: a role grows by one engine once its
@@ -79,8 +81,11 @@ class RolePolicy:
     """
 
     def __init__(self, role: Literal["prefill", "decode", "both"], scaling: PrefillScaling | DecodeScaling,
-                 cfg: AutoscalerConfig):
+                 cfg: AutoscalerConfig, targets: SloTargets):
         self.role, self.scaling, self.cfg = role, scaling, cfg
+        # the role's latency limit: a factor of the deployment's one target (`router.slo`)
+        self.latency_limit_s = (scaling.ttft_target_factor * targets.ttft_target_s
+                                if isinstance(scaling, PrefillScaling) else scaling.itl_target_factor * targets.itl_target_s)
         self.pressure_since: float | None = None
         self.idle_since: float | None = None
         self.last_change = -math.inf
@@ -92,7 +97,7 @@ class RolePolicy:
             p = self.scaling
             if s.queued_prompt_tokens / n > p.queued_tokens_per_engine:
                 return "queued_prompt_tokens"
-            if _over(s.prefill_latency_p90_s, p.ttft_target_s):
+            if _over(s.prefill_latency_p90_s, self.latency_limit_s):
                 return "ttft"
             return None
         d = self.scaling
@@ -100,7 +105,7 @@ class RolePolicy:
             return "outstanding_tokens"
         if s.kv_usage > d.kv_usage_high:
             return "kv_usage"
-        if _over(s.itl_p90_s, d.itl_target_s):
+        if _over(s.itl_p90_s, self.latency_limit_s):
             return "itl"
         return None
 
@@ -113,11 +118,11 @@ class RolePolicy:
         if self.role == "prefill":
             p = self.scaling
             return (s.queued_prompt_tokens / fewer < f * p.queued_tokens_per_engine
-                    and _under(s.prefill_latency_p90_s, f * p.ttft_target_s))
+                    and _under(s.prefill_latency_p90_s, f * self.latency_limit_s))
         d = self.scaling
         return (s.outstanding_tokens / fewer < f * d.outstanding_tokens_per_engine
                 and s.kv_usage * s.engines / fewer < f * d.kv_usage_high
-                and _under(s.itl_p90_s, f * d.itl_target_s))
+                and _under(s.itl_p90_s, f * self.latency_limit_s))
 
     def decide(self, s: PoolSignals, now: float, advice: Any = None) -> ScaleDecision:
         """`advice`: the planner's `scale_advice` answer (policy model), else the thresholds decide."""

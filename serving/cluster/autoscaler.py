@@ -102,7 +102,7 @@ class Autoscaler:
         self.cfg, self.hands = cfg, hands
         acfg = self.cfg.autoscaler
         self.active = [r for r in ROLES if getattr(cfg, r).count]  # the roles this deployment runs
-        self.policies = {role: RolePolicy(role, getattr(acfg, role), acfg) for role in self.active}
+        self.policies = {role: RolePolicy(role, getattr(acfg, role), acfg, cfg.router.slo) for role in self.active}
         self.roles = {role: RoleStatus(min=getattr(acfg, role).min, max=getattr(acfg, role).max)
                       for role in self.active}
         self.changes: dict[str, asyncio.Task] = {}  # role -> the change in progress
@@ -219,7 +219,7 @@ class Autoscaler:
         slo = self.cfg.router.slo
         pools = []
         for role, xs in loads.items():
-            budget = self.cfg.chunk_budget(role) or slo.default_chunk_budget_tokens
+            budget = self.cfg.chunk_budget(role) or slo.chunk_budget_fallback()
             estimates = []
             for x in xs:
                 m, r = x.meter, x.meter.rates

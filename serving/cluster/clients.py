@@ -279,11 +279,9 @@ def build_router(cfg: DeploymentConfig, deployment: Deployment) -> Router:
         prefills={eid: RayEngineClient(eid, h, actor_name_of(eid)) for eid, h in deployment.prefills.items()},
         decodes={eid: RayEngineClient(eid, h, actor_name_of(eid)) for eid, h in deployment.decodes.items()},
         directory=directory,
-        config=cfg.router,
+        config=cfg.router_config(),
         resolve_engine=resolve_engine(),
         planner=planner_for(cfg.router, prefix_index_view(directory, cfg.router.index_refresh_s),
                             {r: b for r in ("prefill", "decode", "both") if (b := cfg.chunk_budget(r))}),
-        pull_timeout_s=cfg.transfer.read_timeout_s,
-        probe_hold_s=cfg.breaker.probe_window_s / 2,  # a grant is carried well within the ledger's window
         pool_status=pool_status_source(cfg),
     )

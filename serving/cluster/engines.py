@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from actors.control.startup_watch import StartupDeadline
 from actors.engine.actor import EngineActor
 from actors.engine.options import engine_actor_options
 from actors.engine.startup import STARTUP_GROUP, StartPhase
@@ -58,7 +59,16 @@ class Deployment:
 
 
 def default_start_timeout(cfg: DeploymentConfig) -> float:
+    """An engine's start timeout before any start was measured (then: `startup_deadline`)."""
     return 120.0 if cfg.backend == "synthetic" else 1200.0
+
+
+def startup_deadline(cfg: DeploymentConfig) -> StartupDeadline:
+    """How long an engine may take to start: `restarts.startup_deadline_s` when set, else a multiple of
+    the longest start measured (with a floor); before any, `default_start_timeout`."""
+    r = cfg.restarts
+    return StartupDeadline(r.startup_deadline_s, default_start_timeout(cfg), r.startup_deadline_factor,
+                           r.startup_deadline_floor_s)
 
 
 def engine_placement_group(cfg: DeploymentConfig, role: str, index: int) -> Any:

@@ -28,6 +28,7 @@ from serving.cluster.engines import (
     remove_placement_groups,
     report_phases,
     start_engine,
+    startup_deadline,
     stop_engine,
 )
 from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, ROLES, engine_id, engine_index, launcher_name
@@ -68,6 +69,8 @@ class Launcher:
         self._launch: asyncio.Task | None = None
         self.autoscaler: Autoscaler | None = None
         self._failed_phases: list[StartPhase] = []  # start-up phases of engines whose start failed
+        self.startup = startup_deadline(self.cfg)  # how long a start may take: follows the starts measured
+        self.measured_start_s: float | None = None  # the longest start this launcher measured
 
     async def failed_phases(self) -> list[StartPhase]:
         """Start-up phases of engines whose start failed (their actors are gone)."""
@@ -83,17 +86,16 @@ class Launcher:
         cfg = self.cfg
         restarts = cfg.restarts
         # a restarted engine must register again within this (the coordinator kills a stranded restart)
-        startup_deadline_s = restarts.startup_deadline_s or default_start_timeout(cfg)
         coordinator = start_coordinator(detached=True, on_head_node=True, max_restarts=restarts.max_restarts,
                                         breaker=cfg.breaker.model_dump(),
                                         handoff_deadline_s=cfg.transfer.handoff_deadline_s,
                                         hang_check_s=restarts.probe_interval_s,
                                         ping_timeout_s=restarts.probe_timeout_s,
                                         probe_failure_threshold=restarts.probe_failure_threshold,
-                                        startup_deadline_s=startup_deadline_s)
+                                        startup=self.startup)
         await asyncio.wait_for(coordinator.configure.remote(cfg.breaker.model_dump(), cfg.transfer.handoff_deadline_s,
                                                             restarts.probe_interval_s, restarts.probe_timeout_s,
-                                                            restarts.probe_failure_threshold, startup_deadline_s), 60)
+                                                            restarts.probe_failure_threshold, startup=self.startup), 60)
         dep = await self._serving_pools(coordinator) if cfg.autoscaler.enabled else None
         if dep is None:
             dep = await self._start_all(coordinator)
@@ -119,8 +121,12 @@ class Launcher:
         dep = Deployment(cfg.name, coordinator)
         for (role, i), handle in zip(wanted, handles):
             dep.add(role, engine_id(cfg.name, role, i), handle)
+        self._measured(time.monotonic() - t0)  # (in parallel: the longest start)
         logger.info("deployment %s: %d engines up in %.1fs", cfg.name, len(wanted), time.monotonic() - t0)
         return dep
+
+    def _measured(self, start_s: float) -> None:
+        self.measured_start_s = max(start_s, self.measured_start_s or 0.0)
 
     async def _serving_pools(self, coordinator: Any) -> Deployment | None:
         """Once the autoscaler owns the pool sizes, the engines serving now (None before any served:
@@ -136,7 +142,12 @@ class Launcher:
 
     # ------------------------------------------------ the autoscaler's hands
     async def start_engine(self, role: str, index: int, measured: MeasuredRates | None = None) -> Any:
-        return await start_engine(self.cfg, role, index, default_start_timeout(self.cfg), measured=measured)
+        """The autoscaler's start: within the start-up deadline derived from the starts measured so far."""
+        t0 = time.monotonic()
+        timeout_s = self.startup.derive(self.measured_start_s)
+        handle = await start_engine(self.cfg, role, index, timeout_s, measured=measured)
+        self._measured(time.monotonic() - t0)
+        return handle
 
     async def stop_engine(self, engine: str) -> None:
         await stop_engine(engine, handle_of(engine))

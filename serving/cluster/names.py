@@ -9,7 +9,7 @@ autoscaler's loop).
 
 from __future__ import annotations
 
-from actors.ray_names import COORDINATOR_NAME, NAMESPACE
+from actors.ray_names import COORDINATOR_NAME, ENGINE_ACTOR_PREFIX, NAMESPACE
 
 __all__ = ["COORDINATOR_NAME", "NAMESPACE", "ROLES", "actor_name", "actor_name_of", "engine_id", "engine_index",
            "launcher_name", "placement_group_name"]
@@ -27,7 +27,7 @@ def engine_id(deployment: str, role: str, index: int) -> str:
 
 def actor_name_of(engine: str) -> str:
     """The actor name of engine id `engine` (`<deployment>-<role>-<i>`)."""
-    return f"raypd-{engine}"
+    return f"{ENGINE_ACTOR_PREFIX}{engine}"
 
 
 def placement_group_name(engine: str) -> str:

@@ -74,12 +74,14 @@ class RequestTicket:
     def completed(self) -> bool:
         return self.finish_reason is not None and self.error is None
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self, details: bool = True) -> dict[str, Any]:
+        """The answer's usage so far; `details` False: without the prompt's cached tokens (vLLM's
+        per-chunk usage of `continuous_usage_stats` has none)."""
         p = self.stream.num_prompt_tokens if self.stream is not None else 0
         c = self.stream.num_generated if self.stream is not None else 0
         out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         cached = self.stream.num_cached_tokens if self.stream is not None else None
-        if cached is not None:  # as OpenAI / vLLM (--enable-prompt-tokens-details) report it
+        if details and cached is not None:  # as OpenAI / vLLM (--enable-prompt-tokens-details) report it
             out["prompt_tokens_details"] = {"cached_tokens": cached}
         return out
 

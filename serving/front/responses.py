@@ -93,34 +93,36 @@ class Shapes:
 
 async def sse_events(shapes: Shapes, ticket: RequestTicket) -> AsyncIterator[bytes]:
     """One body write per routed chunk as it arrives (a chunk holds every token the consumer had
-    not taken yet: `TokenChunk.merge`); the last chunk's events, the usage and `[DONE]` go together."""
+    not taken yet: `TokenChunk.merge`). The chunks have the shape of vLLM's own server: the finish
+    reason rides on the last chunk's tokens (no empty finish chunk after them), and that event, the
+    usage and `[DONE]` go together."""
     prep, stream = shapes.prep, ticket.stream
     first = True
     # plain text deltas (no token ids, no per-chunk usage): the pre-encoded event
     fast = None if prep.return_token_ids or prep.continuous_usage else _TextEvent(shapes)
     try:
         if shapes.chat:
-            yield _sse(shapes.chunk("", None, role=True, first=True))
+            usage = ticket.usage(details=False) if prep.continuous_usage else None
+            yield _sse(shapes.chunk("", None, role=True, usage=usage, first=True))
             first = False
         async for chunk in stream:
             ticket.observe(chunk)
             if ticket.error is not None:
                 yield _sse(error_body(ticket.error, "server_error", None, "engine_error")) + b"data: [DONE]\n\n"
                 return
-            usage = ticket.usage() if prep.continuous_usage else None
-            event = b""
-            if chunk.text or chunk.token_ids:
-                if fast is not None and not first:
-                    event = fast(chunk.text)
-                else:
-                    event = _sse(shapes.chunk(chunk.text, None, chunk.token_ids, usage=usage, first=first))
-                first = False
             if not chunk.finished:
-                if event:
-                    yield event
+                if chunk.text or chunk.token_ids:
+                    if fast is not None and not first:
+                        yield fast(chunk.text)
+                    else:
+                        usage = ticket.usage(details=False) if prep.continuous_usage else None
+                        yield _sse(shapes.chunk(chunk.text, None, chunk.token_ids, usage=usage, first=first))
+                    first = False
                 continue
-            event += _sse(shapes.chunk(None if shapes.chat else "", ticket.finish_reason, usage=usage, first=first))
-            yield event + _tail(shapes, ticket)
+            # the last chunk: its tokens (none when the stream ended without one) and the finish reason
+            usage = ticket.usage(details=False) if prep.continuous_usage else None
+            yield (_sse(shapes.chunk(chunk.text, ticket.finish_reason, chunk.token_ids, usage=usage, first=first))
+                   + _tail(shapes, ticket))
             return
         yield _tail(shapes, ticket)
     finally:

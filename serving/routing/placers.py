@@ -69,7 +69,7 @@ class EngineEstimates:
         role = pool.role_of(engine_id)
         prefill = pool.prefill_load.get(engine_id)
         decode = pool.decode_load.get(engine_id)
-        budget = self.chunk_budgets.get(role) or self.slo.default_chunk_budget_tokens
+        budget = self.chunk_budgets.get(role) or self.slo.chunk_budget_fallback()
         return pool.rates.estimate(engine_id, role, decode_streams=decode.requests if decode else 0,
                                    queued_prefill_tokens=prefill.tokens if prefill else 0,
                                    cached_tokens=cached_tokens, chunk_budget_tokens=budget,

@@ -124,7 +124,7 @@ class RateEstimator:
         router's `queued` and the engine's own), chunked by its budget, plus this router's hop."""
         r = self.rates(engine_id)
         work = max(queued, r.queued_prompt_tokens) + max(0, tokens)
-        budget = r.chunk_budget_tokens or self.config.default_chunk_budget_tokens
+        budget = r.chunk_budget_tokens or self.config.chunk_budget_fallback()
         steps = math.ceil(work / budget)
         return work * r.prefill_s_per_token + steps * r.decode_step_s(r.decode_streams) + self.hop_s(engine_id)
 
@@ -183,6 +183,6 @@ class RateEstimator:
         r = self.rates(engine_id)
         streams = max(decode_streams, r.decode_streams)
         return EngineEstimate(engine_id, role, r.prefill_tokens_per_s, r.decode_step_s(streams),
-                              r.chunk_budget_tokens or chunk_budget_tokens or self.config.default_chunk_budget_tokens,
+                              r.chunk_budget_tokens or chunk_budget_tokens or self.config.chunk_budget_fallback(),
                               r.step_per_stream_s, cached_tokens, max(queued_prefill_tokens, r.queued_prompt_tokens),
                               streams, prefill_busy, self.hop_s(engine_id))

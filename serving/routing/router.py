@@ -100,25 +100,27 @@ class Router:
     """
 
     def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
-                 directory: Directory, config: RouterConfig | None = None,
-                 directory_ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 directory: Directory, config: RouterConfig | None = None, *,
+                 clock: Callable[[], float] = time.monotonic,
                  resolve_engine: Callable[[str], EngineClient | None] | None = None,
-                 planner: RoutePlanner | None = None, probe_timeout_s: float = 0.5, probe_hold_s: float = 2.5,
-                 pull_timeout_s: float = 10.0, pool_status: PoolStatusSource | None = None):
+                 planner: RoutePlanner | None = None, pool_status: PoolStatusSource | None = None):
+        """Its settings are `config` (`DeploymentConfig.router_config()`); everything else is a
+        collaborator: the engines, the directory, the clock, how to reach an engine it adopts, the
+        route planner, and where the pools' status comes from."""
         if not decodes:
             raise ValueError("a router needs at least one decode engine")
-        self.config = config or RouterConfig()
+        self.config = c = (config or RouterConfig()).resolved()
         # one rate model: the engines' own rates from the directory's table, this router's hops and pulls
-        rates = RateEstimator(self.config.slo, clock)
-        # pull_timeout_s: the decode engines' bound on a KV pull (transfer.read_timeout_s)
-        self.deadlines = EngineDeadlines(self.config, pull_timeout_s, clock, report=self._report_hang, rates=rates)
+        rates = RateEstimator(c.slo, clock)
+        self.deadlines = EngineDeadlines(c, c.pull_timeout_s, clock, report=self._report_hang, rates=rates)
         self.pool = EnginePool(prefills, decodes, resolve_engine, rates, self.deadlines)
         self.directory = directory
-        self.view = DirectoryView(directory, directory_ttl_s, clock, on_refresh=self.pool.sync)
+        self.view = DirectoryView(directory, c.directory_ttl_s, clock, on_refresh=self.pool.sync)
         self.clock = clock
         self.planner = planner or planner_for(self.config)
         # half-open pairs' probes: asked off the request path, held well within the ledger's window
-        self.probes = ProbeGrants(lambda d, p: self.directory.admit_probe(d, p), probe_timeout_s, probe_hold_s, clock)
+        self.probes = ProbeGrants(lambda d, p: self.directory.admit_probe(d, p), c.probe_timeout_s, c.probe_hold_s,
+                                  clock)
         self._rr = itertools.count()
         self._states: tuple[RouteTable | None, dict[str, dict[str, BreakerState]]] = (None, {})
         # the pools' status (the autoscaler's, when one runs), asked with the engine stats and shown beside them

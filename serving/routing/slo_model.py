@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from serving.placement_config import VLLM_DEFAULT_BUDGET, PlacementConfig
+from serving.placement_config import PlacementConfig, vllm_default_budget
 from serving.routing.decisions import DecisionReason
 
 Role = Literal["prefill", "decode", "both"]
@@ -36,7 +36,7 @@ class EngineEstimate:
     role: Role
     prefill_tokens_per_s: float  # marginal rate (step overheads are in decode_step_s)
     decode_step_s: float  # one step at its current batch; a prefill-only engine: its bare step
-    chunk_budget_tokens: int = VLLM_DEFAULT_BUDGET
+    chunk_budget_tokens: int = field(default_factory=lambda: vllm_default_budget({}))  # `vllm serve`'s
     step_per_stream_s: float = 0.0  # what one more stream adds to a step (own ITL, the planner's simulation)
     cached_tokens: int = 0  # prefix of this prompt whose KV the engine holds (prefix index)
     queued_prefill_tokens: int = 0  # prompt tokens waiting or being prefilled there

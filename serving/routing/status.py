@@ -24,9 +24,11 @@ def jsonable(obj: Any) -> Any:
 
 
 class ReadinessCode(StrEnum):
-    """Why a router can or cannot place a request; the values are `raypd_ready`'s `reason` labels."""
+    """Why a router can or cannot place a request; the values are `raypd_ready`'s `reason` labels.
+    `PD_DEGRADED` is ready (colocated serving goes on) with no P/D path; the others but `OK` are not."""
 
     OK = "ok"
+    PD_DEGRADED = "pd_degraded"
     NO_DECODE_ENGINE = "no_decode_engine"
     DECODE_ENGINES_HUNG = "decode_engines_hung"
     NO_PREFILL_ENGINE = "no_prefill_engine"
@@ -63,10 +65,30 @@ class Readiness:
         elif not ready:
             reason, code = ("no compatible prefill engine with a closed breaker, and the fallback is reject",
                             ReadinessCode.NO_PREFILL_ENGINE)
+        elif pool.prefills and not any(pd_paths.values()):
+            reason, code = cls._pd_degraded(pool, routes), ReadinessCode.PD_DEGRADED
         return cls(ready, reason, tuple(live), pd_paths, local_ok, directory_error, code, hung)
+
+    @staticmethod
+    def _pd_degraded(pool: EnginePool, routes: RouteTable) -> str:
+        """Why no decode engine has a prefill engine to pull from (serving goes on colocated)."""
+        why = [f"breaker {b.prefill_id}->{b.decode_id} {b.state}" + (f" ({b.last_reason})" if b.last_reason else "")
+               for b in routes.breakers if b.state != "closed"]
+        why += [f"{p} not registered (dead or restarting)" for p in sorted(pool.prefills)
+                if p not in routes.generations]
+        return ("P/D degraded: no decode engine can pull from a prefill engine"
+                + (f" ({'; '.join(why)})" if why else "") + "; requests are prefilled on their decode engine")
 
     def to_json(self) -> dict[str, Any]:
         return jsonable(self)
+
+
+@dataclass(frozen=True)
+class PullRate:
+    """A pair's KV pull as a router learned it: seconds = overhead_s + tokens / tokens_per_s."""
+
+    tokens_per_s: float
+    overhead_s: float
 
 
 @dataclass(frozen=True)
@@ -95,6 +117,8 @@ class RouterSnapshot:
     # (engine, call) -> waits past their deadline let run on here: the engine was busy, not hung
     deadline_extensions: dict[tuple[str, str], int] = field(default_factory=dict)
     hangs: dict[str, int] = field(default_factory=dict)  # engine -> incarnations the coordinator judged hung
+    # (prefill, decode) -> the pull rate this router learned from its streams (pairs it measured)
+    pull_rates: dict[tuple[str, str], PullRate] = field(default_factory=dict)
 
     @classmethod
     def of(cls, pool: EnginePool, routes: RouteTable, planner: PlannerSnapshot, pools: Any,
@@ -110,6 +134,8 @@ class RouterSnapshot:
             planner=planner, pools=pools, engines=dict(pool.engine_stats), readiness=readiness,
             deadline_misses=dict(pool.deadlines.misses), deadline_extensions=dict(pool.deadlines.extended),
             hangs=dict(routes.hangs),
+            pull_rates={pair: PullRate(round(t.tokens_per_s, 1), round(t.overhead_s, 4))
+                        for pair, t in pool.rates.pairs().items()},
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -56,16 +56,19 @@ def deployment_config(shape: Shape, base: Mapping[str, Any], unit: Unit,
     for role in ROLES:
         sizes = by_role[role]
         group = dict(data.get(role) or {})
-        group.pop("cpu_bind", None)
+        group.pop("cpu_bind", None)  # a file written before the `cpu:` block
+        cpu = {k: v for k, v in (group.pop("cpu", None) or {}).items() if k != "bind"}
         group["count"] = len(sizes)
         if sizes and unit == "cpu":
             group["num_cpus"] = sizes[0]  # the Ray CPUs the engine reserves: its cores
-            group["cpu_bind"] = [next(binds) for _ in sizes]
+            cpu["bind"] = [next(binds) for _ in sizes]
             group.pop("tp_size", None)  # one rank per engine, on all its cores
         elif sizes:
             group["tp_size"] = sizes[0]
         if sizes and budget is not None and role in DECODE_CAPABLE:
             group["engine_kwargs"] = {**(group.get("engine_kwargs") or {}), "max_num_batched_tokens": budget}
+        if cpu:
+            group["cpu"] = cpu
         data[role] = group
     router = {**(data.get("router") or {}), "placement": "slo" if shape.is_colocated else "disaggregate"}
     if slo is not None:

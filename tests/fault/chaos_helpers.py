@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from collections import Counter
 
 import httpx
+import psutil
 import ray
+
+from serving.cluster.names import actor_name_of
 
 
 # How an answer ended. Clean: "completed" (a finish reason, then [DONE]), "error_event" (an SSE error
@@ -177,3 +180,36 @@ async def pair_states(coordinator) -> dict:
 def deployment_placement_groups(name: str) -> list[str]:
     return sorted(i["name"] for i in ray.util.placement_group_table().values()
                   if i.get("state") != "REMOVED" and (i.get("name") or "").startswith(f"raypd-{name}-"))
+
+
+def actor_row(engine_id: str) -> dict | None:
+    """The engine actor's row in the GCS's actor table (no dashboard needed); None while it has none."""
+    import ray._private.state as state
+
+    rows = [a for a in state.actors().values() if a.get("Name") == actor_name_of(engine_id) and a["State"] != "DEAD"]
+    return rows[0] if rows else None
+
+
+async def restarted_pid(engine_id: str, old_pid: int, timeout_s: float) -> int:
+    """The pid of the engine actor's next incarnation, as soon as Ray lists it alive."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        row = await asyncio.to_thread(actor_row, engine_id)
+        if row is not None and row["State"] == "ALIVE" and row["Pid"] not in (0, old_pid):
+            return row["Pid"]
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"Ray did not restart {engine_id} within {timeout_s} s")
+
+
+def running(pid: int, timeout_s: float) -> bool:
+    """Whether `pid` still runs (not reaped, not a zombie) after up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.Error:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.5)

@@ -21,7 +21,6 @@ import inspect
 
 from serving.cluster.clients import RayDirectory
 from serving.config import DeploymentConfig
-from serving.routing.router import Router
 
 # The router's migration loop asks the directory at most this far apart (its backoff's cap,
 # serving.routing.router.Router.migration_target): the end of `migration_wait_s` is seen this late at most.
@@ -31,16 +30,16 @@ MIGRATION_POLL_S = 1.0
 SLACK_S = 4.0
 
 
-def coordinator_waits_s() -> tuple[float, float]:
-    """The only coordinator calls a request may wait for, each under its own timeout (code defaults, not
-    config settings): a half-open pair's probe (Router's probe_timeout_s) and a migrating stream's forced
-    route refresh (RayDirectory's timeout_s), as build_router builds them."""
+def coordinator_waits_s(cfg: DeploymentConfig) -> tuple[float, float]:
+    """The only coordinator calls a request may wait for, each under its own timeout: a half-open
+    pair's probe (router.probe_timeout_s) and a migrating stream's forced route refresh
+    (RayDirectory's timeout_s, a code default), as build_router builds them."""
     def default(func, name: str) -> float:
         param = inspect.signature(func).parameters.get(name)
         assert param is not None, f"{func.__qualname__} has no {name} any more: update terminal_bounds"
         return float(param.default)
 
-    return default(Router.__init__, "probe_timeout_s"), default(RayDirectory.__init__, "timeout_s")
+    return cfg.router.probe_timeout_s, default(RayDirectory.__init__, "timeout_s")
 
 
 def hang_bound_s(cfg: DeploymentConfig) -> float:
@@ -83,7 +82,7 @@ def coordinator_bound_s(cfg: DeploymentConfig, reference_s: float) -> float:
     path, so a request overlapping its absence takes its fault-free time (`reference_s`, the slowest
     answer of the same load before the kill; deadline_margin x that on a host busy with the restart),
     plus at most the longest coordinator call a request may wait for (`coordinator_waits_s`)."""
-    return cfg.router.deadline_margin * reference_s + max(coordinator_waits_s()) + SLACK_S
+    return cfg.router.deadline_margin * reference_s + max(coordinator_waits_s(cfg)) + SLACK_S
 
 
 def late(ends: dict, since: dict | float, bound_s: float) -> dict:

@@ -59,6 +59,7 @@ def test_released_prefill_frees_its_blocks_at_once(service):
     assert after.free_blocks == base and after.held_leases == 0 and took < 1.0
 
 
+@pytest.mark.injects_faults  # freezes or kills an engine on purpose
 def test_client_aborts_close_handoffs_and_never_count_against_the_pair(service, coordinator):
     """12 clients leave (more than the breaker threshold, 3), six at each point of a P/D request after
     its prefill (the router starts the decode call, and so the KV pull, as the prefill returns):

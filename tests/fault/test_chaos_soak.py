@@ -32,7 +32,7 @@ from chaos_helpers import CLEAN, Answer, SteadyLoad, deployment_placement_groups
 from engine_calls import collect, request
 from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port, wait_blocks_at_baseline
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.injects_faults]
 
 NAME = "chaos"
 MODEL = "synthetic-tiny"

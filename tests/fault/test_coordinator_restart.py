@@ -6,12 +6,15 @@ import os
 import signal
 import time
 
+import pytest
 import ray
 
 from actors.control.coordinator_actor import start_coordinator
 from actors.engine.actor import EngineActor
 from actors.engine.config import EngineConfig
 from engine_calls import pd, request
+
+pytestmark = pytest.mark.injects_faults
 
 NAME = "raypd-coordinator-restart-test"
 Engine = ray.remote(EngineActor)

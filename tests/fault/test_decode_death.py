@@ -24,7 +24,7 @@ from serving.cluster.clients import build_router
 from chaos_helpers import kill_tree
 from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.injects_faults]
 
 MODEL = "synthetic-tiny"
 PROMPT = "stream me a long answer " * 4

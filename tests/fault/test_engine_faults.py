@@ -16,6 +16,8 @@ from actors.engine.synthetic.outcomes import TransferFailed
 from actors.transfer_params import TransferParams
 from actors.engine.synthetic.rank import SyntheticModel
 
+pytestmark = pytest.mark.injects_faults
+
 MODEL = SyntheticModel(model_id="fault-model", num_layers=2, num_kv_heads=2, head_size=32)
 PROMPT = list(range(500, 540))
 

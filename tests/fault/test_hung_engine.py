@@ -31,7 +31,7 @@ from chaos_helpers import SteadyLoad, freeze_tree, generation, kill_tree, proces
 from engine_calls import request
 from service_helpers import SYNTHETIC, UvicornThread, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.injects_faults]
 
 MODEL = "synthetic-tiny"
 PROMPTS = [f"a hung engine prompt {i} " * 3 for i in range(6)]

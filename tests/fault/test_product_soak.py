@@ -9,12 +9,13 @@ disconnect mid-stream, each fault once the front routes to both engines again (o
 while the other is down: two down at once is an outage, not a soak), and NIXL READ errors on every KV pull with probability FAULT_RATE throughout
 (`transfer.fault_rate`: a pull that fails is recomputed, the default `recompute` policy).
 
-Bound: no wrong answer (every completed answer is its greedy reference, token for token or split at a
-near tie: tests/greedy.py), no cut stream and no client timeout, clean errors (an HTTP error body or an
-SSE error event, each with its code) at most 2 % of the requests. At the end: every engine back and
-registered, each engine's blocks at its baseline, no held lease, no handoff in flight; after the
-deployment is shut down no actor, placement group or vLLM process of it is left. The synthetic chaos
-soak (test_chaos_soak.py) keeps covering topologies (TP, several pools).
+Bound: no wrong answer (every completed answer is its greedy reference, token for token or split at
+near ties, each followed by the greedy continuation of the accepted branch: tests/greedy.py), no cut
+stream and no client timeout, clean errors (an HTTP error body or an SSE error event, each with its
+code) at most 2 % of the requests. At the end: every engine back and registered, each engine's blocks
+at its baseline, no held lease, no handoff in flight; after the deployment is shut down no actor,
+placement group or vLLM process of it is left. The synthetic chaos soak (test_chaos_soak.py) keeps
+covering topologies (TP, several pools).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from chaos_helpers import deployment_placement_groups, freeze_tree, generation, 
 from greedy import divergence, greedy_request, logprobs_of
 from service_helpers import default_app_config, free_port, run_serve_app
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.injects_faults]
 
 NAME = "product-soak"
 CONFIG = "configs/local.yaml"
@@ -138,10 +139,11 @@ async def _reference(engine_id: str, prompt_ids: list[int], n: int):
     return [t for c in chunks for t in c.token_ids], logprobs_of(chunks)
 
 
-def _wrong(answer: Outcome, reference: list[int], logprobs) -> str | None:
+async def _wrong(answer: Outcome, reference: list[int], logprobs, engine_id: str) -> str | None:
     if len(answer.ids) != answer.max_tokens:
         return f"{len(answer.ids)} tokens, asked for {answer.max_tokens} (ignore_eos)"
-    return divergence(answer.ids, reference[:answer.max_tokens], logprobs[:answer.max_tokens])
+    return await divergence(answer.ids, reference[:answer.max_tokens], logprobs[:answer.max_tokens], answer.prompt_ids,
+                            lambda prefix, n: _reference(engine_id, prefix, n))
 
 
 def _alive(pid: int) -> bool:
@@ -236,9 +238,11 @@ def test_the_default_serve_app_under_kills_freezes_read_errors_and_disconnects(c
                 key = tuple(a.prompt_ids)
                 if a.outcome == "completed" and key not in refs:
                     refs[key] = await _reference(survivor, a.prompt_ids, max(LENGTHS))
-            return answers, left, rest, refs
+            wrong = [(a.prompt, a.max_tokens, problem) for a in answers if a.outcome == "completed"
+                     and (problem := await _wrong(a, *refs[tuple(a.prompt_ids)], survivor)) is not None]
+            return answers, left, rest, wrong
 
-        answers, left, rest, refs = asyncio.run(go())
+        answers, left, rest, wrong = asyncio.run(go())
     finally:
         kill_tree(frozen, signal.SIGCONT)
         serve.shutdown()
@@ -246,8 +250,6 @@ def test_the_default_serve_app_under_kills_freezes_read_errors_and_disconnects(c
 
     outcomes = {k: sum(1 for a in answers if a.outcome == k) for k in ("completed", "error", "cut", "timeout")}
     errors = [(a.code, a.error) for a in answers if a.outcome == "error"]
-    wrong = [(a.prompt, a.max_tokens, problem) for a in answers if a.outcome == "completed"
-             and (problem := _wrong(a, *refs[tuple(a.prompt_ids)])) is not None]
     print(f"faults: {faults}; {len(answers)} requests: {outcomes}; clean errors {errors}; "
           f"clients that left: {[a.outcome for a in left]}; at rest {rest}")
     assert outcomes["cut"] == outcomes["timeout"] == 0, [(a.outcome, a.error) for a in answers

@@ -39,7 +39,7 @@ from engine_calls import collect, request
 from service_helpers import SYNTHETIC, UvicornThread, engine_stats, free_port, wait_blocks_at_baseline
 from terminal_bounds import coordinator_bound_s, late
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.injects_faults]
 
 NAME = "heal"
 MODEL = "synthetic-tiny"

@@ -16,55 +16,21 @@ import asyncio
 import signal
 import time
 
-import psutil
 import pytest
 import ray
 
 from serving.cluster.launcher import launch, shutdown_deployment
-from serving.cluster.names import actor_name_of
 from serving.config import DeploymentConfig
 
-from chaos_helpers import freeze_tree, generation, kill_tree, process_tree, wait_generation
+from chaos_helpers import (actor_row, freeze_tree, generation, kill_tree, process_tree, restarted_pid, running,
+                           wait_generation)
 from service_helpers import SYNTHETIC
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.injects_faults]
 
 NAME = "startup-deadline"
 START_DELAY_S = 3.0  # every start of these engines pauses this long before it registers
 DEADLINE_S = 15.0  # a restart must register within this (a start takes START_DELAY_S + its ranks)
-
-
-def actor_row(engine_id: str) -> dict | None:
-    """The engine actor's row in the GCS's actor table (no dashboard needed); None while it has none."""
-    import ray._private.state as state
-
-    rows = [a for a in state.actors().values() if a.get("Name") == actor_name_of(engine_id) and a["State"] != "DEAD"]
-    return rows[0] if rows else None
-
-
-async def restarted_pid(engine_id: str, old_pid: int, timeout_s: float) -> int:
-    """The pid of the engine actor's next incarnation, as soon as Ray lists it alive."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        row = await asyncio.to_thread(actor_row, engine_id)
-        if row is not None and row["State"] == "ALIVE" and row["Pid"] not in (0, old_pid):
-            return row["Pid"]
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"Ray did not restart {engine_id} within {timeout_s} s")
-
-
-def running(pid: int, timeout_s: float) -> bool:
-    """Whether `pid` still runs (not reaped, not a zombie) after up to `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.Error:
-            return False
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.5)
 
 
 def test_a_restart_frozen_before_it_registers_is_killed_and_restarted_again(coordinator):
@@ -107,4 +73,52 @@ def test_a_restart_frozen_before_it_registers_is_killed_and_restarted_again(coor
     assert stats.startup_timeouts.get(eid, 0) >= 1 and eid not in stats.startups_awaited
     assert events and "start-up deadline" in events[0]["reason"], events
     assert restarts >= restarts0 + 2  # the kill -9's restart, and the coordinator's
+    assert not still_running, f"the frozen incarnation (pid {pid}) is still there"
+
+
+def test_a_frozen_restart_is_still_awaited_after_the_coordinator_restarts(coordinator):
+    """As above, and the coordinator is killed too right after the freeze: Ray restarts it empty (its
+    pending starts were in memory), the other engine registers again, and once settled the restarted
+    coordinator re-derives the pending start from Ray (the engine actor it has that did not register)
+    and kills the frozen restart at the deadline, counted from its own return."""
+    name = NAME + "-coordinator"
+    cfg = DeploymentConfig.from_dict({
+        **SYNTHETIC, "name": name,
+        "synthetic": {**SYNTHETIC["synthetic"], "start_delay_s": START_DELAY_S},
+        "restarts": {"max_restarts": 5, "probe_interval_s": 1.0, "startup_deadline_s": DEADLINE_S},
+    })
+    dep = launch(cfg)
+    (eid, prefill), = dep.prefills.items()
+    frozen: list[int] = []
+    try:
+        async def go():
+            tree = await process_tree(prefill)
+            kill_tree(tree)  # kill -9: Ray restarts the engine actor
+            pid = await restarted_pid(eid, tree[0], timeout_s=60)
+            frozen.extend(freeze_tree([pid]))  # starting, not registered
+            kill_tree([await coordinator.pid.remote()])  # Ray restarts the coordinator, empty
+            t0 = time.monotonic()
+            while True:  # back: as the launcher configured the first incarnation (its options are Ray's)
+                try:
+                    await coordinator.configure.remote(probe_interval_s=1.0, startup_deadline_s=DEADLINE_S)
+                    break
+                except ray.exceptions.RayError:
+                    await asyncio.sleep(0.1)
+            while eid not in {e.engine_id for e in await coordinator.engines.remote()}:
+                assert time.monotonic() - t0 < DEADLINE_S + 90, f"{eid} never registered again"
+                await asyncio.sleep(0.1)
+            return time.monotonic() - t0, pid
+
+        took, pid = asyncio.run(go())
+        stats = ray.get(coordinator.control_stats.remote(), timeout=30)
+        events = [e for e in ray.get(coordinator.recent_events.remote(1000), timeout=30)
+                  if e["engine_id"] == eid and e["event"] == "startup_timeout"]
+        still_running = running(pid, timeout_s=20)
+    finally:
+        kill_tree(frozen, signal.SIGCONT)
+        shutdown_deployment(name, keep_coordinator=True)
+    print(f"{eid}: registered with the restarted coordinator {took:.1f} s after it was killed; events {events}")
+    assert took >= DEADLINE_S - 1  # the frozen restart was waited for, then killed
+    assert events and "coordinator restarted" in events[0]["reason"], events
+    assert stats.startup_timeouts.get(eid, 0) >= 1 and eid not in stats.startups_awaited
     assert not still_running, f"the frozen incarnation (pid {pid}) is still there"

@@ -1,5 +1,5 @@
 """A P/D request whose KV transfer fails after its prefill, through the HTTP front (synthetic engines,
-real Ray actors and NIXL, the `fail` policy, the default of `transfer.failure_policy`): the partition
+real Ray actors and NIXL, `transfer.failure_policy: fail`, set here: the default is `recompute`): the partition
 and READ-error classes of docs/failure-semantics.md ("Terminal outcome per fault class").
 
 Three streams are prefilled; each is held at the router's call to the decode engine (`DecodeGate`:
@@ -41,7 +41,7 @@ from engine_calls import collect, request
 from service_helpers import SYNTHETIC, UvicornThread, free_port
 from terminal_bounds import late, partition_bound_s, read_error_bound_s
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.injects_faults]
 
 MODEL = "synthetic-tiny"
 WARM = "a transfer fault warm-up prompt " * 3

@@ -17,8 +17,10 @@ two decode engines):
   uninterrupted reference; the coordinator kills the frozen engine and it rejoins as a new incarnation.
 
 The streams batch differently from their references (migrated ones join the survivor's batch)
-and vLLM's CPU kernels are not batch-invariant, so "equal" is `greedy.assert_greedy_continuation`:
-equal, or split from the reference at a near tie of its two best tokens (tests/greedy.py).
+and vLLM's CPU kernels are not batch-invariant, so "equal" is `greedy.divergence`: equal, or split
+from the reference at a near tie of its two best tokens and, after it, the greedy continuation of the
+accepted branch (one more greedy request through the router, alone), checked the same way
+(tests/greedy.py).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from serving.routing.route_errors import InvalidRequest
 
 from chaos_helpers import freeze_tree, generation, kill_tree, pair_states, wait_generation
 from engine_calls import request
-from greedy import divergence, greedy_request, logprobs_of
+from greedy import Continuation, divergence, greedy_request, logprobs_of
 from terminal_bounds import crash_bound_s, late
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -127,9 +129,10 @@ def test_engine_side_rejections_are_400_and_open_no_breaker(service, coordinator
     assert chunks[-1].finish_reason == "length" and not any(c.recomputed or c.failed for c in chunks)
 
 
+@pytest.mark.injects_faults  # freezes or kills an engine on purpose
 def test_twenty_greedy_streams_survive_a_decode_engine_kill(service, coordinator):
-    victim_id, reference, answers, back_s, timing = twenty_streams_and_a_fault(service, coordinator, "kill")
-    check_every_stream_migrated_as_a_greedy_continuation(victim_id, reference, answers, back_s)
+    prompts, victim_id, reference, answers, back_s, timing = twenty_streams_and_a_fault(service, coordinator, "kill")
+    check_every_stream_migrated_as_a_greedy_continuation(service, prompts, victim_id, reference, answers, back_s)
     # a terminal outcome (here: the whole answer) for every stream within the crash class's bound of the
     # kill (the wait in twenty_streams_and_a_fault fails the test on a stream still open at the bound)
     bound_s = timing["bound_s"]
@@ -139,10 +142,11 @@ def test_twenty_greedy_streams_survive_a_decode_engine_kill(service, coordinator
     assert late(timing["ends"], timing["t0"], bound_s) == {}, bound_s
 
 
+@pytest.mark.injects_faults  # freezes or kills an engine on purpose
 def test_twenty_greedy_streams_survive_a_hung_decode_engine(service, coordinator):
     router = service["router"]
-    victim_id, reference, answers, back_s, _ = twenty_streams_and_a_fault(service, coordinator, "freeze")
-    check_every_stream_migrated_as_a_greedy_continuation(victim_id, reference, answers, back_s)
+    prompts, victim_id, reference, answers, back_s, _ = twenty_streams_and_a_fault(service, coordinator, "freeze")
+    check_every_stream_migrated_as_a_greedy_continuation(service, prompts, victim_id, reference, answers, back_s)
     assert router.pool.migrations["engine_hung"] >= 1  # found hung by its deadline, not dead
     events = [e for e in ray.get(coordinator.recent_events.remote(1000)) if e["engine_id"] == victim_id]
     assert any(e["event"] == "removed" and e["reason"].startswith("hung:") for e in events[-5:]), events[-5:]
@@ -151,7 +155,7 @@ def test_twenty_greedy_streams_survive_a_hung_decode_engine(service, coordinator
 def twenty_streams_and_a_fault(service, coordinator, fault: str):
     """20 concurrent greedy streams, their uninterrupted references, and one decode engine killed
     (-9, actor and engine core) or frozen (SIGSTOP, the same tree) once a third of the tokens are
-    out; returns (victim, references, answers, seconds until the victim was back, timing: the
+    out; returns (the prompts, victim, references, answers, seconds until the victim was back, timing: the
     references' wall time, the fault's moment, when each stream ended and, for a kill, the crash
     class's terminal-outcome bound, which the streams are waited for no longer than)."""
     dep, router = service["dep"], service["router"]
@@ -205,14 +209,28 @@ def twenty_streams_and_a_fault(service, coordinator, fault: str):
         reference, answers, victim_id, back_s, timing = asyncio.run(go())
     finally:
         kill_tree(frozen, signal.SIGCONT)  # (killed by the coordinator by now)
-    return victim_id, reference, answers, back_s, timing
+    return prompts, victim_id, reference, answers, back_s, timing
 
 
-def check_every_stream_migrated_as_a_greedy_continuation(victim_id, reference, answers, back_s):
+def alone_through(router) -> Continuation:
+    """The greedy continuation of a prefix: one more greedy request through the router, alone."""
+    async def continuation(prefix: list[int], max_tokens: int):
+        stream = await router.open(greedy_request(f"branch-{time.monotonic_ns()}", prefix, max_tokens))
+        chunks = [c async for c in stream]
+        return [t for c in chunks for t in c.token_ids], logprobs_of(chunks)
+    return continuation
+
+
+def check_every_stream_migrated_as_a_greedy_continuation(service, prompts, victim_id, reference, answers, back_s):
     migrated = [i for i, (_, _, m, _) in enumerate(answers) if m]
     print(f"{victim_id}: {len(migrated)} of 20 streams migrated; the engine was back in {back_s:.0f} s")
     assert [last.error for _, last, _, _ in answers] == [None] * 20  # no error on any stream
-    differ = {i: (i in migrated, problem) for i, ((ans, _, _, _), (ref, _, _, ref_lps)) in
-              enumerate(zip(answers, reference)) if (problem := divergence(ans, ref, ref_lps)) is not None}
+    branch = alone_through(service["router"])
+
+    async def problems():
+        return [await divergence(ans, ref, ref_lps, prompt, branch)
+                for prompt, (ans, _, _, _), (ref, _, _, ref_lps) in zip(prompts, answers, reference)]
+
+    differ = {i: (i in migrated, problem) for i, problem in enumerate(asyncio.run(problems())) if problem is not None}
     assert differ == {}, f"(migrated?, how it differs) per stream: {differ}"  # greedy continuations
     assert migrated

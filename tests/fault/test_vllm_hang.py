@@ -37,7 +37,7 @@ from chaos_helpers import SteadyLoad, freeze_tree, kill_tree
 from service_helpers import free_port, run_serve_app
 from terminal_bounds import hang_bound_s, late
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.injects_faults]
 
 NAME = "vllm-hang"
 PROMPTS = ["Tell me a long story about a lighthouse keeper.", "Explain how a steam engine works, step by step.",

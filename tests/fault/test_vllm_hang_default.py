@@ -3,15 +3,17 @@ app, one engine frozen mid-stream, as an operator would see it:
 
 1. 3 greedy streams run; the engine serving most of them is frozen (SIGSTOP of its actor and vLLM
    processes), one more request is sent at that moment: every stream completes within 30 s (none cut,
-   no error event) as its greedy reference, token for token or split at a near tie (tests/greedy.py), the
-   migrated ones recomputed on the other engine;
+   no error event) as its greedy reference, token for token or split at near ties, each followed by the
+   greedy continuation of the accepted branch (tests/greedy.py), the migrated ones recomputed on the
+   other engine;
 2. once the router has found the engine hung (its first missed deadline), requests are served by the
    other engine at once: their first token comes well within one token deadline;
 3. /health answers 200 throughout (one engine can serve), and the frozen engine is killed and
    restarted by the coordinator and rejoins with no command (a new incarnation).
 
 References: one request at a time on the surviving engine's actor, greedy with top-2 logprobs (the
-HTTP API refuses logprobs), on the prompt ids the front tokenized (`return_token_ids`).
+HTTP API refuses logprobs), on the prompt ids the front tokenized (`return_token_ids`); a branch's
+continuation after an accepted near tie the same way.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from chaos_helpers import freeze_tree, generation, kill_tree, wait_generation
 from greedy import divergence, greedy_request, logprobs_of
 from service_helpers import default_app_config, free_port, run_serve_app
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.injects_faults]
 
 NAME = "hang-default"
 CONFIG = "configs/local.yaml"
@@ -169,6 +171,12 @@ def test_one_both_engine_frozen_mid_stream_every_stream_completes_on_the_other(c
                 out["streams"], out["victim"], out["survivor"], out["load"] = streams, victim, survivor, load
                 out["refs"] = [await reference(survivor, s.prompt_ids, MAX_TOKENS) for s in streams[:4]]
                 out["refs"] += [await reference(survivor, s.prompt_ids, MAX_TOKENS) for s in after]
+                out["differ"] = {}  # greedy continuations of their references (tests/greedy.py)
+                for i, (s, (ref, lps)) in enumerate(zip(streams, out["refs"])):
+                    problem = await divergence(s.ids, ref, lps, s.prompt_ids,
+                                               lambda prefix, n: reference(survivor, prefix, n))
+                    if problem is not None:
+                        out["differ"][i] = problem
             return out, gen
 
         out, gen = asyncio.run(go())
@@ -183,9 +191,7 @@ def test_one_both_engine_frozen_mid_stream_every_stream_completes_on_the_other(c
           f"requests sent once it was known hung: {[round(s.ttft_s or -1, 2) for s in streams[4:]]} s; "
           f"back as incarnation {out['new_gen']} (was {gen})")
     assert [s.outcome for s in streams] == ["completed"] * len(streams), [(s.outcome, s.error) for s in streams]
-    differ = {i: problem for i, (s, (ref, lps)) in enumerate(zip(streams, out["refs"]))
-              if (problem := divergence(s.ids, ref, lps)) is not None}
-    assert differ == {}, differ  # greedy continuations of their references
+    assert out["differ"] == {}, out["differ"]  # greedy continuations of their references
     assert out["ended_s"] < 30, out["ended_s"]  # a terminal outcome for every stream within 30 s of the freeze
     token_deadline = load_config(CONFIG).router.token_timeout_s  # what a request waiting on the frozen one takes
     assert all(s.ttft_s < token_deadline / 2 for s in streams[4:]), [s.ttft_s for s in streams[4:]]

@@ -25,7 +25,7 @@ from serving.cluster.ray_init import ray_logs_dir
 from chaos_helpers import generation, kill_tree, wait_generation
 from engine_calls import collect, request
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.injects_faults]
 
 NAME = "vllm-restart"
 

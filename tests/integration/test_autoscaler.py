@@ -33,9 +33,9 @@ CONFIG = {
     "autoscaler": {
         "enabled": True, "policy": "thresholds", "interval_s": 0.5, "up_delay_s": 0.5, "up_cooldown_s": 1.0, "down_delay_s": 2.0,
         "cooldown_s": 3.0, "drain_quiet_s": 1.5,
-        "prefill": {"min": 1, "max": 2, "queued_tokens_per_engine": 300, "ttft_target_s": 30},
+        "prefill": {"min": 1, "max": 2, "queued_tokens_per_engine": 300, "ttft_target_factor": 30},
         "decode": {"min": 1, "max": 2, "outstanding_tokens_per_engine": 200, "kv_usage_high": 1.0,
-                   "itl_target_s": 30},
+                   "itl_target_factor": 120},  # x router.slo's 0.25 s: 30 s
     },
 }
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 60  # ~2700 tokens (one per byte)

@@ -40,7 +40,7 @@ NAME = "prefix-smollm2"
 def cfg():
     base = load_config("configs/local-pd.yaml").model_dump(mode="json")
     base.update(name=NAME, max_model_len=1024)
-    base["decode"].update(count=2, cpu_bind=["1", "0"])
+    base["decode"].update(count=2, cpu={"bind": ["1", "0"]})
     base["router"].update(policy="cache_aware", placement="slo")
     for group in ("prefill", "decode"):
         base[group]["num_cpus"] = 0

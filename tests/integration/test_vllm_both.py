@@ -34,7 +34,7 @@ PROMPT = [rng.randrange(1000, 40000) for _ in range(70)]  # three 32-token block
 
 def make_engine(engine_id, model, bind):
     cfg = EngineConfig(role="both", backend="vllm", engine_id=engine_id, model=str(model), model_id="tiny-both",
-                       max_model_len=512, block_size=32, cpu_bind=bind, dtype="float32",
+                       max_model_len=512, block_size=32, cpu={"bind": bind}, dtype="float32",
                        engine_kwargs={"enable_prefix_caching": False, "enforce_eager": True},
                        num_cpus=0, transfer=TransferConfig(lease_ttl_s=60, read_timeout_s=10, failure_policy="fail"))
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}

@@ -46,7 +46,7 @@ def make_engine(role, engine_id, model, bind, failure_policy="fail", num_blocks=
     transfer = TransferConfig(lease_ttl_s=60, read_timeout_s=10, failure_policy=failure_policy)
     extra = {"num_gpu_blocks_override": num_blocks} if num_blocks else {}
     cfg = EngineConfig(role=role, backend="vllm", engine_id=engine_id, model=str(model), max_model_len=512,
-                       cpu_bind=bind, dtype="float32",
+                       cpu={"bind": bind}, dtype="float32",
                        engine_kwargs={"enable_prefix_caching": False, "enforce_eager": True, **extra},
                        num_cpus=0, transfer=transfer, **kw)
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}
@@ -235,6 +235,7 @@ async def until(what, check, timeout=20.0):
     return got
 
 
+@pytest.mark.injects_faults  # freezes or kills an engine on purpose
 def test_a_late_pull_of_reused_blocks_is_refused_by_the_lease_and_recomputed(engines, coordinator):
     """Late pull, forced, under policy recompute (what the shipped deployment files use). D2 (the
     reader) holds the request while its engine core, where its ranks pull, is frozen (SIGSTOP); the

@@ -37,7 +37,7 @@ CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}
 
 def make_engine(role, engine_id, model, bind, **kwargs):
     cfg = EngineConfig(role=role, backend="vllm", engine_id=engine_id, model=str(model), model_id="tiny-s",
-                       block_size=32, max_model_len=512, cpu_bind=bind, dtype="float32", num_cpus=0,
+                       block_size=32, max_model_len=512, cpu={"bind": bind}, dtype="float32", num_cpus=0,
                        transfer=TransferConfig(lease_ttl_s=60, read_timeout_s=10),
                        engine_kwargs={"enable_prefix_caching": False, "enforce_eager": True, **CHUNKED, **kwargs})
     opts = {k: v for k, v in engine_actor_options(cfg).items() if v is not None}

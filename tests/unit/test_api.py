@@ -42,6 +42,8 @@ class FakeStream:
         c = self.chunks.pop(0)
         c = TokenChunk("r", **{k: tuple(v) if k == "token_ids" else v for k, v in c.items()})
         self.num_generated += len(c.token_ids)
+        if c.num_cached_tokens is not None:  # as RoutedStream: the engine's first chunk says it
+            self.num_cached_tokens = c.num_cached_tokens
         self.finished = c.finished
         return c
 
@@ -190,7 +192,9 @@ def test_chat_non_stream_and_stream(client):
     events = sse_events(r.text)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == " w0 w1 w2"
-    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["choices"][0]["delta"] == {}
+    # as vLLM's server: the finish reason rides on the last token's delta
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["choices"][0]["delta"] == {"content": " w2"}
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert client.router.requests[1].max_tokens == 5
 

@@ -7,16 +7,18 @@ import pytest
 from serving.autoscaler_config import AutoscalerConfig
 from serving.cluster.autoscale_policy import PoolSignals, RolePolicy
 from serving.config import ConfigError, DeploymentConfig
+from serving.placement_config import SloTargets
 
 CFG = AutoscalerConfig(
     enabled=True, up_delay_s=2.0, up_cooldown_s=5.0, down_delay_s=10.0, cooldown_s=30.0, down_fraction=0.5,
-    prefill={"min": 1, "max": 3, "queued_tokens_per_engine": 1000, "ttft_target_s": 1.0},
-    decode={"min": 1, "max": 3, "outstanding_tokens_per_engine": 500, "kv_usage_high": 0.8, "itl_target_s": 0.1},
+    prefill={"min": 1, "max": 3, "queued_tokens_per_engine": 1000, "ttft_target_factor": 1.0},
+    decode={"min": 1, "max": 3, "outstanding_tokens_per_engine": 500, "kv_usage_high": 0.8, "itl_target_factor": 1.0},
 )
+SLO = SloTargets(ttft_target_s=1.0, itl_target_s=0.1)  # the deployment's one pair of targets
 
 
 def policies():
-    return RolePolicy("prefill", CFG.prefill, CFG), RolePolicy("decode", CFG.decode, CFG)
+    return RolePolicy("prefill", CFG.prefill, CFG, SLO), RolePolicy("decode", CFG.decode, CFG, SLO)
 
 
 def test_long_prompts_press_on_prefill_only():
@@ -99,3 +101,11 @@ def test_deployment_counts_must_lie_within_the_bounds_when_enabled():
                                                                             "prefill": {"min": 1, "max": 2}}})
     with pytest.raises(ConfigError, match="min 3 > max 2"):
         DeploymentConfig.from_dict({"autoscaler": {"decode": {"min": 3, "max": 2}}})
+
+
+def test_the_autoscalers_latency_limits_are_factors_of_the_deployments_one_target():
+    cfg = DeploymentConfig.from_dict({"router": {"slo": {"ttft_target_s": 1.5, "itl_target_s": 0.2}},
+                                      "autoscaler": {"decode": {"itl_target_factor": 2.0}}})
+    prefill = RolePolicy("prefill", cfg.autoscaler.prefill, cfg.autoscaler, cfg.router.slo)
+    decode = RolePolicy("decode", cfg.autoscaler.decode, cfg.autoscaler, cfg.router.slo)
+    assert (prefill.latency_limit_s, decode.latency_limit_s) == (3.0, 0.4)  # the prefill factor's default: 2

@@ -94,7 +94,7 @@ def test_config_prints_yaml_that_up_config_reads_back(tmp_path, capsys, monkeypa
     assert cfg.engine_kwargs == {"max_num_seqs": 8, "enable_prefix_caching": False}
     assert cfg.max_model_len == 1024  # an engine argument raypd owns lands in its field
     if quickstart.cpu_only_vllm():  # one range of cores per rank on a CPU build
-        assert (cfg.prefill.cpu_bind, cfg.decode.cpu_bind) == (["0", "1"], ["2|3"])
+        assert (cfg.prefill.cpu.bind, cfg.decode.cpu.bind) == (["0", "1"], ["2|3"])
     assert yaml.safe_load(text)["model"] == str(folder)
 
 
@@ -104,7 +104,7 @@ def test_flags_override_a_config_file():
     cfg = _load(args)
     base = load_config(ROOT / "configs" / "local.yaml")
     assert cfg.engine_kwargs == {**base.engine_kwargs, "max_num_seqs": 4} and cfg.http.port == 8123
-    assert cfg.prefill.cpu_bind == base.prefill.cpu_bind
+    assert cfg.prefill.cpu.bind == base.prefill.cpu.bind
 
 
 @pytest.mark.parametrize("ranks, cores, binds", [

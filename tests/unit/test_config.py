@@ -21,7 +21,7 @@ def test_local_default_is_smollm2_two_role_flexible_engines_with_slo_placement_o
     assert (cfg.backend, cfg.model, cfg.prefill.count, cfg.decode.count, cfg.both.count) == ("vllm", "smollm2",
                                                                                              0, 0, 2)
     assert (cfg.router.placement, cfg.http.host, cfg.http.port) == ("slo", "127.0.0.1", 8000)
-    assert [cfg.engine_config("both", i).cpu_bind for i in range(2)] == ["0", "1"]
+    assert [cfg.engine_config("both", i).cpu.bind for i in range(2)] == ["0", "1"]
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ def test_local_default_is_smollm2_two_role_flexible_engines_with_slo_placement_o
         ({"backend": "synthetic", "decode": {"tp_size": 3}}, "num_kv_heads"),
         ({"backend": "synthetic", "decode": {"tp_size": 2, "dcp_size": 2}}, "MLA"),
         ({"decode": {"tp_size": 2, "dcp_size": 2}}, "synthetic backend"),
-        ({"prefill": {"count": 2, "cpu_bind": ["0"]}}, "one entry per engine"),
+        ({"prefill": {"count": 2, "cpu": {"bind": ["0"]}}}, "one entry per engine"),
         ({"http": {"port": 70000}}, "http.port"),
         ({"bogus": 1}, "bogus"),
         ({"transfer": {"failure_policy": "maybe"}}, "transfer.failure_policy"),
@@ -161,3 +161,27 @@ def test_every_restarted_actor_follows_restarts_max_restarts():
     cfg = DeploymentConfig.from_dict({"backend": "synthetic", "restarts": {"max_restarts": 2}})
     assert cfg.engine_config("prefill").max_restarts == cfg.engine_config("decode").max_restarts == 2
     assert launcher_options(cfg)["max_restarts"] == 2  # bounded, never -1
+
+
+def test_cpu_host_and_synthetic_settings_sit_in_their_blocks_and_reach_each_engine():
+    cfg = DeploymentConfig.from_dict({"backend": "synthetic", "prefill": {"count": 0},
+                                      "decode": {"count": 2, "cpu": {"bind": ["0", "1"], "compute_nice": 5},
+                                                 "synthetic": {"num_blocks": 64, "layout": "NHD"}}})
+    engine = cfg.engine_config("decode", 1)
+    assert (engine.cpu.bind, engine.cpu.compute_nice, engine.synthetic.num_blocks, engine.synthetic.layout,
+            engine.synthetic.model_id) == ("1", 5, 64, "NHD", "synthetic-tiny")
+
+
+def test_a_file_written_before_the_cpu_and_synthetic_blocks_still_loads():
+    old = DeploymentConfig.from_dict({"decode": {"cpu_bind": ["1"], "shm_busy_loop_s": 0, "num_blocks": 64}})
+    assert (old.decode.cpu.bind, old.decode.cpu.shm_busy_loop_s, old.decode.synthetic.num_blocks) == (["1"], 0, 64)
+    with pytest.raises(ConfigError, match="cpu_bind and cpu.bind both set"):
+        DeploymentConfig.from_dict({"decode": {"cpu_bind": ["1"], "cpu": {"bind": ["0"]}}})
+
+
+def test_the_router_takes_what_it_needs_of_transfer_and_breaker_unless_router_sets_it():
+    derived = DeploymentConfig.from_dict({"transfer": {"read_timeout_s": 20}, "breaker": {"probe_window_s": 8}})
+    own = DeploymentConfig.from_dict({"transfer": {"read_timeout_s": 20},
+                                      "router": {"pull_timeout_s": 5, "probe_hold_s": 1}})
+    assert ((derived.router_config().pull_timeout_s, derived.router_config().probe_hold_s),
+            (own.router_config().pull_timeout_s, own.router_config().probe_hold_s)) == ((20, 4.0), (5, 1))

@@ -20,12 +20,12 @@ def by_name(cfg: DeploymentConfig, role: str) -> dict[str, EngineArg]:
     return {a.name: a for a in engine_args(cfg, role)}
 
 
-def test_gpu_example_a_gpu_engine_runs_vllms_defaults_a_cpu_one_raypds():
+def test_gpu_example_a_gpu_engine_runs_vllm_serves_defaults_a_cpu_one_raypds():
     cfg = load_config(GPU_EXAMPLE)
     decode, prefill = by_name(cfg, "decode"), by_name(cfg, "prefill")
     budget = decode["max_num_batched_tokens"]
-    assert (budget.cpu, budget.gpu) == (cfg.chunk_budget("decode"), None)  # None: vLLM's default
-    assert "priors" in budget.why and "vLLM's default" in budget.why
+    assert (budget.cpu, budget.gpu) == (cfg.chunk_budget("decode"), None)  # None: `vllm serve`'s default
+    assert "priors" in budget.why and "`vllm serve`'s default" in budget.why
     seqs = prefill["max_num_seqs"]
     assert (seqs.cpu, seqs.gpu) == (1, None)
     assert (decode["max_num_seqs"].cpu, decode["max_num_seqs"].gpu) == (None, None)

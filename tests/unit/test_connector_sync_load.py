@@ -64,3 +64,34 @@ def test_merge_steps_keeps_everything():
     m = merge_steps([a, b])
     assert m.done == {"x": 1.0} and m.failed == {"y": "r"} and m.invalid_block_ids == {"y": (3,)}
     assert m.released == ("l1",) and m.expired == ("l2",) and m.finished_recving == {"x", "y"}
+
+
+class StuckTransfer(FakeTransfer):
+    """A pull that never ends by itself (a partitioned producer): only `fail_pull` ends it, and the
+    step after reports it failed with its blocks invalid, as the real RankTransfer does."""
+
+    def __init__(self):
+        super().__init__([])
+        self.failing: dict[str, str] = {}
+
+    def fail_pull(self, req_id, reason):
+        self.failing[req_id] = reason
+
+    def step(self):
+        failed, self.failing = self.failing, {}
+        return StepResult(failed=failed, invalid_block_ids={r: (4, 5) for r in failed})
+
+
+def test_a_sync_load_not_done_within_sync_wait_s_fails_instead_of_holding_the_engine():
+    import time
+
+    w = worker([])
+    w.transfer = TransferConfig(read_timeout_s=30, sync_wait_s=0.2)
+    w.xfer = StuckTransfer()
+    t0 = time.monotonic()
+    w.start_load_kv(RayNixlMetadata(recv={"s-stuck": recv(True, (4, 5))}))
+    waited = time.monotonic() - t0
+    assert 0.2 <= waited < 1.0  # the budget, not the 30 s read timeout
+    w.get_transfer_results()
+    assert w.get_block_ids_with_load_errors() == {4, 5}  # recomputed (or failed) by vLLM's policy
+    assert w.worker_meta().failed_pulls == (("s-stuck", "sync load not done within 0.2 s"),)

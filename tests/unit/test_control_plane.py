@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from actors.control.coordinator import Coordinator
-from actors.control.ledger import BreakerConfig, TransferLedger
+from actors.control.breaker_config import BreakerConfig
+from actors.control.ledger import TransferLedger
 from actors.kv.aggregator import KVConnectorOutput
 from actors.control.ledger_records import (
     HandoffAborted,

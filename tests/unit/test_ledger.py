@@ -1,7 +1,8 @@
 """Transfer ledger: one verdict per handoff, the one owner of pair breakers, aborts, deaths, salvage."""
 
 from actors.kv.aggregator import KVConnectorOutput
-from actors.control.ledger import BreakerConfig, TransferLedger
+from actors.control.breaker_config import BreakerConfig
+from actors.control.ledger import TransferLedger
 
 
 class Clock:

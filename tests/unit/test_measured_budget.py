@@ -1,6 +1,6 @@
 """The chunk budget of an engine raypd starts: from the rates its role's live engines measured when
 there are some, else from the placement priors; an operator-written value always wins; a GPU engine
-runs a measured budget only above vLLM's own default. The autoscaler hands the measured rates to the
+runs a measured budget only above `vllm serve`'s default. The autoscaler hands the measured rates to the
 engines it starts (pure: no Ray cluster, fake engine loads and hands)."""
 
 from __future__ import annotations
@@ -93,11 +93,12 @@ def test_prefill_engines_get_no_budget_and_batch_prompts_on_a_gpu():
         assert platform_defaults(e, is_cpu=False) == {}
 
 
-def test_vllms_default_budget_is_the_one_raypd_assumes():
+def test_vllms_default_budget_is_the_one_vllm_serve_uses_on_this_host():
     pytest.importorskip("vllm")
-    from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
 
-    assert VLLM_DEFAULT_BUDGET == SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert VLLM_DEFAULT_BUDGET == EngineArgs.get_batch_defaults(1)[0][UsageContext.OPENAI_API_SERVER]
 
 
 # ----------------------------------------------------------- where engines are created
@@ -157,7 +158,7 @@ def test_an_engine_fits_its_own_rates_from_the_slo_priors_or_from_what_its_role_
     engine the autoscaler starts beside measuring engines starts from their `MeasuredRates`."""
     cfg = deployment(router={"slo": {"prior_prefill_tokens_per_s": 300.0, "rate_half_life_s": 30.0}})
     plain, started = cfg.engine_config("decode"), cfg.engine_config("decode", measured=SLOW)
-    assert (plain.rates.prior_prefill_tokens_per_s, plain.rates.prior_step_s, plain.rates.half_life_s) == (
+    assert (plain.rates.prior_prefill_tokens_per_s, plain.rates.prior_step_s, plain.rates.rate_half_life_s) == (
         300.0, cfg.router.slo.prior_step_s, 30.0)
     assert (started.rates.prior_prefill_tokens_per_s, started.rates.prior_step_s) == (SLOW.prefill_tokens_per_s,
                                                                                      SLOW.step_s)

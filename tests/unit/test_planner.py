@@ -267,7 +267,7 @@ def test_every_shape_makes_a_deployment_that_reads_back(units):
             len(shape.colocated), len(shape.prefill), len(shape.decode))
         assert cfg.router.placement == ("slo" if shape.is_colocated else "disaggregate")
         assert (cfg.model, cfg.dtype, cfg.engine_kwargs) == ("smollm2", "float32", {"enforce_eager": True})
-        binds = [b for role in ("prefill", "decode", "both") for b in getattr(cfg, role).cpu_bind or []]
+        binds = [b for role in ("prefill", "decode", "both") for b in getattr(cfg, role).cpu.bind or []]
         cores = [c for b in binds for c in _cores(b)]
         assert sorted(cores) == list(range(shape.units))  # each core to one engine
         assert cfg.ray.num_cpus >= shape.units
@@ -275,7 +275,7 @@ def test_every_shape_makes_a_deployment_that_reads_back(units):
         assert gpu.model == "/models/Llama-3.1-8B-Instruct"
         for role, sizes in (("both", shape.colocated), ("prefill", shape.prefill), ("decode", shape.decode)):
             if sizes:
-                assert getattr(gpu, role).tp_size == sizes[0] and getattr(gpu, role).cpu_bind is None
+                assert getattr(gpu, role).tp_size == sizes[0] and getattr(gpu, role).cpu.bind is None
 
 
 def _cores(bind: str) -> list[int]:

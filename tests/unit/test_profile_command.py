@@ -19,9 +19,9 @@ def deployment(**group) -> DeploymentConfig:
 
 
 def test_an_engines_size_is_its_bound_cores_else_its_cpus_else_its_gpus():
-    assert [engine_size(deployment(cpu_bind=["0", "1"]), "both", i) for i in (0, 1)] == [1, 1]
-    assert engine_size(deployment(count=1, cpu_bind=["0-1"]), "both", 0) == 2
-    assert engine_size(deployment(count=1, cpu_bind=["0,2-3"]), "both", 0) == 3
+    assert [engine_size(deployment(cpu={"bind": ["0", "1"]}), "both", i) for i in (0, 1)] == [1, 1]
+    assert engine_size(deployment(count=1, cpu={"bind": ["0-1"]}), "both", 0) == 2
+    assert engine_size(deployment(count=1, cpu={"bind": ["0,2-3"]}), "both", 0) == 3
     assert engine_size(deployment(num_cpus=2), "both", 1) == 2
     assert engine_size(deployment(tp_size=4), "both", 0) == 4
 

@@ -92,3 +92,14 @@ def test_ids_are_still_checked_before_any_index_is_computed():
     stage, local = stage_for(1, 1, 16, 16)
     with pytest.raises(Exception, match="outside"):
         checked_block_ids("local", [0, 32], local.num_blocks)
+
+
+def test_the_read_deadline_grows_with_the_bytes_at_the_slowest_link():
+    from actors.kv.transport import TransportBase
+
+    t = TransportBase.__new__(TransportBase)
+    TransportBase.__init__(t, "r", None, read_timeout_s=10.0, min_link_mbps=100.0)
+    assert t.read_deadline_s(0) == 10.0
+    assert t.read_deadline_s(77_000_000) == pytest.approx(10.0 + 77e6 * 8 / 100e6)  # 77 MB at 100 Mbit/s: +6.2 s
+    TransportBase.__init__(t, "r", None, read_timeout_s=10.0)
+    assert t.read_deadline_s(77_000_000) == 10.0  # 0: read_timeout_s alone

@@ -69,7 +69,7 @@ def test_a_few_samples_already_move_the_estimate_most_of_the_way():
 
 def test_the_estimate_follows_an_engine_that_slows_down():
     clock = Clock()
-    model = EngineRateModel(RateModelConfig(half_life_s=10.0), clock=clock)
+    model = EngineRateModel(RateModelConfig(rate_half_life_s=10.0), clock=clock)
     feed(model, clock)
     feed(model, clock, c=2 / 1000, seed=2)  # 100 s later: half the prefill rate
     assert model.rates().prefill_tokens_per_s == pytest.approx(500, rel=0.05)

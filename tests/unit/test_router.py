@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from actors.kv.aggregator import KVConnectorOutput
-from actors.control.ledger import BreakerConfig, TransferLedger
+from actors.control.breaker_config import BreakerConfig
+from actors.control.ledger import TransferLedger
 from actors.routes import PrefillRoute, RouteTable
 from actors.protocol.request import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from serving.config import RouterConfig
@@ -569,6 +570,22 @@ def test_health_reflects_usable_paths():
         assert not h2.ready and h2.reason == "no decode engine is alive"
         router3, _, _, _ = make(routes={"d0": []})  # decode_local fallback: still serving
         assert (await router3.readiness()).ready
+
+    run(go())
+
+
+def test_open_breakers_leave_the_front_ready_but_say_pd_is_degraded_and_why():
+    async def go():
+        router, _, _, directory = make()  # decode_local fallback
+        assert (await router.readiness()).code == "ok"
+        for _ in range(2):
+            directory.ledger.prefill_failed("d0", "p0", "link down")
+            directory.ledger.prefill_failed("d0", "p1", "link down")
+        await router.routes(force=True)
+        h = await router.readiness()
+        assert (h.ready, h.code) == (True, "pd_degraded")
+        assert "breaker p0->d0 open" in h.reason and "breaker p1->d0 open" in h.reason
+        assert "prefilled on their decode engine" in h.reason
 
     run(go())
 

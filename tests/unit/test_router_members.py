@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from serving.config import RouterConfig
 from serving.routing.router import Router
 from tests.unit.test_router import FakeClock, FakeDirectory, FakeEngine, collect, req
 
@@ -20,7 +21,7 @@ def make(routes, gone=("d0",)):
     clock = FakeClock()
     directory = FakeDirectory(routes, clock)
     router = Router({"p0": FakeEngine("p0")}, {"d0": FakeEngine("d0")}, directory,
-                    directory_ttl_s=0.0, clock=clock, resolve_engine=resolve)
+                    RouterConfig(directory_ttl_s=0.0), clock=clock, resolve_engine=resolve)
     return router, directory, made
 
 

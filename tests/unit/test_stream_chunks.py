@@ -86,7 +86,8 @@ def test_several_tokens_of_one_step_are_one_sse_event_and_the_end_is_one_write()
             writes.append(part)
     events = sse_events(b"".join(writes).decode())
     texts = [e["choices"][0]["text"] for e in events if e["choices"]]
-    assert texts == [" a", " b c d", " e", ""]  # one event per chunk, then the finish_reason event
+    assert texts == [" a", " b c d", " e"]  # one event per chunk; the last one carries the finish reason
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]] == [None, None, "length"]
     assert events[-1]["usage"]["completion_tokens"] == 5
     # byte for byte the shape of the general encoder (the pre-encoded fast path must not drift)
     assert json.loads(b"".join(writes).decode().split("\n\n")[1][len("data: "):]) == {
@@ -104,3 +105,22 @@ def test_the_trace_header_is_sent_only_when_enabled_and_asked_for():
     assert HEADER not in post(client, "/v1/completions", body).headers
     off, _ = make_client()
     assert HEADER not in post(off, "/v1/completions", body, headers={HEADER: "1"}).headers
+
+
+def test_chat_chunks_have_vllm_shape_with_continuous_usage():
+    """vLLM's server: the role chunk counts the prompt and no answer token, each token chunk the answer
+    so far, the last token's chunk carries the finish reason, then the usage chunk with no choices."""
+    client, router = make_client()
+    router.chunks = [{"token_ids": [1], "text": " a", "num_prompt_tokens": 7, "num_cached_tokens": 0},
+                     {"token_ids": [2, 3], "text": " b c"},
+                     {"token_ids": [4], "text": " d", "finished": True, "finish_reason": "stop"}]
+    body = {"model": "synthetic-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = sse_events(post(client, "/v1/chat/completions", body).text)
+    shape = [(e["choices"][0]["delta"] if e["choices"] else None,
+              e["choices"][0]["finish_reason"] if e["choices"] else None,
+              e["usage"]["completion_tokens"]) for e in events]
+    assert shape == [({"role": "assistant", "content": ""}, None, 0), ({"content": " a"}, None, 1),
+                     ({"content": " b c"}, None, 3), ({"content": " d"}, "stop", 4), (None, None, 4)]
+    assert all("prompt_tokens_details" not in e["usage"] for e in events[:-1])  # per-chunk usage: counts only
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -17,9 +17,9 @@ def cfg(**kw) -> EngineConfig:
 
 
 def test_only_an_engine_that_runs_uni_gets_the_environment():
-    uni = cfg(engine_kwargs={"distributed_executor_backend": "uni"}, cpu_bind="1")
+    uni = cfg(engine_kwargs={"distributed_executor_backend": "uni"}, cpu={"bind": "1"})
     assert engine_actor_options(uni)["runtime_env"]["env_vars"][uniproc.MULTIPROCESSING_ENV] == "0"
-    assert uniproc.MULTIPROCESSING_ENV not in engine_actor_options(cfg(cpu_bind="1"))["runtime_env"]["env_vars"]
+    assert uniproc.MULTIPROCESSING_ENV not in engine_actor_options(cfg(cpu={"bind": "1"}))["runtime_env"]["env_vars"]
 
 
 def test_one_rank_cpu_engines_run_uni_by_default_and_the_operator_can_keep_vllms_mp():
@@ -36,16 +36,16 @@ def test_one_rank_cpu_engines_run_uni_by_default_and_the_operator_can_keep_vllms
 
 
 def test_the_core_is_bound_to_the_engines_cores_as_vllms_mp_executor_binds_a_worker():
-    uni = cfg(engine_kwargs={"distributed_executor_backend": "uni"}, cpu_bind="0,2-3")
+    uni = cfg(engine_kwargs={"distributed_executor_backend": "uni"}, cpu={"bind": "0,2-3"})
     assert uniproc.core_omp_env(uni) == {"OMP_NUM_THREADS": "3", "OMP_PLACES": "{0,2,3}", "OMP_PROC_BIND": "true"}
-    assert uniproc.core_omp_env(cfg(engine_kwargs={"distributed_executor_backend": "uni"}, cpu_bind="nobind")) == {}
-    assert uniproc.core_omp_env(cfg(cpu_bind="1")) == {}  # mp: vLLM binds its worker itself
+    assert uniproc.core_omp_env(cfg(engine_kwargs={"distributed_executor_backend": "uni"}, cpu={"bind": "nobind"})) == {}
+    assert uniproc.core_omp_env(cfg(cpu={"bind": "1"})) == {}  # mp: vLLM binds its worker itself
 
 
 def test_the_binding_is_set_only_while_the_core_is_spawned(monkeypatch):
     monkeypatch.delenv("OMP_PLACES", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
-    uni = cfg(engine_kwargs={"distributed_executor_backend": "uni"}, cpu_bind="1")
+    uni = cfg(engine_kwargs={"distributed_executor_backend": "uni"}, cpu={"bind": "1"})
     monkeypatch.setattr("vllm.platforms.current_platform.is_cpu", lambda: True)
     with uniproc.core_process_env(uni):
         inside = (os.environ["OMP_NUM_THREADS"], os.environ["OMP_PLACES"])

@@ -44,7 +44,7 @@ def test_auto_on_a_cpu_host_makes_readers_sleep_on_the_notification(spin, monkey
 def test_an_engines_setting_reaches_its_processes_environment_and_none_leaves_vllm_as_shipped():
     cfg = EngineConfig(role="both", backend="vllm", engine_id="e", model="m")
     env = engine_actor_options(cfg)["runtime_env"]["env_vars"]
-    tuned = engine_actor_options(cfg.model_copy(update={"shm_busy_loop_s": 0.0}))["runtime_env"]["env_vars"]
+    tuned = engine_actor_options(cfg.model_copy(update={"cpu": cfg.cpu.model_copy(update={"shm_busy_loop_s": 0.0})}))["runtime_env"]["env_vars"]
     assert (plugin.BUSY_LOOP_ENV in env, tuned[plugin.BUSY_LOOP_ENV]) == (False, "0.0")
 
 

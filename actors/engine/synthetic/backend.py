@@ -29,8 +29,8 @@ class SyntheticBackend:
         self.model = SyntheticModel(model_id=m.model_id, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                                     head_size=m.head_size, is_mla=m.is_mla, vocab_size=m.vocab_size)
         self.shape = EngineShape(tp_size=cfg.tp_size, pp_size=cfg.pp_size, dcp_size=cfg.dcp_size,
-                                 block_size=cfg.effective_block_size, num_blocks=cfg.num_blocks,
-                                 layout="ND" if m.is_mla else cfg.layout)
+                                 block_size=cfg.effective_block_size, num_blocks=m.num_blocks,
+                                 layout="ND" if m.is_mla else m.layout)
         self.token_latency_s = token_latency_s
         self.engine: SyntheticEngine | None = None
         self._decoding: set[str] = set()

@@ -21,6 +21,7 @@ import platform
 from typing import Any
 
 from actors.engine.config import EngineConfig
+from actors.engine.vllm.serve_defaults import BatchDefaults, serve_batch_defaults
 
 CONNECTOR = "RayNixlConnector"
 CONNECTOR_MODULE = "actors.engine.vllm.connector"
@@ -164,16 +165,25 @@ def build_engine_args(cfg: EngineConfig, model_path: str, kv_transfer: dict[str,
     return args
 
 
-def platform_defaults(cfg: EngineConfig, is_cpu: bool | None = None) -> dict[str, Any]:
+def platform_defaults(cfg: EngineConfig, is_cpu: bool | None = None,
+                      serve: BatchDefaults | None = None) -> dict[str, Any]:
     """The engine arguments raypd adds where the operator set none: `cpu_engine_defaults` on a CPU
-    host (`is_cpu`: this host's vLLM platform when None), `gpu_engine_defaults` elsewhere (at most a
-    measured chunk budget above vLLM's default: vLLM's defaults stand for the rest)."""
+    host (`is_cpu`: this host's vLLM platform when None), `gpu_engine_defaults` elsewhere: a measured
+    chunk budget only when it is larger than `vllm serve`'s default for this host's GPU (`serve`:
+    read from vLLM's table when None); vLLM applies `vllm serve`'s defaults for the rest."""
     if is_cpu is None:
         from vllm.platforms import current_platform
 
         is_cpu = current_platform.is_cpu()
-    defaults = cfg.cpu_engine_defaults if is_cpu else cfg.gpu_engine_defaults
-    return {k: v for k, v in defaults.items() if k not in cfg.engine_kwargs}
+    if is_cpu:
+        return {k: v for k, v in cfg.cpu_engine_defaults.items() if k not in cfg.engine_kwargs}
+    defaults = {k: v for k, v in cfg.gpu_engine_defaults.items() if k not in cfg.engine_kwargs}
+    budget = defaults.get("max_num_batched_tokens")
+    if budget is not None:
+        serve = serve or serve_batch_defaults(cfg.tp_size * cfg.pp_size, cfg.engine_kwargs.get("performance_mode"))
+        if budget <= serve.max_num_batched_tokens:
+            del defaults["max_num_batched_tokens"]  # vLLM's own is at least as large
+    return defaults
 
 
 def apply_cpu_mla_backend(args: Any) -> str | None:

@@ -132,6 +132,7 @@ class VllmBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from actors.engine.vllm.args import EffectiveEngineConfig
+        from actors.engine.vllm.serve_defaults import usage_context
         from actors.models.local import resolve_model
 
         self.coordinator = coordinator
@@ -140,7 +141,9 @@ class VllmBackend:
         model_path = str(await asyncio.to_thread(resolve_model, self.cfg.model))
         engine_args = self._engine_args(model_path)  # refuses a bad engine_kwargs key before any process starts
         with core_process_env(self.cfg):  # a `uni` engine's core runs the model: bound as a worker would be
-            self.llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=self._stat_loggers())
+            # `vllm serve`'s usage context: vLLM's batch defaults for this GPU are those `vllm serve` would use
+            self.llm = AsyncLLM.from_engine_args(engine_args, usage_context=usage_context(),
+                                                 stat_loggers=self._stat_loggers())
         self._children = record_children(self.engine_id)
         self.effective_config = EffectiveEngineConfig.from_vllm_config(self.llm.vllm_config)
         from actors.engine.vllm.decode import DecodePath, DecodeWiring, decode_caps

@@ -8,7 +8,7 @@ one-rank CPU engines (`EngineConfig.cpu_engine_defaults`); `engine_kwargs:
 async scheduling off, whatever was asked; with `uni` raypd makes it stick:
 - VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine actor's environment (AsyncLLM still runs its core
   in a subprocess: only the worker process goes);
-- the core's OpenMP threads bound to the engine's `cpu_bind` cores, as vLLM's mp executor binds a
+- the core's OpenMP threads bound to the engine's `cpu.bind` cores, as vLLM's mp executor binds a
   worker's (OMP_* set in the core's environment only: the actor's runtime read its own long before).
 """
 
@@ -53,9 +53,9 @@ def parse_cpus(spec: str) -> list[int]:
 
 def core_omp_env(cfg: EngineConfig, is_cpu: bool = True) -> dict[str, str]:
     """The OpenMP binding vLLM's mp executor would give the worker, for the core process instead."""
-    if not runs_model_in_core(cfg, is_cpu) or cfg.cpu_bind in (None, "", "nobind", "auto"):
+    if not runs_model_in_core(cfg, is_cpu) or cfg.cpu.bind in (None, "", "nobind", "auto"):
         return {}
-    cpus = parse_cpus(cfg.cpu_bind)
+    cpus = parse_cpus(cfg.cpu.bind)
     return {"OMP_NUM_THREADS": str(len(cpus)), "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
             "OMP_PROC_BIND": "true"}
 

@@ -26,8 +26,8 @@ class NixlTransport(TransportBase):
     """One NIXL agent (UCX) per rank, with this rank's KV regions registered."""
 
     def __init__(self, name: str, geometry: CacheGeometry, read_timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic, mem: str = "DRAM"):
-        super().__init__(name, geometry, read_timeout_s, clock)
+                 clock: Callable[[], float] = time.monotonic, mem: str = "DRAM", min_link_mbps: float = 0.0):
+        super().__init__(name, geometry, read_timeout_s, clock, min_link_mbps)
         from actors.kv.nixl.nixl_agent import NixlAgent  # nixl is imported only for real transports
 
         self.mem = mem

@@ -257,7 +257,8 @@ class ConnectorWorker:
         incarnation = self.settings.incarnation or uuid.uuid4().hex[:8]
         name = f"{self.engine_id}-pp{identity.pp_rank}-tp{identity.tp_rank}-{incarnation}"
         mem = "VRAM" if next(iter(kv_caches.values())).is_cuda else "DRAM"
-        transport = NixlTransport(name, geometry, read_timeout_s=self.transfer.read_timeout_s, mem=mem)
+        transport = NixlTransport(name, geometry, read_timeout_s=self.transfer.read_timeout_s, mem=mem,
+                                  min_link_mbps=self.transfer.min_link_mbps)
         self.xfer = RankTransfer(identity, geometry, planes, self._compat(geometry), transport,
                                  is_mla=self.use_mla, faults=self.faults, verify=self.transfer.verify)
         folder = self.settings.handshake_dir
@@ -306,21 +307,23 @@ class ConnectorWorker:
 
     def _wait_sync(self, req_ids: dict[str, tuple[int, ...]]) -> None:
         """Step until every sync load of this step is done or failed (vLLM computes on its blocks
-        right after); the pulls' own read timeout ends a hung one, this deadline is a backstop."""
+        right after). The whole engine waits meanwhile, so a load not done within `sync_wait_s` (a
+        partitioned or slow link) is failed like any pull: its producers are told (their leases end at
+        once), its blocks are invalid and the failure policy applies."""
         self._sync_ids |= set(req_ids)
         pending = set(req_ids)
-        deadline = time.monotonic() + self.transfer.read_timeout_s + 5.0
+        deadline = time.monotonic() + self.transfer.sync_wait_s
         while pending:
             step = self.xfer.step()
             self._stepped.append(step)
             pending -= set(step.done) | set(step.failed)
             if pending and time.monotonic() > deadline:
-                logger.error("raypd: sync KV loads %s did not end; their blocks are invalid", sorted(pending))
+                logger.warning("raypd: sync KV loads %s not done within %.1f s: failed", sorted(pending),
+                               self.transfer.sync_wait_s)
                 for req_id in pending:
-                    self._load_errors.update(req_ids[req_id])
-                    self._failed[req_id] = "the sync KV load did not end within the read timeout"
-                    self.xfer.cancel(req_id)
-                return
+                    self.xfer.fail_pull(req_id, f"sync load not done within {self.transfer.sync_wait_s:.1f} s")
+                deadline = float("inf")  # the next step reports them failed (and sends the notices)
+                continue
             if pending:
                 time.sleep(0.0002)
 

@@ -1,13 +1,12 @@
-"""How NetworkPolicies, PodMonitors and Secrets fit the Ray pods of a release.
+"""How NetworkPolicies, PodMonitors and Secrets fit the Ray pods of a release (across documents).
 
-`release_errors(docs)` checks documents against each other, for every RayService/RayCluster
-in the set: when NetworkPolicies are present, every Ray pod is selected, the ports open to
-anyone are exactly the Serve port, the release's pods reach each other on every port, and any
-other source is a named namespace limited to the Serve, metrics or (operator pods only)
-dashboard port; when PodMonitors are present, every Ray pod's metrics port is scraped and every
-endpoint names a port the pods declare; a Secret in the set that the API-key variable names
-holds non-empty keys. Each policy/monitor must select some Ray pod of the set.
-`scrape_errors(doc)`: one RayService/RayCluster's own metrics port and prometheus.io annotations.
+`release_errors(docs)` checks, for every RayService/RayCluster in the set: when NetworkPolicies
+are present, every Ray pod is selected, the ports open to anyone are exactly the Serve port,
+the release's pods reach each other on every port, and any other source is a named namespace
+limited to the Serve, metrics or (operator pods only) dashboard port; when PodMonitors are
+present, every Ray pod's metrics port is scraped and every endpoint names a port the pods
+declare; a Secret in the set that the API-key variable names holds non-empty keys. Each
+policy/monitor must select some Ray pod of the set.
 """
 
 from __future__ import annotations
@@ -19,30 +18,6 @@ from typing import Any, Iterator
 from posture import API_KEYS_ENV
 
 DASHBOARD_PORT = 8265
-
-
-def scrape_errors(doc: dict) -> list[str]:
-    """A Ray pod's metrics: `metrics-export-port` is a declared container port, and prometheus.io
-    annotations name a declared port and an absolute path."""
-    errs = []
-    if doc.get("kind") not in ("RayService", "RayCluster"):
-        return errs
-    for group, template, params in _ray_pods(doc):
-        numbers = set(_ports(template).values())
-        metrics = params.get("metrics-export-port")
-        if metrics is not None and (not str(metrics).isdigit() or int(metrics) not in numbers):
-            errs.append(f"{group}: rayStartParams metrics-export-port {metrics} is not a container port of the "
-                        f"Ray container (declare it, named e.g. 'metrics')")
-        notes = (template.get("metadata") or {}).get("annotations") or {}
-        if notes.get("prometheus.io/scrape", "false") not in ("true", "false"):
-            errs.append(f"{group}: annotation prometheus.io/scrape must be \"true\" or \"false\"")
-        if notes.get("prometheus.io/scrape") == "true":
-            port = notes.get("prometheus.io/port", "")
-            if not port.isdigit() or int(port) not in numbers:
-                errs.append(f"{group}: annotation prometheus.io/port {port!r} is not a container port")
-            if not notes.get("prometheus.io/path", "/metrics").startswith("/"):
-                errs.append(f"{group}: annotation prometheus.io/path must start with '/'")
-    return errs
 
 
 def selects(selector: dict | None, labels: dict) -> bool:
@@ -58,7 +33,7 @@ def selects(selector: dict | None, labels: dict) -> bool:
     return True
 
 
-def _ray_pods(doc: dict) -> Iterator[tuple[str, dict, dict]]:
+def ray_pods(doc: dict) -> Iterator[tuple[str, dict, dict]]:
     """(group name, pod template, rayStartParams) of a RayService/RayCluster."""
     spec = doc.get("spec") or {}
     cluster = spec.get("rayClusterConfig") if doc.get("kind") == "RayService" else spec
@@ -68,11 +43,11 @@ def _ray_pods(doc: dict) -> Iterator[tuple[str, dict, dict]]:
         yield str(g.get("groupName")), g.get("template") or {}, g.get("rayStartParams") or {}
 
 
-def _labels(template: dict) -> dict:
+def pod_labels(template: dict) -> dict:
     return (template.get("metadata") or {}).get("labels") or {}
 
 
-def _ports(template: dict) -> dict[str, int]:
+def pod_ports(template: dict) -> dict[str, int]:
     c = (((template.get("spec") or {}).get("containers")) or [{}])[0]
     return {p.get("name"): p.get("containerPort") for p in c.get("ports") or [] if p.get("name")}
 
@@ -122,8 +97,8 @@ def _rule_ports(rule: dict, ports: dict[str, int]) -> set[int] | None:
 def _network_errors(doc: dict, nps: list[dict], release_keys: tuple[str, ...]) -> list[str]:
     errs, serve = [], _serve_port(doc)
     name = (doc.get("metadata") or {}).get("name")
-    for group, template, params in _ray_pods(doc):
-        labels, ports = _labels(template), _ports(template)
+    for group, template, params in ray_pods(doc):
+        labels, ports = pod_labels(template), pod_ports(template)
         release = {k: labels[k] for k in release_keys if k in labels}
         metrics = int(params.get("metrics-export-port", 8080))
         covering = [np for np in nps if selects(np["spec"].get("podSelector"), labels)
@@ -164,8 +139,8 @@ def _network_errors(doc: dict, nps: list[dict], release_keys: tuple[str, ...]) -
 
 def _monitor_errors(doc: dict, monitors: list[dict]) -> list[str]:
     errs, name = [], (doc.get("metadata") or {}).get("name")
-    for group, template, params in _ray_pods(doc):
-        labels, ports = _labels(template), _ports(template)
+    for group, template, params in ray_pods(doc):
+        labels, ports = pod_labels(template), pod_ports(template)
         metrics = int(params.get("metrics-export-port", 8080))
         metrics_names = {n for n, p in ports.items() if p == metrics}
         scraped = False
@@ -185,7 +160,7 @@ def _monitor_errors(doc: dict, monitors: list[dict]) -> list[str]:
 
 def _secret_errors(doc: dict, secrets: dict[str, dict]) -> list[str]:
     errs = []
-    for group, template, _ in _ray_pods(doc):
+    for group, template, _ in ray_pods(doc):
         for c in (template.get("spec") or {}).get("containers") or []:
             for e in c.get("env") or []:
                 ref = ((e.get("valueFrom") or {}).get("secretKeyRef") or {})
@@ -214,8 +189,8 @@ def release_errors(docs: list[Any], release_keys: tuple[str, ...] = (
     for kind in ("NetworkPolicy", "PodMonitor"):
         for pol in (d for d in docs if d.get("kind") == kind):
             key = "podSelector" if kind == "NetworkPolicy" else "selector"
-            if rays and not any(selects((pol.get("spec") or {}).get(key), _labels(t))
-                                for r in rays if _same_namespace(r, pol) for _, t, _ in _ray_pods(r)):
+            if rays and not any(selects((pol.get("spec") or {}).get(key), pod_labels(t))
+                                for r in rays if _same_namespace(r, pol) for _, t, _ in ray_pods(r)):
                 errs.append(f"{kind} {(pol.get('metadata') or {}).get('name')}: selects no Ray pod of "
                             f"{[(r.get('metadata') or {}).get('name') for r in rays]}")
     for ray in rays:
