@@ -24,6 +24,17 @@ ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-raypd-hosts-test"
 
 
+@dataclass(frozen=True)
+class Answer:
+    """How one request ended: `outcome` completed | error_event | http_error | cut; seconds from send."""
+    outcome: str
+    text: str
+    first_s: float | None
+    second_s: float | None
+    seconds: float
+    status: int = 200
+
+
 @dataclass
 class RaypdOnHosts:
     ray: RayHosts
@@ -80,6 +91,37 @@ class RaypdOnHosts:
         if out.returncode != 0:
             raise RuntimeError(f"driver failed: {out.stderr[-3000:]}")
         return out.stdout
+
+    def complete(self, prompt: str, max_tokens: int = 12, timeout_s: float = 120) -> "Answer":
+        """One streamed greedy completion: how it ended (completed, error_event, http_error, cut), its
+        text, its first token's time and its wall time."""
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        t0 = time.monotonic()
+        text, outcome, finish, first, second = "", "cut", None, None, None
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, headers=self.headers,
+                              timeout=timeout_s) as r:
+                if r.status_code != 200:
+                    return Answer("http_error", r.read().decode(), None, None, time.monotonic() - t0, r.status_code)
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        outcome = "completed" if finish else ("error_event" if outcome == "error_event" else "cut")
+                        break
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        outcome, text = "error_event", json.dumps(event["error"])
+                        continue
+                    for choice in event.get("choices", ()):
+                        if choice.get("text"):
+                            now = time.monotonic() - t0
+                            first, second = (now, second) if first is None else (first, second or now)
+                        text += choice.get("text") or ""
+                        finish = choice.get("finish_reason") or finish
+        except httpx.HTTPError:
+            outcome = "cut" if outcome != "completed" else outcome
+        return Answer(outcome, text, first, second, time.monotonic() - t0)
 
     def log_tail(self, chars: int = 3000) -> str:
         try:

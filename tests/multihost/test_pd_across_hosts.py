@@ -49,30 +49,6 @@ def raypd(ray_hosts):
         rp.stop()
 
 
-def complete(rp: RaypdOnHosts, text: str, max_tokens: int = 12) -> dict:
-    """One streamed greedy completion: how it ended, its text, its wall time."""
-    body = {"model": "smollm2", "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    t0, out, outcome, finish = time.monotonic(), "", "cut", None
-    with httpx.stream("POST", rp.url + "/v1/completions", json=body, headers=rp.headers, timeout=120) as r:
-        if r.status_code != 200:
-            return {"outcome": "http_error", "status": r.status_code, "text": r.read().decode(),
-                    "seconds": time.monotonic() - t0}
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                outcome = "completed" if finish else ("error_event" if outcome == "error_event" else "cut")
-                break
-            event = json.loads(line[6:])
-            if "error" in event:
-                outcome, out = "error_event", json.dumps(event["error"])
-                continue
-            for choice in event.get("choices", ()):
-                out += choice.get("text") or ""
-                finish = choice.get("finish_reason") or finish
-    return {"outcome": outcome, "text": out, "seconds": time.monotonic() - t0}
-
-
 def engine(status: dict, role: str) -> dict:
     return next(e["stats"] for name, e in status["engines"].items() if name.endswith(f"-{role}-0"))
 
@@ -81,9 +57,9 @@ def test_kv_crosses_the_wire_and_engines_publish_their_hosts_addresses(raypd, ho
     for city in CITIES[:3]:
         before_rx = host_net.bytes(2)[0]
         pulled_before = engine(raypd.status(), "decode")["backend"]["counters"]["prompt_tokens_pulled"]
-        answer = complete(raypd, prompt(city))
-        assert answer["outcome"] == "completed", answer
-        REFERENCES[city] = answer["text"]
+        answer = raypd.complete(prompt(city))
+        assert answer.outcome == "completed", answer
+        REFERENCES[city] = answer.text
         pulled = engine(raypd.status(), "decode")["backend"]["counters"]["prompt_tokens_pulled"] - pulled_before
         received = host_net.bytes(2)[0] - before_rx
         assert pulled > 300  # the prompt's KV was pulled, not recomputed
@@ -114,14 +90,14 @@ def test_a_partition_during_pulls_is_recomputed_within_its_bound_then_pd_resumes
 
     host_net.partition(1, 2)
     try:
-        answers = {city: complete(raypd, prompt(city)) for city in REFERENCES}
+        answers = {city: raypd.complete(prompt(city)) for city in REFERENCES}
         during = raypd.status()
         health = httpx.get(raypd.url + "/health", timeout=10)
     finally:
         host_net.heal()
-    assert {c: a["outcome"] for c, a in answers.items()} == {c: "completed" for c in REFERENCES}
-    assert {c: a["text"] for c, a in answers.items()} == REFERENCES  # recomputed = the P/D answer
-    late = {c: round(a["seconds"], 1) for c, a in answers.items() if a["seconds"] > bound}
+    assert {c: a.outcome for c, a in answers.items()} == {c: "completed" for c in REFERENCES}
+    assert {c: a.text for c, a in answers.items()} == REFERENCES  # recomputed = the P/D answer
+    late = {c: round(a.seconds, 1) for c, a in answers.items() if a.seconds > bound}
     assert not late, f"bound {bound} s: {late}"
     assert during["breakers"][pair]["state"] == "open"
     assert health.status_code == 200 and health.json()["code"] == "pd_degraded", health.text
@@ -132,8 +108,8 @@ def test_a_partition_during_pulls_is_recomputed_within_its_bound_then_pd_resumes
     state = None
     while time.monotonic() < deadline:
         city = CITIES[0]
-        answer = complete(raypd, prompt(city))
-        assert (answer["outcome"], answer["text"]) == ("completed", REFERENCES[city])
+        answer = raypd.complete(prompt(city))
+        assert (answer.outcome, answer.text) == ("completed", REFERENCES[city])
         status = raypd.status()
         state = status["breakers"][pair]["state"]
         if state == "closed" and engine(status, "decode")["backend"]["counters"]["kv_pulls"] > pulled_before:

@@ -1,0 +1,232 @@
+"""raypd across real hosts (network namespaces, `benchmarks/hostnet/`): P/D over the wire, and what each
+network fault costs a request, measured from the client.
+
+Deployment A (`configs/multihost-pd.yaml`: prefill on host 1, decode on host 2, every request pulled):
+  healthy      P/D answers (the references), KV bytes on the decode host's link against the pulled KV
+  partition    P<->D cut (both still reach the head): each request's terminal outcome and time, the
+               breaker, /health; after healing, the time until a request pulls again
+  capped link  tbf on the decode host's link at 1 Gbit/s and 50 Mbit/s: TTFT, first->second token, total
+  host cut     the decode host loses every link for longer than Ray's node-death timeout: what Ray and
+               raypd did, and what a request sees during and after
+Deployment B (`configs/multihost-default.yaml`: two `both` engines, SLO placement):
+  slow link    50 Mbit/s on host 2: decisions, gaps and totals per request, the learned pull rates
+  host lost    host 2's processes killed: the streams in flight, then colocated serving and /health
+
+    sudo .venv/bin/python benchmarks/hosts_faults.py [--out benchmarks/results/hosts_faults.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from benchmarks.hostnet.netns import HostNet, leftovers  # noqa: E402
+from benchmarks.hostnet.ray_hosts import RayHosts  # noqa: E402
+from benchmarks.hostnet.raypd_hosts import API_KEY, Answer, RaypdOnHosts  # noqa: E402
+
+KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32
+SHORT = "and the river flows through the old town. " * 40  # ~370 tokens
+LONG = "and the river flows through the old town. " * 160  # ~1.5k tokens
+CITIES = ("Paris", "Rome", "Lyon", "Oslo", "Vienna", "Prague", "Lisbon", "Dublin", "Bergen", "Turin")
+
+
+def prompt(city: str, body: str = SHORT) -> str:
+    return f"The history of the city of {city} begins {body}"
+
+
+def row(name: str, a: Answer, ref: str | None = None) -> dict:
+    return {"request": name, "outcome": a.outcome, "right": None if ref is None else a.text == ref,
+            "seconds": round(a.seconds, 2), "ttft_s": a.first_s and round(a.first_s, 2),
+            "first_to_second_s": round(a.second_s - a.first_s, 2) if a.first_s and a.second_s else None}
+
+
+def counters(rp: RaypdOnHosts, role: str) -> dict:
+    stats = next(e["stats"] for n, e in rp.status()["engines"].items() if f"-{role}-" in n)
+    return stats["backend"]["counters"]
+
+
+def deployment_a(net: HostNet, rh: RayHosts, out: dict) -> None:
+    rp = RaypdOnHosts(rh, ROOT / "configs" / "multihost-pd.yaml")
+    t0 = time.monotonic()
+    rp.start()
+    out["A_start_s"] = round(time.monotonic() - t0, 1)
+    refs: dict[str, str] = {}
+    healthy = []
+    for city in CITIES[:4]:
+        rx0, pulled0 = net.bytes(2)[0], counters(rp, "decode")["prompt_tokens_pulled"]
+        a = rp.complete(prompt(city))
+        refs[city] = a.text
+        pulled = counters(rp, "decode")["prompt_tokens_pulled"] - pulled0
+        healthy.append({**row(city, a), "kv_bytes_pulled": pulled * KV_BYTES_PER_TOKEN,
+                        "link_bytes_received": net.bytes(2)[0] - rx0})
+    out["A_healthy"] = healthy
+
+    pair = next(iter(rp.status()["breakers"]))
+    net.partition(1, 2)
+    t_fault = time.monotonic()
+    part = [row(c, rp.complete(prompt(c)), refs[c]) for c in CITIES[:4]]
+    status, health = rp.status(), httpx.get(rp.url + "/health", timeout=10).json()
+    net.heal()
+    t_heal = time.monotonic()
+    resumed = None
+    pulls0 = counters(rp, "decode")["kv_pulls"]
+    while time.monotonic() - t_heal < 90:
+        a = rp.complete(prompt(CITIES[0]))
+        if counters(rp, "decode")["kv_pulls"] > pulls0 and a.text == refs[CITIES[0]]:
+            resumed = round(time.monotonic() - t_heal, 1)
+            break
+        time.sleep(1)
+    out["A_partition"] = {"requests": part, "fault_to_last_outcome_s": round(t_heal - t_fault, 1),
+                          "breaker_during": status["breakers"][pair]["state"], "health_during": health.get("code"),
+                          "pd_resumed_after_heal_s": resumed}
+
+    long_refs: dict[str, str] = {}
+    caps = {}
+    for cap in (None, "1gbit", "50mbit"):
+        if cap:
+            net.cap(2, cap)
+        rows = []
+        for city in CITIES[4:7]:
+            a = rp.complete(prompt(city, LONG), max_tokens=8, timeout_s=180)
+            long_refs.setdefault(city, a.text)
+            rows.append(row(city, a, long_refs[city]))
+        caps[cap or "uncapped"] = rows
+        net.heal()
+    out["A_capped"] = caps
+
+    # the decode host cut off from everyone for longer than Ray's node health checks allow
+    gen0 = {n: e["stats"]["generation"] for n, e in rp.status()["engines"].items()}
+    net.cut(2)
+    t_cut = time.monotonic()
+    during = row("during-cut", rp.complete(prompt(CITIES[7])), None)
+    time.sleep(max(0.0, 45 - (time.monotonic() - t_cut)))
+    nodes_during = _alive_nodes(rh)
+    net.heal()
+    t_heal = time.monotonic()
+    first_good, after = None, []
+    while time.monotonic() - t_heal < 180:
+        a = rp.complete(prompt(CITIES[0]))
+        after.append(row("after-heal", a, refs[CITIES[0]]))
+        if a.outcome == "completed" and a.text == refs[CITIES[0]]:
+            first_good = round(time.monotonic() - t_heal, 1)
+            break
+        time.sleep(3)
+    engines_after = {n: {"healthy": e.get("healthy"), "generation": (e.get("stats") or {}).get("generation")}
+                     for n, e in rp.status()["engines"].items()}
+    out["A_host_cut"] = {"cut_s": 45, "request_during_cut": during, "ray_alive_nodes_during": nodes_during,
+                         "ray_alive_nodes_after": _alive_nodes(rh), "generations_before": gen0,
+                         "engines_after": engines_after, "first_good_answer_after_heal_s": first_good,
+                         "requests_after_heal": after[-5:]}
+    rp.stop()
+
+
+def deployment_b(net: HostNet, rh: RayHosts, out: dict) -> None:
+    rp = RaypdOnHosts(rh, ROOT / "configs" / "multihost-default.yaml")
+    t0 = time.monotonic()
+    rp.start()
+    out["B_start_s"] = round(time.monotonic() - t0, 1)
+    net.cap(2, "50mbit")
+    rows = []
+    for i, city in enumerate(CITIES):
+        before = (rp.status()["serve"]["router"].get("planner") or {}).get("decisions", {})
+        a = rp.complete(prompt(city, LONG), max_tokens=32, timeout_s=180)
+        after = (rp.status()["serve"]["router"].get("planner") or {}).get("decisions", {})
+        decided = [k for k in after if after[k] > before.get(k, 0)]
+        rows.append({**row(city, a), "decision": decided[0] if decided else "?"})
+    status = rp.status()
+    out["B_slow_link"] = {"requests": rows, "learned_pull_rates": status["serve"]["router"].get("pull_rates")}
+    net.heal()
+
+    with ThreadPoolExecutor(2) as pool:
+        inflight = [pool.submit(rp.complete, prompt(c, SHORT), 64) for c in CITIES[:2]]
+        time.sleep(3)
+        t_loss = time.monotonic()
+        net.lose(2)
+        lost_rows = [row(f"in-flight-{i}", f.result()) for i, f in enumerate(inflight)]
+    after = [row(c, rp.complete(prompt(c))) for c in CITIES[2:5]]
+    out["B_host_lost"] = {"in_flight": lost_rows, "after": after,
+                          "loss_to_last_in_flight_outcome_s": round(time.monotonic() - t_loss, 1),
+                          "health_after": httpx.get(rp.url + "/health", timeout=10).json()}
+    rp.stop()
+
+
+def _alive_nodes(rh: RayHosts) -> int | None:
+    out = rh.python(0, "import ray; ray.init(); print(sum(n['Alive'] for n in ray.nodes()))", timeout=60)
+    try:
+        return int(out.stdout.split()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hosts_faults.txt"))
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    out: dict = {"commit": commit, "dirty": bool(dirty), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    net = HostNet(3).up()
+    try:
+        rh = RayHosts(net, roles={1: {"prefill": 1, "engine": 1}, 2: {"decode": 1, "engine": 1}},
+                      num_cpus={0: 2, 1: 1, 2: 1}, extra_env={"RAYPD_API_KEYS": API_KEY}).start()
+        deployment_a(net, rh, out)
+        if 2 in net.lost or not net.hosts:
+            raise RuntimeError("host 2 gone before deployment B")
+        deployment_b(net, rh, out)
+    finally:
+        net.down()
+        out["teardown_leftovers"] = leftovers(net.run_id)
+    Path(args.out).with_suffix(".json").write_text(json.dumps(out, indent=1))
+    Path(args.out).write_text(report(out))
+    print(report(out))
+    return 0
+
+
+def report(o: dict) -> str:
+    lines = [f"# hosts_faults.py  commit {o['commit'][:12]}{' (dirty)' if o['dirty'] else ''}  {o['date']}",
+             "# 3 network-namespace hosts on one 2-core machine; SmolLM2 on vLLM (CPU); UCX over TCP on the hosts' links",
+             f"A (1 prefill on host 1 + 1 decode on host 2): up in {o.get('A_start_s')} s"]
+    for r in o.get("A_healthy", []):
+        lines.append(f"  healthy {r['request']:<8} {r['outcome']:<10} {r['seconds']:>6} s  KV pulled "
+                     f"{r['kv_bytes_pulled'] / 1e6:.1f} MB, decode link received {r['link_bytes_received'] / 1e6:.1f} MB")
+    p = o.get("A_partition", {})
+    for r in p.get("requests", []):
+        lines.append(f"  partition {r['request']:<8} {r['outcome']:<10} right={r['right']} {r['seconds']:>6} s")
+    lines.append(f"  partition: breaker {p.get('breaker_during')}, /health {p.get('health_during')}, "
+                 f"P/D again {p.get('pd_resumed_after_heal_s')} s after healing")
+    for cap, rows in o.get("A_capped", {}).items():
+        for r in rows:
+            lines.append(f"  link {cap:<9} {r['request']:<8} {r['outcome']:<10} TTFT {r['ttft_s']} s, "
+                         f"first->second {r['first_to_second_s']} s, total {r['seconds']} s, right={r['right']}")
+    c = o.get("A_host_cut", {})
+    lines.append(f"  decode host cut {c.get('cut_s')} s: request during the cut {c.get('request_during_cut')}; "
+                 f"Ray alive nodes during {c.get('ray_alive_nodes_during')}, after {c.get('ray_alive_nodes_after')}; "
+                 f"first good answer {c.get('first_good_answer_after_heal_s')} s after healing; "
+                 f"engines after {c.get('engines_after')} (generations before {c.get('generations_before')})")
+    lines.append(f"B (2 both engines, SLO placement): up in {o.get('B_start_s')} s; host 2's link at 50 Mbit/s")
+    for r in o.get("B_slow_link", {}).get("requests", []):
+        lines.append(f"  {r['request']:<8} {r['decision']:<36} {r['outcome']:<10} TTFT {r['ttft_s']} s, "
+                     f"first->second {r['first_to_second_s']} s, total {r['seconds']} s")
+    lines.append(f"  learned pull rates: {o.get('B_slow_link', {}).get('learned_pull_rates')}")
+    lost = o.get("B_host_lost", {})
+    for r in lost.get("in_flight", []) + lost.get("after", []):
+        lines.append(f"  host 2 lost: {r['request']:<12} {r['outcome']:<10} {r['seconds']} s")
+    lines.append(f"  host 2 lost: last in-flight outcome {lost.get('loss_to_last_in_flight_outcome_s')} s after the "
+                 f"loss; /health after: {(lost.get('health_after') or {}).get('code')}")
+    lines.append(f"teardown leftovers: {o.get('teardown_leftovers')}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
