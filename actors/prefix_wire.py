@@ -1,21 +1,12 @@
 """What crosses the wire about prefix-cache blocks: how an engine hashes them, its KV events, and
 the index's changes as replicas receive them.
 
-vLLM (0.32) names a full KV block by a hash chained over the prompt's token ids:
-`hash(parent_hash, tuple(block_token_ids), extra_keys)`, the first block's parent
-being `NONE_HASH = hash(seed)`; the default algorithm is `sha256` over the
-pickled tuple and the seed is "vllm-none-hash" (or PYTHONHASHSEED). Its KV
-cache events (`BlockStored` / `BlockRemoved` / `AllBlocksCleared`) report the
-same hashes, by default as the low 64 bits (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`).
-`HashScheme.block_hashes` computes them here, so a router can ask "how many
-leading blocks of this prompt does each engine hold" without asking the engines.
-
-Three parties share these types and nothing else: engines relay `KVEventsBatch`es
-(`actors.engine.vllm.kv_events`), the owner (`actors.control.prefix_index.PrefixIndex`,
-in the coordinator) logs every change as an `IndexOp`, routers
-(`serving.routing.prefix_replica`) catch up with `IndexUpdate`s from their `IndexCursor`.
-Keeping them here lets each side import the wire without the others' modules.
-Pure Python: no Ray, no vLLM.
+`HashScheme.block_hashes` computes vLLM's own block hashes, so a router can ask how many leading
+blocks of a prompt each engine holds without asking the engines. Three parties share these types
+and nothing else: engines relay `KVEventsBatch`es (`actors.engine.vllm.kv_events`), the owner
+(`actors.control.prefix_index.PrefixIndex`) logs every change as an `IndexOp`, routers
+(`serving.routing.prefix_replica`) catch up with `IndexUpdate`s from their `IndexCursor`; keeping
+them here lets each side import the wire without the others' modules. Pure Python: no Ray, no vLLM.
 """
 
 from __future__ import annotations
@@ -47,7 +38,24 @@ def external_key(block_hash: bytes | int) -> int:
 
 @dataclass(frozen=True)
 class HashScheme:
-    """How one engine hashes its blocks: block size, hash algorithm, NONE_HASH seed."""
+    """How one engine hashes its blocks: block size, hash algorithm, NONE_HASH seed.
+
+    vLLM (0.32) names a full KV block by a hash chained over the prompt's token ids:
+    `hash(parent_hash, tuple(block_token_ids), extra_keys)`, the first block's parent
+    being `NONE_HASH = hash(seed)`; the default algorithm is `sha256` over the
+    pickled tuple and the seed is "vllm-none-hash" (or PYTHONHASHSEED). Its KV
+    cache events (`BlockStored` / `BlockRemoved` / `AllBlocksCleared`) report the
+    same hashes, by default as the low 64 bits (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`).
+    `HashScheme.block_hashes` computes them here, so a router can ask "how many
+    leading blocks of this prompt does each engine hold" without asking the engines.
+
+    Three parties share these types and nothing else: engines relay `KVEventsBatch`es
+    (`actors.engine.vllm.kv_events`), the owner (`actors.control.prefix_index.PrefixIndex`,
+    in the coordinator) logs every change as an `IndexOp`, routers
+    (`serving.routing.prefix_replica`) catch up with `IndexUpdate`s from their `IndexCursor`.
+    Keeping them here lets each side import the wire without the others' modules.
+    Pure Python: no Ray, no vLLM.
+    """
 
     block_size: int
     algo: str = "sha256"
@@ -160,8 +168,7 @@ class IndexCursor:
 class PackedOps(Sequence[IndexOp]):
     """A run of `IndexOp`s as they travel: every hash in one bytes object of 64-bit words, each op's
     engine, kind, scheme and hash count beside it. Unpickling one is a few objects, not one int per
-    block hash (a 100 ms delta at 256 engines and 100k events/s held a router's loop 1-2 ms, a snapshot
-    ~13 ms); each op's hashes become ints when the op is read, so a replica applying in slices
+    block hash (unpickling those held a router's loop at 256 engines: docs/benchmarks.md); each op's hashes become ints when the op is read, so a replica applying in slices
     (`PrefixReplica.apply_in_slices`) spreads that work over its loop's turns."""
 
     __slots__ = ("engine_ids", "kinds", "schemes", "counts", "words", "_starts")

@@ -4,23 +4,10 @@ One linear model per engine explains everything placement and the deadlines need
 
   seconds = a * steps + b * (steps * batch) + c * prompt_tokens
 
-a: an engine step's fixed part, b: its growth per decoding stream, c: seconds per
-prompt token prefilled (prefill rate 1 / c). The engine fits it from what it sees
-of itself (`actors.engine.rate_model.EngineRateModel`, fed by its load meter: every
-request of every router, at its true batch and queue), publishes it with its
-queues to the coordinator (`actors.engine.rates_publisher`), and the coordinator
-hands it to every router in the route table (`actors.routes.RouteTable.rates`,
-`RouteDelta.rates`): every ingress replica and the autoscaler read the same numbers.
-Routers learn only what the engines cannot see: each KV pull per pair, and their
-own hop to each engine (`serving.routing.rates`).
-
-`RidgeFit` is the fit itself: exponentially weighted least squares on relative
-errors (weights halve every `half_life_s`; a 50 ms gap and a 5 s prefill count
-alike), shrunk toward a prior worth `prior_weight` samples per coefficient
-(ridge), so a fit is defined from the first sample on and one outlier moves it
-by a bounded step. Idle time decays history only down to `min_history_weight`
-samples: what was learned survives a quiet hour. Coefficients stay above their
-floors (non-negative; per-token costs strictly positive). Pure: no Ray, no vLLM.
+(a: a step's fixed part, b: its growth per decoding stream, c: seconds per prompt token). The
+engine fits it from what it serves and publishes it through the coordinator's route table, so every
+ingress replica and the autoscaler read the same numbers; routers learn only what engines cannot
+see (each pair's KV pull, their own hop). Pure: no Ray, no vLLM. The fit: `RidgeFit`.
 """
 
 from __future__ import annotations
@@ -90,6 +77,14 @@ class RidgeFit:
     coefficient j toward its center as much as `prior_weight` average samples inform it (their mean
     x_j^2 weight), so the prior's share fades as 1 / samples whatever the units; before any sample
     a tiny ridge leaves the center itself.
+
+    The fit: exponentially weighted least squares on relative
+    errors (weights halve every `half_life_s`; a 50 ms gap and a 5 s prefill count
+    alike), shrunk toward a prior worth `prior_weight` samples per coefficient
+    (ridge), so a fit is defined from the first sample on and one outlier moves it
+    by a bounded step. Idle time decays history only down to `min_history_weight`
+    samples: what was learned survives a quiet hour. Coefficients stay above their
+    floors (non-negative; per-token costs strictly positive). Pure: no Ray, no vLLM.
     """
 
     def __init__(self, reference: Sequence[float], floors: Sequence[float], half_life_s: float,

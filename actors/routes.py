@@ -9,8 +9,17 @@ shown by `/metrics` and `raypd status`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from actors.rates import EngineRates
+
+
+class BreakerState(StrEnum):
+    """A pair's breaker (`actors.control.breaker`); the values are the `/metrics` and status labels."""
+
+    CLOSED = "closed"
+    HALF_OPEN = "half_open"
+    OPEN = "open"
 
 
 @dataclass(frozen=True)
@@ -19,7 +28,7 @@ class PairState:
 
     prefill_id: str
     decode_id: str
-    state: str  # closed | half_open | open
+    state: BreakerState
     failures: int  # consecutive
     opened_count: int
     last_reason: str = ""
@@ -36,7 +45,7 @@ class PrefillRoute:
     its probe not yet taken (then the router must win `admit_probe` first)."""
 
     prefill_id: str
-    state: str = "closed"
+    state: BreakerState = BreakerState.CLOSED
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ class RouteDelta:
     def apply(self, table: RouteTable) -> RouteTable:
         """`table` (version `base`) brought to `version`; `table` itself is left as it was. A delta of rate
         moves alone shares `table`'s breakers (O(1): rates move far more often than breakers, and the
-        breakers are every pair's, 16k at 256 engines: ~1.6 ms of the router's loop to copy)."""
+        breakers are every pair's, 16k at 256 engines: copying them costs the router's loop)."""
         breakers = table.breakers
         if self.breakers:
             moved = {(b.prefill_id, b.decode_id): b for b in self.breakers}

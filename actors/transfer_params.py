@@ -16,7 +16,7 @@ from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from actors.kv.pull_types import PullRequest
+from actors.kv.plan.pull_types import PullRequest
 
 
 class TransferParamsError(ValueError):

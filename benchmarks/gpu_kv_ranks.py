@@ -72,9 +72,9 @@ def make_rank(spec: Spec, role: str, tp_rank: int, tp_size: int, heads: int, blo
     import torch
 
     from actors.kv.handshake import CompatInfo
-    from actors.kv.layout import HND, CacheGeometry
+    from actors.kv.plan.layout import HND, CacheGeometry
     from actors.kv.rank_transfer import RankIdentity, RankTransfer
-    from actors.kv.transport import NixlTransport
+    from actors.kv.nixl.nixl_transport import NixlTransport
 
     dtype = _torch_dtype(spec.dtype)
     shape = (pool, heads, block, spec.head_size)
@@ -213,7 +213,7 @@ class Consumer:
     def case(self, local_ids: list[int], remote_ids: list[int], num_tokens: int, verify: bool) -> dict:
         import torch
 
-        from actors.kv.pull_types import PullRequest
+        from actors.kv.plan.pull_types import PullRequest
 
         dev = self.spec.device
         li = torch.tensor(local_ids, dtype=torch.long, device=dev)

@@ -31,7 +31,7 @@ ascending in odd rounds, descending in even ones). Every phase records the
 host's load average before/after and the CPU used by processes outside the
 set-up; for raypd's set-ups also the front's fault counters (pdbench/faults.py): no fault is
 injected, so a hang kill in any phase fails the run (exit status 3, after the results are
-written). Results: --out JSON (+ .txt table) and --plot PNG, written only here (defaults: OUTPUTS;
+written). Results: --out JSON (+ .txt table) and --plot PNG, written only here (defaults: pdbench/run_args.py's OUTPUTS;
 --plan prints the schedule and planned duration and starts nothing).
 """
 
@@ -54,35 +54,12 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 from serving.bench.provenance import git_state  # noqa: E402
-from pdbench import client, faults, planned, plot, procs, report, setups, summary  # noqa: E402
+from pdbench import client, faults, planned, plot, procs, report, run_args, setups, summary  # noqa: E402
+from pdbench.group import Group, SetupError  # noqa: E402
+from pdbench.raypd_up import RaypdUp  # noqa: E402
 from pdbench.schedule import LOAD_SETUP, LOW_SETUP, make_schedule, plan, plan_line  # noqa: E402,F401
 
 CHECK_FAILED = 3  # exit status: the benchmark's own check failed (a hang kill with no fault injected)
-_FULL = dict(lengths="128,512,2048", reps=8, rounds=2, low_max_tokens=8, rates="0.3,0.6,0.9",
-             load_requests=20, load_max_tokens=64, drain_s=60.0, idle_s=10.0, settle_s=4.0,
-             mix="128:0.5,512:0.3,2048:0.2", one_round_groups="C,DC,D")
-PROFILES = {
-    # issues 18, 19 and 30: colocated (a)/(a2)/(a'), raypd 1P+1D (b), raypd's default (e), its colocated-only (e0)
-    "full": dict(_FULL, groups="A,B,E,E0,AP", setups="a,a2,ap,b,e,e0"),
-    # the same + the slow (c)/(d)/(dc) anchors, one round of them
-    "anchors": dict(_FULL, groups="A,B,E,E0,AP,C,DC,D", setups="a,a2,ap,b,e,e0,c,d,dc"),
-    # issue 30 alone: the stack's cost, raypd never disaggregating (e0) and its default (e) against (a)/(a2)
-    "stack": dict(_FULL, groups="A,E0,E", setups="a,a2,e0,e"),
-    # issue 28: the shape `raypd config --plan` picks for this load (ep) against (a2) and (a')
-    "plan": dict(_FULL, groups="A,AP,EP", setups="a,a2,ap,ep"),
-    "quick": dict(lengths="128,512", reps=2, rounds=1, low_max_tokens=8, rates="0.3,0.8",
-                  load_requests=4, load_max_tokens=16, drain_s=30.0, idle_s=3.0, settle_s=2.0,
-                  mix="128:0.6,512:0.4", groups="A,B,E,E0,AP", setups="a,a2,ap,b,e,e0",
-                  one_round_groups="C,DC,D"),
-}
-# a --quick run never overwrites a committed result (benchmarks/out/ is git-ignored)
-OUTPUTS = {"full": dict(out="benchmarks/results/pd_vs_vllm.json", plot="benchmarks/results/pd_vs_vllm.png"),
-           "anchors": dict(out="benchmarks/results/pd_vs_vllm_anchors.json",
-                           plot="benchmarks/results/pd_vs_vllm_anchors.png"),
-           "stack": dict(out="benchmarks/results/pd_vs_vllm_stack.json",
-                         plot="benchmarks/results/pd_vs_vllm_stack.png"),
-           "plan": dict(out="benchmarks/results/pd_vs_vllm_plan.json", plot="benchmarks/results/pd_vs_vllm_plan.png"),
-           "quick": dict(out="benchmarks/out/pd_vs_vllm_quick.json", plot="benchmarks/out/pd_vs_vllm_quick.png")}
 ENGINE_SETTINGS = dict(served_model_name="smollm2", dtype="float32", max_model_len=2304, block_size=128,
                        enable_prefix_caching=True, max_num_seqs=128, max_num_batched_tokens=2048,
                        kv_cache_gib=1, raypd_config="benchmarks/configs/pd_1p1d.yaml",
@@ -102,7 +79,7 @@ class Run:
         self.lengths = [int(x) for x in args.lengths.split(",")]
         self.rates = [float(x) for x in args.rates.split(",")]
         self.mix = {int(k): float(v) for k, v in (kv.split(":") for kv in args.mix.split(","))}
-        self.group: setups.Group | None = None
+        self.group: Group | None = None
         self.trail: faults.FaultTrail | None = None  # the raypd group's fault counters, per phase
         self.run_dir = Path(args.run_dir or f"/tmp/pdbench-{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -143,9 +120,9 @@ class Run:
         self.phase(rnd, key, "start", key, g.start)
         self.res["startup_s"].setdefault(key, []).append(round(time.monotonic() - t0, 1))
         self.res["seen_pids"] += g.all_pids()
-        if isinstance(g, setups.RaypdUp) and g.plan_table:
+        if isinstance(g, RaypdUp) and g.plan_table:
             self.res.setdefault("plan", {})["table"] = g.plan_table
-        if isinstance(g, setups.RaypdUp):
+        if isinstance(g, RaypdUp):
             self.trail = faults.FaultTrail(self.res["faults"].setdefault(g.setup, []))
             self.read_faults(rnd, "start")
 
@@ -159,7 +136,7 @@ class Run:
         if g is None:
             return
         self.res["engine_configs"].setdefault(g.key, report.engine_config_lines(g))
-        if isinstance(g, setups.RaypdUp):
+        if isinstance(g, RaypdUp):
             self.res["raypd_engines"].setdefault(g.key, g.engine_settings())
         left = g.stop()
         if left:
@@ -168,7 +145,7 @@ class Run:
 
     def read_faults(self, rnd: int, phase: str) -> None:
         """The raypd front's fault counters now, as the end of `phase` (pdbench/faults.py)."""
-        if self.trail is not None and isinstance(self.group, setups.RaypdUp):
+        if self.trail is not None and isinstance(self.group, RaypdUp):
             e = self.trail.record(rnd, phase, self.group.fault_counters())
             if e["counts"].get(faults.KILLS) or e["counts"].get(faults.MISSES) or e["errors"]:
                 log(f"  faults in {phase}: {e['counts']} {e['errors'][-1:]}")
@@ -179,7 +156,7 @@ class Run:
 
     def idle(self, rnd: int, key: str) -> None:
         g = self.group
-        if isinstance(g, setups.RaypdUp):
+        if isinstance(g, RaypdUp):
             g.start_idle_reference()
         time.sleep(self.args.settle_s)
 
@@ -195,7 +172,7 @@ class Run:
 
         rows = self.phase(rnd, key, "idle", key, window)
         self.res["idle"].setdefault(key, []).append({"round": rnd, "wall_s": self.args.idle_s, "processes": rows})
-        if isinstance(g, setups.RaypdUp):
+        if isinstance(g, RaypdUp):
             g.stop_idle_reference()
 
     def warm_up(self, key: str) -> None:
@@ -205,7 +182,7 @@ class Run:
                                                self.args.request_timeout_s))
             bad = [r.error for r in recs if not r.ok]
             if bad:
-                raise setups.SetupError(f"{setup}: warm-up failed: {bad[0]}")
+                raise SetupError(f"{setup}: warm-up failed: {bad[0]}")
 
     def low_load(self, rnd: int, key: str) -> None:
         setup = LOW_SETUP.get(key)
@@ -246,7 +223,7 @@ class Run:
 
     def decisions(self) -> dict | None:
         """raypd's placement counters now (None for a set-up that is not raypd)."""
-        return self.group.decisions() if isinstance(self.group, setups.RaypdUp) else None
+        return self.group.decisions() if isinstance(self.group, RaypdUp) else None
 
     def decisions_since(self, before: dict) -> dict:
         now = self.decisions() or {}
@@ -293,56 +270,7 @@ class Run:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", choices=sorted(PROFILES), default="full",
-                   help="full: groups A,B,E,E0,AP (issues 18, 19, 30; ~49 min); anchors: + C,DC,D in round 1; "
-                        "stack: A,E0,E (issue 30, ~30 min); plan: A,AP,EP (issue 28); quick")
-    p.add_argument("--quick", action="store_true", help="= --profile quick (small sizes for development)")
-    p.add_argument("--groups", default=None, help="set-up groups, in round-1 order (A, AP, B, E, E0, EP, C, DC, D)")
-    p.add_argument("--setups", default=None,
-                   help="which set-ups of those groups to measure (a,a2,ap,b,e,e0,ep,c,d,dc)")
-    p.add_argument("--one-round-groups", default=None, help="groups that run in round 1 only (the slow anchors)")
-    p.add_argument("--lengths", default=None, help="low-load prompt lengths (tokens)")
-    p.add_argument("--reps", type=int, default=None, help="low-load requests per length per round")
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--low-max-tokens", type=int, default=None, help="answer length at low load")
-    p.add_argument("--rates", default=None, help="Poisson arrival rates (requests/s)")
-    p.add_argument("--load-requests", type=int, default=None, help="requests per rate per round")
-    p.add_argument("--load-max-tokens", type=int, default=None, help="answer length under load")
-    p.add_argument("--mix", default=None, help="prompt length mix under load, length:weight (lengths of --lengths)")
-    p.add_argument("--drain-s", type=float, default=None, help="give up on requests this long after the last arrival")
-    p.add_argument("--idle-s", type=float, default=None, help="idle CPU window per group and round")
-    p.add_argument("--settle-s", type=float, default=None, help="pause after warm-up before the idle window")
-    p.add_argument("--request-timeout-s", type=float, default=300.0)
-    p.add_argument("--start-timeout-s", type=float, default=420.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--run-dir", default=None, help="logs of every process started (default /tmp/pdbench-<time>)")
-    p.add_argument("--out", default=None, help="results JSON (+ .txt table); default per profile: OUTPUTS")
-    p.add_argument("--plot", default=None, help="PNG plot; default per profile: OUTPUTS")
-    p.add_argument("--plan", action="store_true",
-                   help="start nothing: print the schedule and its planned duration (pdbench/budget.py)")
-    p.add_argument("--render", default=None, metavar="JSON",
-                   help="start nothing: re-print the table (and --plot) of an earlier run's JSON")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.profile = "quick"
-    for k, v in dict(PROFILES[args.profile], **OUTPUTS[args.profile]).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    lengths = {int(x) for x in args.lengths.split(",")}
-    if not {int(kv.split(":")[0]) for kv in args.mix.split(",")} <= lengths:
-        p.error(f"--mix lengths must be low-load lengths ({args.lengths}): the goodput SLO is per length")
-    return args
-
-
-def serve_llm_missing(args: argparse.Namespace) -> list[str]:
-    """The packages `ray.serve.llm` imports that this environment lacks, when (d) or (dc) will run."""
-    import importlib.util
-
-    if not {"d", "dc"} & set(args.setups.split(",")) or not {"D", "DC"} & set(args.groups.split(",")):
-        return []
-    return [m for m in ("pyarrow", "jsonref") if importlib.util.find_spec(m) is None]
+    return run_args.parse_args(argv, __doc__.split("\n\n")[0])
 
 
 def on_sigterm(signum: int, _frame) -> None:
@@ -362,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot.plot(res, args.plot)
         return CHECK_FAILED if faults.failed(res["summary"]["checks"]) else 0
-    missing = serve_llm_missing(args)
+    missing = run_args.serve_llm_missing(args)
     if missing:  # before anything starts: an anchors run once found out only when it reached (dc)
         print(f"pd_vs_vllm: set-ups (d)/(dc) (Ray Serve LLM) import {', '.join(missing)}: run `make bench-setup` "
               "first", file=sys.stderr)

@@ -7,7 +7,7 @@
                                   [--out benchmarks/results/plan_check.txt]
 
 For every shape `raypd config --plan` considers on this box (or those named), in one run: the deployment
-the planner would write (serving/planner/deployment.py) is started with `raypd up`, and the planner's
+the planner would write (serving/sizing/deployment.py) is started with `raypd up`, and the planner's
 workload is sent through its front (pdbench's open-loop client: Poisson arrivals, random token-id
 prompts of the given lengths, `ignore_eos`, streamed). The prediction simulates those very requests
 (their arrival times and prompt lengths), so an overloaded shape's queue grows for as long in both.
@@ -44,10 +44,10 @@ from pdbench import client, planned  # noqa: E402
 from serving.bench.provenance import git_state, header_line  # noqa: E402
 from serving.cli.plan import DEFAULT_PROFILE, parse_prompt_mix, parse_rates  # noqa: E402
 from serving.config import load_config  # noqa: E402
-from serving.planner.deployment import deployment_yaml  # noqa: E402
-from serving.planner.plan import plan  # noqa: E402
-from serving.planner.profile import load_profile  # noqa: E402
-from serving.planner.workload import Request, SloTargets, Workload  # noqa: E402
+from serving.sizing.deployment import deployment_yaml  # noqa: E402
+from serving.sizing.plan import plan  # noqa: E402
+from serving.sizing.profile import load_profile  # noqa: E402
+from serving.sizing.workload import Request, SloTargets, Workload  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
 RAYPD = [sys.executable, "-m", "serving.cli"]

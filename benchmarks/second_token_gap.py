@@ -35,7 +35,7 @@ from actors.control.coordinator_actor import COORDINATOR_NAME, start_coordinator
 from actors.engine.actor import EngineActor
 from actors.engine.options import engine_actor_options  # noqa: E402
 from actors.engine.config import EngineConfig  # noqa: E402
-from actors.protocol import EngineRequest, SamplingSpec  # noqa: E402
+from actors.protocol.request import EngineRequest, SamplingSpec  # noqa: E402
 from actors.transfer_config import TransferConfig  # noqa: E402
 
 Engine = ray.remote(EngineActor)

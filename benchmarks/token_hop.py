@@ -35,7 +35,7 @@ import zmq.asyncio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.protocol import TokenChunk  # noqa: E402
+from actors.protocol.request import TokenChunk  # noqa: E402
 from serving.bench.provenance import git_state, header_line  # noqa: E402
 
 HOPS = ("ray-items", "zmq-side")

@@ -32,9 +32,9 @@ def make_rank(engine_id: str, role: str, num_blocks: int, layout: str, seed: int
     import torch
 
     from actors.kv.handshake import CompatInfo
-    from actors.kv.layout import BlockLayout, CacheGeometry
+    from actors.kv.plan.layout import BlockLayout, CacheGeometry
     from actors.kv.rank_transfer import RankIdentity, RankTransfer
-    from actors.kv.transport import NixlTransport
+    from actors.kv.nixl.nixl_transport import NixlTransport
 
     lay = BlockLayout.parse(layout)
     dims = {"KV": 2, "H": NUM_HEADS, "N": BLOCK_SIZE, "D": HEAD_SIZE}
@@ -188,7 +188,7 @@ class Consumer:
     def pull(self, n_blocks: int, pattern: str, seed: int, verify: bool, profile: bool = False) -> dict:
         import ray
 
-        from actors.kv.pull_types import PullRequest
+        from actors.kv.plan.pull_types import PullRequest
 
         local_ids, remote_ids = self.ids(n_blocks, pattern, seed)
         self._zero(local_ids)
@@ -250,12 +250,12 @@ def make_src(num_blocks: int, layout: str, seed: int):
     """The producer's cache, rebuilt from the same seed in this process (no NIXL)."""
     import torch
 
-    from actors.kv.layout import BlockLayout
+    from actors.kv.plan.layout import BlockLayout
 
     lay = BlockLayout.parse(layout)
     dims = {"KV": 2, "H": NUM_HEADS, "N": BLOCK_SIZE, "D": HEAD_SIZE}
     shape = (num_blocks, *(dims[a] for a in lay.axes))
-    from actors.kv.hugepages import back_with_huge_pages
+    from actors.kv.nixl.hugepages import back_with_huge_pages
 
     gen = torch.Generator().manual_seed(seed)
     planes = 1 if "KV" in lay.axes else 2

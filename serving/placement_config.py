@@ -1,7 +1,7 @@
 """The SLO placement model's knobs (`router.slo`) and the chunk budget they imply, as plain config.
 
 `PlacementConfig` holds the targets, weights and priors of the placement model
-(serving.routing.placement uses them per request, serving.routing.rates starts its
+(serving.routing.slo_model uses them per request, serving.routing.rates starts its
 estimates from the priors). `chunked_prefill_budget` is the one piece of that model the
 deployment config needs itself: the vLLM chunk budget a decode-capable engine gets, from
 the rates its role's live engines measured (`MeasuredRates`) or else from the priors

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
+from actors.protocol.request import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from actors.engine.synthetic.tokenizer import encode_text
 
 

@@ -24,7 +24,7 @@ import pickle
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from actors.protocol import EngineRequest, Logprobs, SamplingSpec, TokenChunk
+from actors.protocol.request import EngineRequest, Logprobs, SamplingSpec, TokenChunk
 
 TIE_MARGIN = 0.05  # nats between the reference's best two tokens: a near tie that batch noise may flip
 MAX_SPLITS = 16  # accepted near ties on one answer before it counts as wrong: each costs one more request

@@ -1,45 +1,12 @@
 """The coordinator: one named Ray actor per cluster that engines register with.
 
-Life cycle of an engine incarnation as the coordinator sees it:
-
-  register_engine     every rank's handshake payload is decoded and checked (protocol, compat hash, sizes);
-                      the engine is refused if its model id is known under another compatibility hash;
-                      every (prefill, decode) pair it forms is judged once and the verdict (ok or the
-                      reason) is kept for the routers. Each registration is a new incarnation (`generation`);
-  watch               one pending `watch()` call per liveness handle (the engine actor, its rank actors)
-                      that only ends when that actor dies: death is an event, not something found by
-                      pinging. Hangs are found by probing (`actors.control.liveness`): a sweep every
-                      `hang_check_s`, and at once when a router reports a missed deadline (`engine_hung`);
-                      a hung incarnation is evicted and killed, so that Ray restarts it (`kills` counts);
-  evict               a dead or hung incarnation is removed: its pairs' breakers open, its handoffs end (the
-                      prefill side is told to let go), every decode engine drops its NIXL agents, and the
-                      engine's own `watch_registration` call returns so it re-registers once it can (a
-                      restarted engine always meets a fresh handshake);
-  start-up deadline   an evicted engine (not draining) must register again within its start-up deadline
-                      (fixed, or a multiple of the measured start); a restart that hangs before it registers
-                      (no probe reaches it) is killed for restart again past its deadline, counted (in
-                      `startup_timeouts`) and awaited anew; unregistering or a dead-for-good actor ends it; a
-                      restarted coordinator awaits the engine actors that do not register again (`startup_watch`);
-  handshake_payloads  decode ranks fetch exactly the payloads they need;
-  routes              routers fetch live decode engines -> usable prefill engines with every pair's breaker
-                      (the ledger owns the breakers); the table is built once per change (`RouteBook`) and
-                      `routes_if_changed` answers a router whose copy is current with nothing.
-
-Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the records an engine coalesced
-since its last batch (handoffs opened and aborted, per-unit outcomes, salvage, handshake failures), applied
-in its order, one batch in flight per engine (`actors.engine.ledger_reporter`). The single-record methods
-(`open_handoff`, `report_outcomes`...) remain for tools and tests. Nothing here is on a request's path to
-its first token: engines and routers send these fire-and-forget or from background tasks; a router awaits
-only `admit_probe`, and only for a half-open pair.
-
-Routing state it owns besides the directory:
-
-  kv_events           a registered engine's relayed KV cache events feed the prefix index (one owner); routers
-                      replicate it with `prefix_index_updates`; an engine's entries go with it;
-  set_draining        routers stop choosing the engine (`routes()` leaves it out); the autoscaler stops it
-                      once idle.
-
-A restarted coordinator (Ray restarts it): engines see their `watch_registration` call fail, register again.
+It owns the directory (registered engine incarnations, their judged pairs, the route table routers
+poll), the transfer ledger and its pair breakers, liveness (deaths are events of pending `watch()`
+calls, hangs are found by probes) and the prefix index. Invariants: every registration is a new
+incarnation (`generation`); an evicted incarnation's pairs, handoffs and peers' agents go with it
+and the engine registers again; nothing here is on a request's path to its first token (a router
+awaits only `admit_probe`, for a half-open pair). The life cycle of an engine incarnation as it
+sees it: `Coordinator`.
 """
 
 from __future__ import annotations
@@ -61,7 +28,7 @@ from actors.control.liveness import Liveness
 from actors.control.startup_watch import StartupDeadline, StartupWatch
 from actors.control.route_book import RouteBook
 from actors.control.ledger_records import ControlStats, EngineKills, LedgerBatch
-from actors.protocol import EngineInfo, EngineSummary
+from actors.protocol.registration import EngineInfo, EngineSummary
 from actors.ray_names import COORDINATOR_NAME, NAMESPACE
 from actors.routes import EngineRates, RouteDelta, RouteTable
 from actors.prefix_wire import IndexCursor, IndexUpdate, KVEventsBatch
@@ -72,6 +39,42 @@ logger = logging.getLogger("raypd.coordinator")
 
 
 class Coordinator:
+    """Life cycle of an engine incarnation as the coordinator sees it:
+
+      register_engine     every rank's handshake payload is decoded and checked (protocol, compat hash,
+                          sizes); the engine is refused if its model id is known under another compatibility
+                          hash; every (prefill, decode) pair it forms is judged once and the verdict (ok or
+                          the reason) is kept for the routers. Each registration is a new incarnation;
+      watch               one pending `watch()` call per liveness handle (the engine actor, its rank actors)
+                          that only ends when that actor dies: death is an event, not found by pinging.
+                          Hangs are found by probing (`actors.control.liveness`): a sweep every
+                          `hang_check_s`, and at once when a router reports a missed deadline
+                          (`engine_hung`); a hung incarnation is evicted and killed for restart (`kills`);
+      evict               a dead or hung incarnation is removed: its pairs' breakers open, its handoffs end
+                          (the prefill side is told to let go), every decode engine drops its NIXL agents,
+                          and the engine's `watch_registration` call returns so it re-registers once it can
+                          (a restarted engine always meets a fresh handshake);
+      start-up deadline   an evicted engine (not draining) must register again within its start-up deadline
+                          (fixed, or a multiple of the measured start); a restart that hangs before it
+                          registers is killed for restart again past it, counted (`startup_timeouts`) and
+                          awaited anew; unregistering or a dead-for-good actor ends it; a restarted
+                          coordinator awaits the engine actors that do not register again (`startup_watch`);
+      handshake_payloads  decode ranks fetch exactly the payloads they need;
+      routes              routers fetch live decode engines -> usable prefill engines with every pair's
+                          breaker (the ledger's); the table is built once per change (`RouteBook`) and
+                          `routes_if_changed` answers a router whose copy is current with nothing.
+
+    Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the records an engine
+    coalesced since its last batch, applied in its order, one batch in flight per engine
+    (`actors.engine.ledger_reporter`). The single-record methods (`open_handoff`, `report_outcomes`...)
+    remain for tools and tests; engines and routers send all of these fire-and-forget.
+
+    Routing state it owns besides the directory: `kv_events` (a registered engine's relayed KV cache
+    events feed the prefix index; routers replicate it with `prefix_index_updates`) and `set_draining`
+    (routers stop choosing the engine; the autoscaler stops it once idle). If the coordinator itself
+    restarts, engines see their `watch_registration` call fail and register again.
+    """
+
     def __init__(self, hang_check_s: float = 10.0, ping_timeout_s: float = 10.0,
                  handoff_deadline_s: float = 60.0, breaker: dict | BreakerConfig | None = None,
                  probe_failure_threshold: int = 2, startup_deadline_s: float | None = None,
@@ -290,10 +293,6 @@ class Coordinator:
     async def open_handoff(self, req_id: str, prefill_id: str, decode_id: str) -> None:
         self._ensure_timers()
         self.desk.open(req_id, prefill_id, decode_id)
-
-    async def abort_handoff(self, req_id: str) -> None:
-        """The client went away before a verdict: the handoff closes, no breaker moves."""
-        self.ledger.abort(req_id)
 
     async def report_outcomes(self, decode_id: str, outputs: list[KVConnectorOutput | None]) -> list[Verdict]:
         """Per-unit transfer outcomes of a decode engine -> verdicts (they feed the breakers)."""

@@ -1,21 +1,10 @@
 """The coordinator's handoff desk: decode engines' ledger records in, verdicts out, deadlines kept.
 
-Life cycle of a handoff at the desk:
-
-  opened    a `HandoffOpened` record (or `open`): the ledger watches it; the expiry
-            task is woken only when this deadline is earlier than the one it sleeps
-            until (with one deadline for all, it never is while handoffs are open);
-  reported  `TransferOutcomes` / `UnitDied` / `HandshakeFailure` records become
-            verdicts in the ledger (they feed the pair breakers); a failed one is an
-            event with the verdict's reason (the reader's own, when its unit said
-            why); a handshake failure also lets the prefill engine go;
-  aborted   `HandoffAborted`: closed, no breaker moves;
-  expired   `run_expiry()` sleeps until the earliest deadline (nothing ticks); what
-            is past it fails and the prefill engine is told to let go.
-
-`apply(LedgerBatch)` takes one engine's records in the order the engine sent
-them; the cost per record is O(1) in the handoffs and pairs the ledger holds.
-Pure asyncio: no Ray (the coordinator passes how to release and how to log).
+`apply(LedgerBatch)` takes one engine's records in the order the engine sent them, each O(1) in the
+handoffs and pairs the ledger holds; verdicts feed the pair breakers; a handoff past its deadline
+fails and its prefill engine is told to let go. Nothing ticks: the expiry task sleeps until the
+earliest deadline. Pure asyncio: no Ray (the coordinator passes how to release and how to log).
+The life cycle of a handoff at the desk: `HandoffDesk`.
 """
 
 from __future__ import annotations
@@ -40,6 +29,24 @@ logger = logging.getLogger("raypd.coordinator")
 
 
 class HandoffDesk:
+    """Life cycle of a handoff at the desk:
+
+      opened    a `HandoffOpened` record (or `open`): the ledger watches it; the expiry
+                task is woken only when this deadline is earlier than the one it sleeps
+                until (with one deadline for all, it never is while handoffs are open);
+      reported  `TransferOutcomes` / `UnitDied` / `HandshakeFailure` records become
+                verdicts in the ledger (they feed the pair breakers); a failed one is an
+                event with the verdict's reason (the reader's own, when its unit said
+                why); a handshake failure also lets the prefill engine go;
+      aborted   `HandoffAborted`: closed, no breaker moves;
+      expired   `run_expiry()` sleeps until the earliest deadline (nothing ticks); what
+                is past it fails and the prefill engine is told to let go.
+
+    `apply(LedgerBatch)` takes one engine's records in the order the engine sent
+    them; the cost per record is O(1) in the handoffs and pairs the ledger holds.
+    Pure asyncio: no Ray (the coordinator passes how to release and how to log).
+    """
+
     def __init__(self, ledger: TransferLedger, release: Callable[[str | None, str], None],
                  event: Callable[..., None]):
         self.ledger = ledger

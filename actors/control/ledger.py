@@ -1,42 +1,11 @@
 """The transfer ledger: every in-flight P->D handoff, its one verdict, and the pair breakers.
 
-The ledger is the only owner of the (prefill, decode) circuit breakers: routers
-read their states with the routes and report prefill failures here; decode
-engines report transfer outcomes here; nobody else keeps a breaker for a pair.
-
-Life cycle of a handoff:
-
-  open       a decode engine received a prefilled request (its transfer params);
-  report     decode reporting units (synthetic: each rank; vLLM: the engine,
-             whose own aggregator already merged its workers) send per-request
-             outcomes; `KVOutputAggregator` (one per decode engine) turns them
-             into one verdict once every unit has reported;
-  unit_died  a step cut short by a dead unit (synthetic engines: a rank actor;
-             vLLM has no such step, its workers die with their engine core):
-             what the step had collected is stashed
-             (`ft_defer_kv_connector_outputs`) and replayed at once, so the
-             verdicts still complete;
-  verdict    ok or failed; it feeds the pair breaker and closes the handoff;
-             it records what decided it (`Verdict.source`; counted in
-             `ended_by`): report | salvage | handshake, and the handoffs that
-             end without one: aborted | expired | eviction (its engine died) |
-             left (its engine shut down);
-  abort      the client went away: the handoff closes, no breaker is touched;
-  expire     no verdict by the deadline: failed (the caller releases the
-             prefill blocks); nobody waits forever for KV.
-
-Breaker inputs: transfer verdicts, handshake failures, prefill failures the
-routers report, expired handoffs, and an engine's death (which opens every
-pair it is part of at once). Each pair keeps its last failure reason.
-
-Cost per report is O(1) in the number of handoffs and pairs: deadlines sit in a
-heap (stale entries skipped, compacted when they outnumber the live ones),
-open handoffs are counted per engine, and every pair's `PairState` is kept
-ready and refreshed only when its breaker moves (a report, a probe, or time:
-cooldowns and probe windows that end are due in a second heap). `changes`
-counts visible moves, so the coordinator rebuilds the routers' table only then.
-
-Pure: no Ray; the coordinator actor owns one.
+The ledger is the only owner of the (prefill, decode) circuit breakers: routers read their states
+with the routes and report prefill failures here; decode engines report transfer outcomes here;
+nobody else keeps a breaker for a pair. Invariants: a handoff gets exactly one verdict (or ends
+aborted, expired, evicted or left), nobody waits forever for KV (a handoff without a verdict by its
+deadline fails), and a report costs O(1) in the number of handoffs and pairs. Pure: no Ray; the
+coordinator actor owns one. The life cycle of a handoff: `TransferLedger`.
 """
 
 from __future__ import annotations
@@ -50,8 +19,8 @@ from typing import Callable
 
 from actors.control.breaker_config import BreakerConfig
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
-from actors.kv.breaker import CircuitBreaker
-from actors.routes import PairState
+from actors.control.breaker import CircuitBreaker
+from actors.routes import BreakerState, PairState
 
 Pair = tuple[str, str]  # (decode, prefill)
 
@@ -82,10 +51,45 @@ class LedgerSnapshot:
     verdicts: dict[str, int]
     breakers: tuple[PairState, ...]
     awaiting_units: dict[str, int] = field(default_factory=dict)  # handoff -> units yet to report
-    ended_by: dict[str, int] = field(default_factory=dict)  # how handoffs ended (see the module docstring)
+    ended_by: dict[str, int] = field(default_factory=dict)  # how handoffs ended (see `TransferLedger`)
 
 
 class TransferLedger:
+    """Life cycle of a handoff:
+
+      open       a decode engine received a prefilled request (its transfer params);
+      report     decode reporting units (synthetic: each rank; vLLM: the engine,
+                 whose own aggregator already merged its workers) send per-request
+                 outcomes; `KVOutputAggregator` (one per decode engine) turns them
+                 into one verdict once every unit has reported;
+      unit_died  a step cut short by a dead unit (synthetic engines: a rank actor;
+                 vLLM has no such step, its workers die with their engine core):
+                 what the step had collected is stashed
+                 (`ft_defer_kv_connector_outputs`) and replayed at once, so the
+                 verdicts still complete;
+      verdict    ok or failed; it feeds the pair breaker and closes the handoff;
+                 it records what decided it (`Verdict.source`; counted in
+                 `ended_by`): report | salvage | handshake, and the handoffs that
+                 end without one: aborted | expired | eviction (its engine died) |
+                 left (its engine shut down);
+      abort      the client went away: the handoff closes, no breaker is touched;
+      expire     no verdict by the deadline: failed (the caller releases the
+                 prefill blocks); nobody waits forever for KV.
+
+    Breaker inputs: transfer verdicts, handshake failures, prefill failures the
+    routers report, expired handoffs, and an engine's death (which opens every
+    pair it is part of at once). Each pair keeps its last failure reason.
+
+    Cost per report is O(1) in the number of handoffs and pairs: deadlines sit in a
+    heap (stale entries skipped, compacted when they outnumber the live ones),
+    open handoffs are counted per engine, and every pair's `PairState` is kept
+    ready and refreshed only when its breaker moves (a report, a probe, or time:
+    cooldowns and probe windows that end are due in a second heap). `changes`
+    counts visible moves, so the coordinator rebuilds the routers' table only then.
+
+    Pure: no Ray; the coordinator actor owns one.
+    """
+
     def __init__(self, breaker: BreakerConfig | None = None, deadline_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic):
         self.breaker_config = breaker or BreakerConfig()
@@ -138,7 +142,7 @@ class TransferLedger:
             d, p = key
             new = PairState(p, d, s["state"], s["consecutive_failures"], s["opened_count"],
                             self._reasons.get(key, ""), s["probe_in_flight"])
-            if new.state == "open":  # its cooldown ends by time: due then
+            if new.state == BreakerState.OPEN:  # its cooldown ends by time: due then
                 heapq.heappush(self._timed, (self.clock() + s["retry_in_s"] + 1e-3, key))
         old = self._states.get(key)
         if old != new:
@@ -157,15 +161,15 @@ class TransferLedger:
         b = self._breakers.get((decode_id, prefill_id))
         return b is not None and b.is_open
 
-    def route_state(self, decode_id: str, prefill_id: str) -> str:
+    def route_state(self, decode_id: str, prefill_id: str) -> BreakerState:
         b = self._breakers.get((decode_id, prefill_id))
-        return "closed" if b is None else b.state
+        return BreakerState.CLOSED if b is None else b.state
 
     def admit_probe(self, decode_id: str, prefill_id: str) -> bool:
         """A router asks to send the half-open pair's probe; granted once cluster-wide."""
         b = self.breaker(decode_id, prefill_id)
         granted = b.allow()
-        if granted and b.state == "half_open":  # the probe is out until it reports or its window ends
+        if granted and b.state == BreakerState.HALF_OPEN:  # the probe is out until it reports or its window ends
             heapq.heappush(self._timed, (self.clock() + b.probe_window_s + 1e-3, (decode_id, prefill_id)))
         self._moved((decode_id, prefill_id))
         return granted
@@ -177,7 +181,7 @@ class TransferLedger:
 
     def record_success(self, decode_id: str, prefill_id: str) -> None:
         b = self.breaker(decode_id, prefill_id)
-        if b.consecutive_failures == 0 and b.state == "closed":
+        if b.consecutive_failures == 0 and b.state == BreakerState.CLOSED:
             return  # a healthy pair stays as it is (the common case: nothing to refresh)
         b.record_success()
         self._moved((decode_id, prefill_id))
@@ -231,7 +235,7 @@ class TransferLedger:
     def _trip(self, decode_id: str, prefill_id: str, reason: str) -> None:
         b = self.breaker(decode_id, prefill_id)
         for _ in range(b.failure_threshold + 1):
-            if b.state == "open":
+            if b.state == BreakerState.OPEN:
                 break
             b.record_failure()  # the breaker's own rule opens it: threshold failures, or a failed probe
         self._reasons[(decode_id, prefill_id)] = reason

@@ -1,38 +1,11 @@
 """Who decides that an engine is hung, and what happens then: the coordinator's liveness probes.
 
-Deaths are events (the coordinator's pending `watch()` calls fail at once); a hang is not:
-a frozen process (SIGSTOP, a wedged driver call, a livelocked worker) keeps its sockets, so
-nothing fails, it just never answers. So the coordinator probes:
-
-  sweep      every `interval_s`, every registered engine is pinged once;
-  reported   a router that saw an engine miss a deadline says so (`Coordinator.engine_hung`,
-             fire and forget); that incarnation is probed at once (one probe per incarnation
-             however many routers report it);
-  probe      `ping()` with a timeout (`timeout_s`): a SIGSTOPped actor cannot answer, so the
-             timeout is the evidence. An engine actor that answers checks its own engine core
-             behind it (vLLM's: a utility call through the core's busy loop) and answers with
-             the problem when the core is stuck;
-  evidence   an engine is hung only when it makes no progress: a probe that times out while the
-             engine called the coordinator meanwhile (its rates, KV events, ledger records: `heard`) found a
-             busy engine, not a frozen one, and is no failure; an engine actor whose core is slow to
-             answer says "pong" when the core stepped while it waited (`EngineActor.ping`);
-  strikes    one slow answer from a healthy engine on busy cores (a starved process, a long step)
-             must not kill it with its streams: an incarnation is judged hung after
-             `failure_threshold` failed probes in a row, the same for a router's report and the
-             sweep (as Serve's replica health check and Kubernetes' liveness probe count failures);
-             an answer resets the count. The sweep's probes are `interval_s` apart; a router's report
-             (a missed deadline: its own evidence of silence) probes again at once after a failure,
-             so a reported hang is decided within `failure_threshold` x `timeout_s`;
-  verdict    no answer, or a stuck core, `failure_threshold` times in a row: hung.
-             The incarnation is evicted as a dead one (its
-             pairs' breakers open in the ledger, its handoffs end, decode engines drop its
-             agents) and its actor is killed with `ray.kill(no_restart=False)` and its process SIGKILLed on
-             its node (`sigkill_on_node`: Ray's kill did not reach a frozen one), so that Ray
-             restarts it (within `restarts.max_restarts`; a restart it has no budget left for
-             leaves it dead, as a crash would) as a new incarnation that registers by itself.
-             A probe that finds the actor gone is a death (evicted, not killed: Ray restarts it).
-
-Counted per engine (`hangs`, exported as `raypd_engine_hangs_total` with the routes).
+Deaths are events (the coordinator's pending `watch()` calls fail at once); a hang is not: a frozen
+process keeps its sockets and never answers. So the coordinator probes: a sweep every
+`interval_s`, and at once when a router reports a missed deadline. Invariants: an engine is hung
+only when it makes no progress (an engine heard from meanwhile is busy, not frozen), and only after
+`failure_threshold` failed probes in a row; a hung incarnation is evicted as a dead one and killed
+so that Ray restarts it. Counted per engine (`raypd_engine_hangs_total`). The rules: `Liveness`.
 """
 
 from __future__ import annotations
@@ -50,7 +23,7 @@ from typing import Any
 import ray
 
 from actors.control.registry import EngineEntry
-from actors.protocol import EngineInfo
+from actors.protocol.registration import EngineInfo
 
 logger = logging.getLogger("raypd.coordinator")
 
@@ -96,6 +69,39 @@ class _Probe:
 
 
 class Liveness:
+    """The coordinator's probes of every registered engine:
+
+      sweep      every `interval_s`, every registered engine is pinged once;
+      reported   a router that saw an engine miss a deadline says so (`Coordinator.engine_hung`,
+                 fire and forget); that incarnation is probed at once (one probe per incarnation
+                 however many routers report it);
+      probe      `ping()` with a timeout (`timeout_s`): a SIGSTOPped actor cannot answer, so the
+                 timeout is the evidence. An engine actor that answers checks its own engine core
+                 behind it (vLLM's: a utility call through the core's busy loop) and answers with
+                 the problem when the core is stuck;
+      evidence   an engine is hung only when it makes no progress: a probe that times out while the
+                 engine called the coordinator meanwhile (its rates, KV events, ledger records: `heard`) found a
+                 busy engine, not a frozen one, and is no failure; an engine actor whose core is slow to
+                 answer says "pong" when the core stepped while it waited (`EngineActor.ping`);
+      strikes    one slow answer from a healthy engine on busy cores (a starved process, a long step)
+                 must not kill it with its streams: an incarnation is judged hung after
+                 `failure_threshold` failed probes in a row, the same for a router's report and the
+                 sweep (as Serve's replica health check and Kubernetes' liveness probe count failures);
+                 an answer resets the count. The sweep's probes are `interval_s` apart; a router's report
+                 (a missed deadline: its own evidence of silence) probes again at once after a failure,
+                 so a reported hang is decided within `failure_threshold` x `timeout_s`;
+      verdict    no answer, or a stuck core, `failure_threshold` times in a row: hung.
+                 The incarnation is evicted as a dead one (its
+                 pairs' breakers open in the ledger, its handoffs end, decode engines drop its
+                 agents) and its actor is killed with `ray.kill(no_restart=False)` and its process SIGKILLed on
+                 its node (`sigkill_on_node`: Ray's kill did not reach a frozen one), so that Ray
+                 restarts it (within `restarts.max_restarts`; a restart it has no budget left for
+                 leaves it dead, as a crash would) as a new incarnation that registers by itself.
+                 A probe that finds the actor gone is a death (evicted, not killed: Ray restarts it).
+
+    Counted per engine (`hangs`, exported as `raypd_engine_hangs_total` with the routes).
+    """
+
     def __init__(self, remove: Callable[[EngineEntry, str], Awaitable[None]], timeout_s: float = 10.0,
                  interval_s: float = 10.0, kill: Callable[[Any], None] = kill_for_restart,
                  failure_threshold: int = 2, clock: Callable[[], float] = time.monotonic,

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.kv.errors import HandshakeError
+from actors.kv.transfer_errors import HandshakeError
 from actors.kv.handshake import RankHandshake, decode_handshake
-from actors.protocol import EngineInfo, EngineSummary
+from actors.protocol.registration import EngineInfo, EngineSummary
 
 ROLES = ("prefill", "decode", "both")
 

@@ -1,26 +1,11 @@
 """The (prefill, decode) pairs the coordinator judged, and the routers' `RouteTable` built from them.
 
-Life cycle of the table:
-
-  judged    `add(entry, engines)`: every pair a new engine incarnation forms with the
-            registered engines is judged once (`pair_problem`: compatible or the reason
-            not); each routable pair gets its breaker in the ledger;
-  dropped   `drop(engine_id)`: an engine's pairs go with it (O(its pairs));
-  rated     `set_rates(engine, rates)`: an engine's own rates and queues (`actors.rates`),
-            kept only when they moved materially from the kept ones (`EngineRates.moved_from`),
-            so every router at one version reads the same numbers; dropped with the engine;
-  changed   a registration, a removal, draining (`changed()`), a visible breaker move
-            (the ledger's `changes`), a move by time alone (`ledger.advance()`: a
-            cooldown or a probe window ended), kept rates, or the end of the post-restart settling;
-  built     `table(...)`: the cached table while nothing changed; on a change the next
-            version of this book's epoch: after breaker or rate moves only the decode engines of
-            the moved pairs are recomputed (O(their prefill engines)); after a directory
-            change the whole table is rebuilt, O(pairs);
-  polled    `since(epoch, version, ...)`: None while a router's copy is current (O(1),
-            nothing shipped); a `RouteDelta` (O(changes)) when only breakers and rates moved
-            since that version and the change log still reaches back; else the whole table.
-
-Pure: no Ray; the coordinator owns one.
+Every pair a new engine incarnation forms is judged once (`pair_problem`) and each routable pair
+gets its breaker in the ledger; engines' own rates are kept when they moved materially. Invariants:
+the table is rebuilt only on a change (and only the moved decode engines' rows after breaker or
+rate moves); a router whose copy is current gets nothing back, else a `RouteDelta` when the change
+log reaches back, else the whole table; every router at one version reads the same numbers. Pure:
+no Ray; the coordinator owns one. The life cycle of the table: `RouteBook`.
 """
 
 from __future__ import annotations
@@ -32,14 +17,37 @@ from collections.abc import Mapping
 
 from actors.control.ledger import TransferLedger
 from actors.control.registry import EngineEntry
-from actors.kv.compat import pair_problem
+from actors.kv.plan.compat import pair_problem
 from actors.rates import EngineRates
-from actors.routes import PrefillRoute, RouteDelta, RouteTable
+from actors.routes import BreakerState, PrefillRoute, RouteDelta, RouteTable
 
 logger = logging.getLogger("raypd.coordinator")
 
 
 class RouteBook:
+    """Life cycle of the table:
+
+      judged    `add(entry, engines)`: every pair a new engine incarnation forms with the
+                registered engines is judged once (`pair_problem`: compatible or the reason
+                not); each routable pair gets its breaker in the ledger;
+      dropped   `drop(engine_id)`: an engine's pairs go with it (O(its pairs));
+      rated     `set_rates(engine, rates)`: an engine's own rates and queues (`actors.rates`),
+                kept only when they moved materially from the kept ones (`EngineRates.moved_from`),
+                so every router at one version reads the same numbers; dropped with the engine;
+      changed   a registration, a removal, draining (`changed()`), a visible breaker move
+                (the ledger's `changes`), a move by time alone (`ledger.advance()`: a
+                cooldown or a probe window ended), kept rates, or the end of the post-restart settling;
+      built     `table(...)`: the cached table while nothing changed; on a change the next
+                version of this book's epoch: after breaker or rate moves only the decode engines of
+                the moved pairs are recomputed (O(their prefill engines)); after a directory
+                change the whole table is rebuilt, O(pairs);
+      polled    `since(epoch, version, ...)`: None while a router's copy is current (O(1),
+                nothing shipped); a `RouteDelta` (O(changes)) when only breakers and rates moved
+                since that version and the change log still reaches back; else the whole table.
+
+    Pure: no Ray; the coordinator owns one.
+    """
+
     def __init__(self, ledger: TransferLedger, log_versions: int = 64):
         self.ledger = ledger
         self.epoch = uuid.uuid4().hex  # a restarted coordinator is a new epoch: routers take its table whole
@@ -183,7 +191,7 @@ class RouteBook:
             if problem is not None or engines[p].draining:
                 continue
             state = self.ledger.state_of(decode_id, p)
-            if state is not None and (state.state == "open" or state.probe_in_flight):
+            if state is not None and (state.state == BreakerState.OPEN or state.probe_in_flight):
                 continue
-            routes.append(PrefillRoute(p, state.state if state is not None else "closed"))
+            routes.append(PrefillRoute(p, state.state if state is not None else BreakerState.CLOSED))
         return tuple(routes)

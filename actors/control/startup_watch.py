@@ -1,37 +1,12 @@
 """Engines the coordinator expects back: a start-up deadline per restarted engine.
 
-The coordinator probes registered incarnations only (`actors.control.liveness`). A restarted
-engine is nobody's until it registers, and a ping cannot tell "starting" from "hung" (vLLM builds
-its engine on the actor's event loop, so a starting engine does not answer either): an incarnation
-that hangs while it starts (its process frozen after Ray restarted it, a wedged engine build)
-would stay stranded for ever. So the coordinator gives every engine it lost a deadline to come back.
-
-Life cycle of one engine's deadline (`StartupWatch`, keyed by engine id):
-
-  armed     the coordinator evicted an incarnation as dead (its watch ended, a probe found it
-            gone) or hung (killed for restart): Ray restarts the actor, and the engine (same id,
-            same actor) is expected to register again within `deadline_s`;
-  cleared   it registered (a new incarnation): nothing is pending for it any more;
-  dropped   nothing to wait for: it left on purpose (unregistered: shutdown, the autoscaler's
-            stop), it was draining when it went (the autoscaler is removing it), or Ray says the
-            actor is dead for good (no restart left, killed without restart);
-  expired   no registration by the deadline (checked by the coordinator's periodic sweep, every
-            `restarts.probe_interval_s`): the actor is killed so that Ray restarts it
-            (`kill_for_restart`; Ray bounds it with `restarts.max_restarts`), the miss is counted
-            per engine (`startup_timeouts`) and logged, and the deadline is armed again for the
-            next incarnation.
-
-The deadline (`StartupDeadline`) is the operator's `restarts.startup_deadline_s` when set; otherwise it
-follows the start time measured on the cluster: `restarts.startup_deadline_factor` x the longest start
-an engine reported when it registered (`EngineInfo.start_s`: from its actor's creation to its
-registration), at least `restarts.startup_deadline_floor_s`; before any engine registered, the
-launcher's engine start timeout (the longest start: a vLLM engine's).
-
-A restarted coordinator (Ray restarted it) starts with nothing pending, and it re-derives the rest
-from Ray: every engine registers again at once (so the measured starts come back with their
-registrations), and once it has settled, each engine actor Ray still has (launched engines: named
-actors of `EngineActor`) that has not registered is awaited from the coordinator's return, as if it
-had just gone (`adopt`, `engine_actors`).
+The coordinator probes registered incarnations only (`actors.control.liveness`), and a ping cannot
+tell "starting" from "hung". So every engine it lost (evicted as dead or hung, not leaving on
+purpose) must register again within its deadline (`StartupDeadline`: fixed, or a multiple of the
+longest measured start); one that does not is killed so that Ray restarts it (bounded by
+`restarts.max_restarts`), counted (`startup_timeouts`), and awaited anew. Invariant: no engine
+stays stranded between a restart and its registration. The life cycle of one engine's deadline:
+`StartupWatch`.
 """
 
 from __future__ import annotations
@@ -128,6 +103,25 @@ class PendingStart:
 
 
 class StartupWatch:
+    """Life cycle of one engine's deadline (`StartupWatch`, keyed by engine id):
+
+      armed     the coordinator evicted an incarnation as dead (its watch ended, a probe found it
+                gone) or hung (killed for restart): Ray restarts the actor, and the engine (same id,
+                same actor) is expected to register again within `deadline_s`;
+      cleared   it registered (a new incarnation): nothing is pending for it any more;
+      dropped   nothing to wait for: it left on purpose (unregistered: shutdown, the autoscaler's
+                stop), it was draining when it went (the autoscaler is removing it), or Ray says the
+                actor is dead for good (no restart left, killed without restart);
+      expired   no registration by the deadline (checked by the coordinator's periodic sweep, every
+                `restarts.probe_interval_s`): the actor is killed so that Ray restarts it
+                (`kill_for_restart`; Ray bounds it with `restarts.max_restarts`), the miss is counted
+                per engine (`startup_timeouts`) and logged, and the deadline is armed again for the
+                next incarnation.
+
+    A restarted coordinator starts with nothing pending; once settled, it awaits every engine
+    actor Ray still has that did not register again (`adopt`, `engine_actors`).
+    """
+
     def __init__(self, deadline_s: float | None = None,
                  kill: Callable[[Any], None] = kill_for_restart,
                  state: Callable[[Any], Awaitable[str | None]] = actor_state,

@@ -1,39 +1,12 @@
 """EngineActor: one prefill, decode or colocated engine as a Ray actor.
 
-Life cycle of a request through an engine pair:
-
-  prefill engine  prefill(req)   the prompt is run with max_tokens=1 and
-                                 do_remote_decode; its blocks stay held under a
-                                 lease; the first token and the transfer params
-                                 come back;
-  decode engine   generate(req)  with those params the decode ranks pull the
-                                 KV (read plans, NIXL READs), then tokens are
-                                 streamed back as deltas; without params the
-                                 engine prefills locally (colocated path, or a
-                                 migrated stream: prompt + tokens already sent);
-                  generate_to    the same chunks sent to a same-node ingress's
-                                 inbox (token_outbox.py), not as Ray items;
-  either          abort(req_id)  releases the request's blocks and leases; a
-                                 decode request aborted before its verdict
-                                 closes its ledger handoff (no breaker moves).
-
-A transfer failure is answered per `transfer.failure_policy`: `recompute`
-prefills the prompt locally (the client sees a normal answer), `fail` ends the
-stream with finish_reason "error" and the reason.
-
-Life cycle of the actor itself (one incarnation per process):
-
-  start      build the backend, register with the coordinator (a new
-             generation), keep one `watch_registration` call pending there: it
-             returns when the coordinator evicts this incarnation and fails
-             when the coordinator dies; either way the engine registers again
-             (nothing is polled while all is well);
-  restart    Ray restarts a crashed actor (`max_restarts`); the new process sees
-             `was_current_actor_reconstructed` and starts itself, so the engine
-             rejoins with no command from anyone (fresh agents, fresh handshakes);
-  watch      never returns: the coordinator's pending call fails when this
-             process dies, which is how it learns of the death at once;
-  shutdown   unregister, stop the backend.
+It runs a backend (vLLM, or the synthetic engine), stays registered with the coordinator
+(`actors.engine.coordinator_link`) and serves requests: `prefill`, `generate` (or `generate_to` a
+same-node inbox) and `abort`. Invariants: one incarnation per process, and a crashed actor that Ray
+restarts starts itself and rejoins with fresh agents and handshakes; a transfer failure is answered
+per `transfer.failure_policy` (`recompute` prefills locally, `fail` ends the stream with
+finish_reason "error"); a decode request aborted before its verdict closes its ledger handoff
+without moving a breaker. The life cycles of a request and of the actor: `EngineActor`.
 """
 
 from __future__ import annotations
@@ -49,6 +22,7 @@ import ray
 
 from actors.engine.backends import make_backend
 from actors.engine.config import EngineConfig
+from actors.engine.coordinator_link import CoordinatorLink
 from actors.engine.core_probe import PONG, core_answer
 from actors.engine.ledger_reporter import LedgerReporter
 from actors.engine.vllm.kv_events import relay_for
@@ -56,8 +30,11 @@ from actors.engine.vllm.trace import timer_for
 from actors.engine.load import EngineLoad, LoadMeter
 from actors.engine.rates_publisher import RatesPublisher
 from actors.engine.token_outbox import TokenOutbox
-from actors.protocol import (Backend, EngineInfo, EngineRequest, EngineRequestError, EngineStart, EngineStats,
-                             InboxRoute, ModelInfo, PrefillResult, Stamps, TokenChunk)
+from actors.protocol.backend import Backend
+from actors.protocol.registration import EngineStart
+from actors.protocol.request import (EngineRequest, EngineRequestError, InboxRoute, ModelInfo, PrefillResult, Stamps,
+                                     TokenChunk)
+from actors.protocol.stats import EngineStats
 from actors.actor_restart import reconstructed
 from actors.ray_names import NAMESPACE
 from actors.engine.startup import HANDSHAKE_PUBLISHED, KV_REGISTERED, LOADING, PLACED, READY, StartPhase, StartupLog
@@ -67,7 +44,43 @@ logger = logging.getLogger("raypd.engine")
 SHUTDOWN_STEP_S = 5.0  # each step of shutdown() before vLLM's own
 
 
-class EngineActor:
+class EngineActor(CoordinatorLink):
+    """Life cycle of a request through an engine pair:
+
+      prefill engine  prefill(req)   the prompt is run with max_tokens=1 and
+                                     do_remote_decode; its blocks stay held under a
+                                     lease; the first token and the transfer params
+                                     come back;
+      decode engine   generate(req)  with those params the decode ranks pull the
+                                     KV (read plans, NIXL READs), then tokens are
+                                     streamed back as deltas; without params the
+                                     engine prefills locally (colocated path, or a
+                                     migrated stream: prompt + tokens already sent);
+                      generate_to    the same chunks sent to a same-node ingress's
+                                     inbox (token_outbox.py), not as Ray items;
+      either          abort(req_id)  releases the request's blocks and leases; a
+                                     decode request aborted before its verdict
+                                     closes its ledger handoff (no breaker moves).
+
+    A transfer failure is answered per `transfer.failure_policy`: `recompute`
+    prefills the prompt locally (the client sees a normal answer), `fail` ends the
+    stream with finish_reason "error" and the reason.
+
+    Life cycle of the actor itself (one incarnation per process):
+
+      start      build the backend, register with the coordinator (a new
+                 generation), keep one `watch_registration` call pending there: it
+                 returns when the coordinator evicts this incarnation and fails
+                 when the coordinator dies; either way the engine registers again
+                 (nothing is polled while all is well);
+      restart    Ray restarts a crashed actor (`max_restarts`); the new process sees
+                 `was_current_actor_reconstructed` and starts itself, so the engine
+                 rejoins with no command from anyone (fresh agents, fresh handshakes);
+      watch      never returns: the coordinator's pending call fails when this
+                 process dies, which is how it learns of the death at once;
+      shutdown   unregister, stop the backend.
+    """
+
     async def __init__(self, config: dict, coordinator_name: str | None = None):
         self.cfg = EngineConfig.model_validate(config)
         self.engine_id = self.cfg.engine_id or f"{self.cfg.role}-{uuid.uuid4().hex[:6]}"
@@ -164,71 +177,6 @@ class EngineActor:
     def effective_config(self) -> Any:
         """The vLLM engine's own config values (actors.engine.vllm.args.EffectiveEngineConfig); None otherwise."""
         return getattr(self.backend, "effective_config", None)
-
-    async def _register(self, evicted_generation: int | None = None) -> Any:
-        """Register this incarnation's handshakes. From the watch loop (`evicted_generation`:
-        the coordinator dropped that registration) it registers again unless someone already
-        did; from a new incarnation of the backend it registers unless nothing changed."""
-        if self.backend.dead_reason() is not None:  # e.g. a rank that Ray did not restart
-            self._check_alive(RuntimeError("found at registration"))
-            return None
-        async with self._register_lock:
-            if evicted_generation is not None and self._generation != evicted_generation:
-                return None  # registered meanwhile
-            handshakes = await self.backend.handshakes()
-            if evicted_generation is None and self._generation is not None and handshakes == self._handshakes:
-                return None  # already registered as it is
-            reg = await self._coordinator.register_engine.remote(
-                self.engine_id, self.cfg.role, handshakes,
-                [ray.get_runtime_context().current_actor] + self.backend.liveness_handles(),
-                EngineInfo(self.cfg.backend, self.cfg.model, os.getpid(),
-                           ray.get_runtime_context().get_node_id(), self.startup.start_s()),
-            )
-            self._generation, self._handshakes = reg.generation, handshakes
-            if self.rates_publisher is not None:
-                self.rates_publisher.reset()  # the new registration has none of our rates yet
-            return reg
-
-    def _relay_kv_events(self, batch: Any) -> Any:
-        return self._coordinator.kv_events.remote(self.engine_id, batch)
-
-    def _send_rates(self, rates: Any) -> Any:
-        return self._coordinator.report_rates.remote(self.engine_id, self._generation, rates)
-
-    async def _watch_coordinator(self) -> None:
-        """One pending call at the coordinator; re-register when it returns or fails."""
-        while not self.closed:
-            generation = self._generation
-            try:
-                reason = await self._coordinator.watch_registration.options(max_task_retries=0).remote(
-                    self.engine_id, generation)
-            except ray.exceptions.RayError as exc:
-                reason = f"coordinator unreachable ({type(exc).__name__})"
-                await self._await_coordinator()
-            if self.closed:
-                return
-            if self._generation == generation:  # not already replaced by a registration of ours
-                logger.warning("%s: registration %s ended (%s); registering again", self.engine_id,
-                               generation, reason)
-                try:
-                    await self._register(evicted_generation=generation)
-                except ray.exceptions.RayError as exc:
-                    logger.warning("%s: registering failed: %s", self.engine_id, exc)
-                    await self._await_coordinator()
-
-    async def _await_coordinator(self) -> None:
-        """Until the coordinator answers again (restarted by Ray, or recreated by name)."""
-        delay = 0.2
-        while not self.closed:
-            try:
-                handle = ray.get_actor(self.coordinator_name, namespace=NAMESPACE)
-                await asyncio.wait_for(handle.ping.remote(), 10.0)
-                self._coordinator = handle
-                self.backend.coordinator_changed(handle)
-                return
-            except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     # ------------------------------------------------------------- requests
     def _check_role(self, *allowed: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from actors.engine.config import EngineConfig
-from actors.protocol import Backend
+from actors.protocol.backend import Backend
 
 
 def make_backend(cfg: EngineConfig, engine_id: str) -> Backend:

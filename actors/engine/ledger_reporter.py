@@ -1,26 +1,12 @@
 """A decode engine's ledger traffic to the coordinator, coalesced: one `report_batch` call carries every
 record since the previous call, in the order they happened, with one call in flight at a time.
 
-Life cycle of a record:
-
-  recorded   `opened` / `aborted` / `outcomes` / `unit_died` / `handshake_failed` append a
-             typed record (`actors.protocol`) and return at once: nothing on a request's
-             path waits for the ledger;
-  flushed    `max_delay_s` after the first pending record (0: at the end of this event-loop
-             tick); while a batch is in flight, records wait for its answer and go in the
-             next one, no sooner than `max_delay_s` after it: under load batches grow,
-             calls do not multiply (at most one per `max_delay_s` per engine);
-  applied    the coordinator applies a batch in order (`Coordinator.report_batch`);
-  lost       a call that fails or passes `call_timeout_s` (the coordinator restarting
-             beyond Ray's retries) is counted, its records are not resent: a handoff
-             whose verdict was lost expires at the coordinator and fails there (fail
-             closed: only the breaker learns it late);
-  bounded    past `max_pending` waiting records new ones are dropped and counted;
-  flushed    `flush(timeout_s)` waits until everything recorded was answered (shutdown,
-             tests).
-
-The coordinator handle is asked for at each call (`coordinator()`), so a coordinator
-found again by name after a restart is used at once.
+Invariants: nothing on a request's path waits for the ledger (recording returns at once); under
+load batches grow, calls do not multiply (at most one per `max_delay_s` per engine); a lost call's
+records are not resent (their handoffs expire at the coordinator and fail there: fail closed); past
+`max_pending` waiting records new ones are dropped and counted. The coordinator handle is asked for
+at each call, so one found again after a restart is used at once. The life cycle of a record:
+`LedgerReporter`.
 """
 
 from __future__ import annotations
@@ -59,6 +45,28 @@ class ReporterStats:
 
 
 class LedgerReporter:
+    """Life cycle of a record:
+
+      recorded   `opened` / `aborted` / `outcomes` / `unit_died` / `handshake_failed` append a
+                 typed record (`actors.control.ledger_records`) and return at once: nothing on a request's
+                 path waits for the ledger;
+      flushed    `max_delay_s` after the first pending record (0: at the end of this event-loop
+                 tick); while a batch is in flight, records wait for its answer and go in the
+                 next one, no sooner than `max_delay_s` after it: under load batches grow,
+                 calls do not multiply (at most one per `max_delay_s` per engine);
+      applied    the coordinator applies a batch in order (`Coordinator.report_batch`);
+      lost       a call that fails or passes `call_timeout_s` (the coordinator restarting
+                 beyond Ray's retries) is counted, its records are not resent: a handoff
+                 whose verdict was lost expires at the coordinator and fails there (fail
+                 closed: only the breaker learns it late);
+      bounded    past `max_pending` waiting records new ones are dropped and counted;
+      flushed    `flush(timeout_s)` waits until everything recorded was answered (shutdown,
+                 tests).
+
+    The coordinator handle is asked for at each call (`coordinator()`), so a coordinator
+    found again by name after a restart is used at once.
+    """
+
     def __init__(self, engine_id: str, coordinator: Callable[[], Any], max_delay_s: float = DEFAULT_MAX_DELAY_S,
                  max_pending: int = 100_000, call_timeout_s: float = 30.0):
         self.engine_id = engine_id

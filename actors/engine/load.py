@@ -1,25 +1,11 @@
 """An engine's own load, as the autoscaler reads it from `EngineActor.load()`.
 
-Life cycle of what it tracks:
-
-  prefill   `prefill_started(req)` adds the prompt's tokens to the queue,
-            `prefill_done` removes them and records the prefill latency (the
-            prefill pool's share of time to first token);
-  decode    `decode_started(req)` owes the request's max_tokens, every streamed
-            chunk pays some back and records the gap since the previous one
-            (inter-token latency), `done()` settles the rest.
-
-Queues are reported now and as a time-weighted average (exponential, time
-constant `window_s`), so a control loop sampling every few seconds sees load
-that comes and goes between its samples; latencies as the p90 of the samples
-of the last `window_s`.
-
-It is also where the engine's one rate model learns (`actors.engine.rate_model`):
-a prefill's wall time, with the prompt tokens queued ahead of it and the decode
-streams beside it, and every inter-token gap while nothing prefills there (one
-step at the engine's batch). `rates()` is what the engine publishes to every
-router (`actors.engine.rates_publisher`) and what the autoscaler reads in
-`snapshot().rates`. Pure Python with an injectable clock.
+It tracks the prefill queue and the tokens decode streams still owe, reported now and as a
+time-weighted average (so a control loop sampling every few seconds sees load that comes and goes
+between samples), with latencies as the p90 of the last `window_s`. It is also where the engine's
+one rate model learns (`actors.engine.rate_model`); `rates()` is what the engine publishes to every
+router and the autoscaler reads. Pure Python with an injectable clock. What it tracks, and when:
+`LoadMeter`.
 """
 
 from __future__ import annotations
@@ -33,7 +19,7 @@ from typing import Any
 
 from actors.engine.config import RateModelConfig
 from actors.engine.rate_model import EngineRateModel
-from actors.protocol import BackendStats, LoadSnapshot
+from actors.protocol.stats import BackendStats, LoadSnapshot
 from actors.rates import EngineRates
 
 MAX_SAMPLES = 2048
@@ -185,6 +171,28 @@ class DecodeTrack:
 
 
 class LoadMeter:
+    """Life cycle of what it tracks:
+
+      prefill   `prefill_started(req)` adds the prompt's tokens to the queue,
+                `prefill_done` removes them and records the prefill latency (the
+                prefill pool's share of time to first token);
+      decode    `decode_started(req)` owes the request's max_tokens, every streamed
+                chunk pays some back and records the gap since the previous one
+                (inter-token latency), `done()` settles the rest.
+
+    Queues are reported now and as a time-weighted average (exponential, time
+    constant `window_s`), so a control loop sampling every few seconds sees load
+    that comes and goes between its samples; latencies as the p90 of the samples
+    of the last `window_s`.
+
+    It is also where the engine's one rate model learns (`actors.engine.rate_model`):
+    a prefill's wall time, with the prompt tokens queued ahead of it and the decode
+    streams beside it, and every inter-token gap while nothing prefills there (one
+    step at the engine's batch). `rates()` is what the engine publishes to every
+    router (`actors.engine.rates_publisher`) and what the autoscaler reads in
+    `snapshot().rates`. Pure Python with an injectable clock.
+    """
+
     def __init__(self, window_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
                  rates: RateModelConfig | None = None):
         self.clock = clock

@@ -1,21 +1,10 @@
 """An engine's own rate fit: the one model of its prefill rate and step time (`actors.rates`).
 
-The engine sees every request of every router, at its true decode batch and queue, so it
-is the one that measures (its `LoadMeter` feeds this):
-
-  observe_gap      an inter-token gap of its streams while no prompt was prefilling there:
-                   one step at that batch, x = (1, batch, 0)
-  observe_prefill  a prefill's wall time in the engine (a `prefill()` call, or the first chunk
-                   of a local one), the prompt tokens queued ahead of it included: those tokens
-                   and the prompt's computed ones (cached ones excluded), chunked by its budget:
-                   x = (steps, steps * batch, tokens), steps = ceil(tokens / budget); only when
-                   those tokens cost `min_prefill_steps` steps' fixed part or more (a short
-                   prompt's time is its first token's fixed path: it would land in c)
-  observe_step     the general form of both
-
-Priors and half-life: `EngineConfig.rates` (the deployment's `router.slo` priors, or what the
-role's live engines measured when the autoscaler starts this engine). `rates()` is the record
-it publishes (`actors.engine.rates_publisher`). Pure: no Ray, no vLLM; injectable clock.
+The engine sees every request of every router, at its true decode batch and queue, so it is the one
+that measures (its `LoadMeter` feeds this): inter-token gaps while nothing prefills, and prefills'
+wall times with the tokens queued ahead. Priors and half-life: `EngineConfig.rates`. `rates()` is
+the record it publishes (`actors.engine.rates_publisher`). Pure: no Ray, no vLLM; injectable clock.
+What each observation contributes: `EngineRateModel`.
 """
 
 from __future__ import annotations
@@ -31,6 +20,23 @@ DEFAULT_BUDGET = 2048  # vLLM's max_num_batched_tokens for an engine raypd start
 
 
 class EngineRateModel:
+    """What each observation contributes to the fit:
+
+      observe_gap      an inter-token gap of its streams while no prompt was prefilling there:
+                       one step at that batch, x = (1, batch, 0)
+      observe_prefill  a prefill's wall time in the engine (a `prefill()` call, or the first chunk
+                       of a local one), the prompt tokens queued ahead of it included: those tokens
+                       and the prompt's computed ones (cached ones excluded), chunked by its budget:
+                       x = (steps, steps * batch, tokens), steps = ceil(tokens / budget); only when
+                       those tokens cost `min_prefill_steps` steps' fixed part or more (a short
+                       prompt's time is its first token's fixed path: it would land in c)
+      observe_step     the general form of both
+
+    Priors and half-life: `EngineConfig.rates` (the deployment's `router.slo` priors, or what the
+    role's live engines measured when the autoscaler starts this engine). `rates()` is the record
+    it publishes (`actors.engine.rates_publisher`). Pure: no Ray, no vLLM; injectable clock.
+    """
+
     def __init__(self, config: RateModelConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.config, self.clock = config or RateModelConfig(), clock
         c, now = self.config, clock()

@@ -1,10 +1,10 @@
 """An engine's chunks to a same-node consumer's inbox, as frames over ZMQ (ipc), not as Ray items.
 
-`benchmarks/results/token_hop.txt`: one Ray streaming item per token costs about 1.7 ms of CPU across
-the two ends of the hop; a frame on a ZMQ socket about 0.5. The Ray call that asked for the stream
-(`EngineActor.generate_to`) stays its control: the engine's errors, the consumer's cancellation (the
-abort that frees the request's blocks) and the end of the stream travel as before; only the chunks
-take the socket. One PUSH socket per consumer inbox carries all its streams in order.
+A frame costs a fraction of a Ray streaming item's CPU per token (docs/benchmarks.md). The Ray call
+that asked for the stream (`EngineActor.generate_to`) stays its control: the engine's errors, the
+consumer's cancellation (the abort that frees the request's blocks) and the end of the stream
+travel as before; only the chunks take the socket. One PUSH socket per consumer inbox carries all
+its streams in order.
 
 A consumer on another node is refused before anything runs (`InboxUnreachable`): it reads that engine
 by Ray items. A consumer that takes no frame for `SEND_TIMEOUT_S` (its process gone) ends the stream:
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from actors.protocol import InboxRoute, InboxUnreachable, TokenChunk
+from actors.protocol.request import InboxRoute, InboxUnreachable, TokenChunk
 
 SEND_TIMEOUT_S = 10.0
 

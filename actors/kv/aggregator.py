@@ -1,35 +1,11 @@
 """Fold per-rank KV connector outputs into one verdict per engine step.
 
-Every worker rank of an engine reports, each step, which requests it finished
-sending or receiving, which blocks it could not load, and which receives
-failed. The scheduler needs one answer: a request has finished a transfer only
-once *every* participating rank has said so (`expected_finished_count` ranks,
-counted across steps, since ranks finish at different times).
-
-Semantics follow vLLM's `KVOutputAggregator`:
-
-- sending and receiving are counted separately, per request id;
-- a rank may announce a new `expected_finished_count` (> 0); it applies to
-  request ids first seen after the change, in-flight ids keep their count;
-- invalid block ids are unioned;
-- a failed receive is held back until the same request finishes receiving on
-  all ranks, then reported together with that finish (the scheduler decides
-  recompute vs. error only once no rank still writes into those blocks),
-  with why it failed when a rank said so (`failure_reasons`, raypd's: the
-  first rank's reason);
-- outputs of a rank that died mid-step can be stashed with
-  `ft_defer_kv_connector_outputs` and are replayed by the next `aggregate`,
-  so their transfer progress is not lost. This one is raypd's, for the
-  synthetic engine (whose ranks are separate actors and outlive one another):
-  vLLM 0.32's aggregator has no such deferral, and a vLLM worker that dies
-  takes its engine core down with it (README, "Why there is no salvage on vLLM").
-
-raypd's shape of it: `aggregate` takes the per-rank `KVConnectorOutput`s
-themselves (vLLM wraps them in its ModelRunnerOutput, a type this package
-does not import) and returns the aggregate with empty sets rather than None;
-stats are summed per key and kv_cache_events collected in rank order.
-Additions: `forget()` drops an aborted request's counters (no leaks) and
-`pending()` shows what is still waiting.
+Every worker rank of an engine reports, each step, which requests it finished sending or
+receiving, which blocks it could not load, and which receives failed. Invariant: a request has
+finished a transfer only once *every* participating rank has said so (`expected_finished_count`
+ranks, counted across steps), and a failed receive is reported only with that finish. Semantics
+follow vLLM's `KVOutputAggregator`; raypd's additions (outputs of a dead rank stashed and replayed,
+`forget`, `pending`) and differences: `KVOutputAggregator`.
 """
 
 from __future__ import annotations
@@ -40,7 +16,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from actors.kv.errors import AggregationError
+from actors.kv.transfer_errors import AggregationError
 
 logger = logging.getLogger("raypd.aggregator")
 
@@ -122,6 +98,31 @@ class KVOutputAggregator:
     """Turns per-rank `KVConnectorOutput`s into one output per step.
 
     Not thread-safe: it lives in the scheduler loop, which calls it serially.
+
+    Semantics follow vLLM's `KVOutputAggregator`:
+
+    - sending and receiving are counted separately, per request id;
+    - a rank may announce a new `expected_finished_count` (> 0); it applies to
+      request ids first seen after the change, in-flight ids keep their count;
+    - invalid block ids are unioned;
+    - a failed receive is held back until the same request finishes receiving on
+      all ranks, then reported together with that finish (the scheduler decides
+      recompute vs. error only once no rank still writes into those blocks),
+      with why it failed when a rank said so (`failure_reasons`, raypd's: the
+      first rank's reason);
+    - outputs of a rank that died mid-step can be stashed with
+      `ft_defer_kv_connector_outputs` and are replayed by the next `aggregate`,
+      so their transfer progress is not lost. This one is raypd's, for the
+      synthetic engine (whose ranks are separate actors and outlive one another):
+      vLLM 0.32's aggregator has no such deferral, and a vLLM worker that dies
+      takes its engine core down with it (README, "Why there is no salvage on vLLM").
+
+    raypd's shape of it: `aggregate` takes the per-rank `KVConnectorOutput`s
+    themselves (vLLM wraps them in its ModelRunnerOutput, a type this package
+    does not import) and returns the aggregate with empty sets rather than None;
+    stats are summed per key and kv_cache_events collected in rank order.
+    Additions: `forget()` drops an aborted request's counters (no leaks) and
+    `pending()` shows what is still waiting.
     """
 
     def __init__(self, expected_finished_count: int):

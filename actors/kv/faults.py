@@ -16,7 +16,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-from actors.kv.errors import KVTransferError
+from actors.kv.transfer_errors import KVTransferError
 
 
 class InjectedFault(KVTransferError):

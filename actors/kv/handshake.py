@@ -1,19 +1,10 @@
 """The versioned handshake payload one rank publishes for its peers.
 
-Wire format: JSON, decoded in two phases so a peer of another version or of an
-incompatible model is a clear `HandshakeError`, never a crash:
-
-  1. envelope  {"protocol": int, "compat_hash": str, "body": {...}}
-     -> protocol and compatibility hash are checked before the body is read;
-  2. body      engine id, role, rank identity, agent name, agent metadata
-     (base64), cache geometry (region addresses, block length, block count)
-     and, for ranks that lease blocks, where their lease board lives
-     (`actors.kv.lease_board`: readers confirm leases there).
-
-The compatibility hash covers what must be equal for KV bytes to mean the same
-thing on both sides: model id, dtype, kv heads, layers, head size, cache dtype
-and the K/V packing of the layout. Axis order (HND/NHD), block size and TP/PP/DCP
-sizes may differ; the topology and layout modules map them.
+Invariants: a peer of another version or of an incompatible model is a clear `HandshakeError`,
+never a crash (the envelope's protocol and compatibility hash are checked before the body is
+read); the compatibility hash covers what must be equal for KV bytes to mean the same thing on both
+sides, while axis order, block size and TP/PP/DCP sizes may differ (the plan stage maps them). The
+wire format: `RankHandshake`.
 """
 
 from __future__ import annotations
@@ -23,9 +14,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-from actors.kv.errors import HandshakeError, LayoutError
-from actors.kv.layout import CacheGeometry
-from actors.kv.lease_board import BoardInfo
+from actors.kv.transfer_errors import HandshakeError, LayoutError
+from actors.kv.plan.layout import CacheGeometry
+from actors.kv.lease.lease_board import BoardInfo
 
 PROTOCOL_VERSION = 2  # 2: lease boards (readers confirm leases after their READ)
 
@@ -62,7 +53,23 @@ class CompatInfo:
 
 @dataclass(frozen=True)
 class RankHandshake:
-    """One rank's identity and memory, as its peers need them."""
+    """One rank's identity and memory, as its peers need them.
+
+    Wire format: JSON, decoded in two phases so a peer of another version or of an
+    incompatible model is a clear `HandshakeError`, never a crash:
+
+      1. envelope  {"protocol": int, "compat_hash": str, "body": {...}}
+         -> protocol and compatibility hash are checked before the body is read;
+      2. body      engine id, role, rank identity, agent name, agent metadata
+         (base64), cache geometry (region addresses, block length, block count)
+         and, for ranks that lease blocks, where their lease board lives
+         (`actors.kv.lease.lease_board`: readers confirm leases there).
+
+    The compatibility hash covers what must be equal for KV bytes to mean the same
+    thing on both sides: model id, dtype, kv heads, layers, head size, cache dtype
+    and the K/V packing of the layout. Axis order (HND/NHD), block size and TP/PP/DCP
+    sizes may differ; the topology and layout modules map them.
+    """
 
     engine_id: str
     role: str  # "prefill" | "decode" | "both"

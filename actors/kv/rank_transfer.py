@@ -1,37 +1,12 @@
 """Everything one rank does to move KV: the code path shared by vLLM and the synthetic engine.
 
-Life cycle of a request on a decode (reader) rank:
-
-  1. start_pull  the first request of a shape (remote engine, tp, pp, dcp)
-                 handshakes (`connect`): payloads of exactly the ranks
-                 `handshake_target_ranks` names, peers added and connected,
-                 descriptor lists prepared (`PeerPlan`, cached), and for every
-                 source rank the lists of its lease board (`actors.kv.confirm`).
-                 Every request then checks its block ids against both sides'
-                 block counts (vectorised), computes descriptor indices and
-                 posts one READ per source rank; replicas we skip are told at
-                 once. Nothing reaches the wire unless every id is valid;
-  2. step        data READs done -> the lease confirmation is READ from every
-                 source's board (the record, plus checksums with
-                 `transfer.verify`); HELD everywhere -> the blocks are permuted
-                 into the local layout (block-size ratio, HND/NHD), checked
-                 against the checksums, the sources are notified and the pull
-                 is reported done. RELEASED, no record within the read timeout,
-                 a checksum mismatch or any READ error fails the pull: its
-                 blocks are reported invalid and every source gets an ok=false
-                 notice, so producers free at once (fail closed);
-  3. abandon     a request that will never pull tells its producers the same.
-
-On a prefill (producer) rank, `hold` / `release` and the lease part of `step`
-are `actors.kv.producer.LeaseKeeper`'s (its module opens with that life cycle).
-
-`step()` is the one place that decides what a step polls (pulls, then
-leases with the notices that arrived) and returns everything it produced as a
-`StepResult`. Nothing here starts a thread or spins: the owner calls `step()`
-(vLLM: every engine step) while `needs_step`. Moving bytes does not wait for
-`step()`: NIXL's progress thread (`actors.kv.nixl_binding`) serves peers'
-READs of this rank's memory and its board and collects notices even while the
-owner is busy, so a producer owes its readers nothing between its steps.
+A reader rank plans a remote engine once per shape at first contact (`peer_book.PeerBook`),
+then posts one READ per source rank per pull, confirms the producers' leases (`lease.confirm`) and
+permutes the blocks into its own layout; a producer rank holds and releases leases
+(`lease.producer.LeaseKeeper`). Invariants: nothing reaches the wire unless every block id is
+valid; a pull is done only when every source's lease record read HELD (and its checksums match),
+else it fails closed and every producer hears it at once; `step()` is the one place that decides
+what a step polls, and nothing here starts a thread or spins. The life cycles: `RankTransfer`.
 """
 
 from __future__ import annotations
@@ -45,26 +20,24 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from actors.kv.confirm import EXPIRED, MISSING, Confirmer, SourceConfirm
-from actors.kv.descriptors import checked_block_ids
-from actors.kv.errors import HandshakeError, KVTransferError
+from actors.kv.lease.confirm import EXPIRED, MISSING, Confirmer, SourceConfirm
+from actors.kv.plan.descriptors import checked_block_ids
+from actors.kv.transfer_errors import KVTransferError
 from actors.kv.faults import NO_FAULTS, FaultPolicy, InjectedFault
-from actors.kv.handshake import CompatInfo, RankHandshake, decode_handshake
-from actors.kv.integrity import check_mode
-from actors.kv.layout import CacheGeometry, compatible_geometry, to_local_layout
-from actors.kv.lease_board import lease_tag
-from actors.kv.notify import ReaderNotice
-from actors.kv.producer import LeaseKeeper, new_board
-from actors.kv.pull_plan import PeerPlan, PeerKey, StagePlan, build_stage
-from actors.kv.read_plan import plan_reads
-from actors.kv.pull_types import (INTEGRITY, LEASE_ENDED, NO_LEASE_RECORD, PullRequest, PullTiming, RankIdentity,
+from actors.kv.handshake import CompatInfo, RankHandshake
+from actors.kv.lease.integrity import check_mode
+from actors.kv.plan.layout import CacheGeometry, to_local_layout
+from actors.kv.lease.lease_board import lease_tag
+from actors.kv.lease.notify import ReaderNotice
+from actors.kv.lease.producer import LeaseKeeper, new_board
+from actors.kv.peer_book import HandshakeDirectory, PeerBook
+from actors.kv.plan.pull_plan import PeerKey, PeerPlan, StagePlan
+from actors.kv.plan.pull_types import (INTEGRITY, LEASE_ENDED, NO_LEASE_RECORD, PullRequest, PullTiming, RankIdentity,
                                   Shape, StepResult)
-from actors.kv.topology import EngineTransferInfo, TransferTopology, rank_global_heads
+from actors.kv.plan.topology import TransferTopology, rank_global_heads
+from actors.kv.transport import TransportBase
 
 logger = logging.getLogger("raypd.transfer")
-
-# (engine id, pp rank, tp ranks) -> encoded handshake payloads of those ranks
-HandshakeDirectory = Callable[[str, int, list[int]], list[bytes]]
 
 
 @dataclass
@@ -83,8 +56,39 @@ class _Pull:
 
 
 class RankTransfer:
+    """Life cycle of a request on a decode (reader) rank:
+
+      1. start_pull  the first request of a shape (remote engine, tp, pp, dcp)
+                     handshakes (`connect`): payloads of exactly the ranks
+                     `handshake_target_ranks` names, peers added and connected,
+                     descriptor lists prepared (`PeerPlan`, cached), and for every
+                     source rank the lists of its lease board (`actors.kv.lease.confirm`).
+                     Every request then checks its block ids against both sides'
+                     block counts (vectorised), computes descriptor indices and
+                     posts one READ per source rank; replicas we skip are told at
+                     once. Nothing reaches the wire unless every id is valid;
+      2. step        data READs done -> the lease confirmation is READ from every
+                     source's board (the record, plus checksums with
+                     `transfer.verify`); HELD everywhere -> the blocks are permuted
+                     into the local layout (block-size ratio, HND/NHD), checked
+                     against the checksums, the sources are notified and the pull
+                     is reported done. RELEASED, no record within the read timeout,
+                     a checksum mismatch or any READ error fails the pull: its
+                     blocks are reported invalid and every source gets an ok=false
+                     notice, so producers free at once (fail closed);
+      3. abandon     a request that will never pull tells its producers the same.
+
+    On a prefill (producer) rank, `hold` / `release` and the lease part of `step`
+    are `actors.kv.lease.producer.LeaseKeeper`'s (its class docstring has that life cycle).
+
+    `step()` polls pulls, then leases with the notices that arrived, and returns a `StepResult`;
+    the owner calls it (vLLM: every engine step) while `needs_step`. Moving bytes does not wait for
+    it: NIXL's progress thread (`actors.kv.nixl.nixl_binding`) serves peers' READs of this rank's
+    memory and board meanwhile, so a producer owes its readers nothing between its steps.
+    """
+
     def __init__(self, identity: RankIdentity, geometry: CacheGeometry, planes: list[list[torch.Tensor]],
-                 compat: CompatInfo, transport, is_mla: bool = False, faults: FaultPolicy = NO_FAULTS,
+                 compat: CompatInfo, transport: TransportBase, is_mla: bool = False, faults: FaultPolicy = NO_FAULTS,
                  clock: Callable[[], float] = time.monotonic, early_notice_ttl_s: float = 60.0,
                  verify: str = "off"):
         self.identity = identity
@@ -105,8 +109,7 @@ class RankTransfer:
         self.keeper = LeaseKeeper(geometry, planes, head0, verify, self.board, faults, clock, early_notice_ttl_s)
         self.leases = self.keeper.leases
         self.confirmer = Confirmer(transport, geometry.num_blocks, verify, with_sums=verify != "off")
-        self._confirms: dict[PeerKey, SourceConfirm] = {}
-        self._plans: dict[Shape, PeerPlan] = {}
+        self.peers = PeerBook(identity.reader_name, geometry, compat, transport, self.topology, self.confirmer)
         self._pulls: dict[str, _Pull] = {}
         self.timings: dict[str, PullTiming] = {}  # the last finished pulls (bounded)
         self.integrity = {"checked_blocks": 0, "mismatched_pulls": 0, "unverifiable": 0}
@@ -123,55 +126,12 @@ class RankTransfer:
 
     # -------------------------------------------------------------- handshake
     def connect(self, shape: Shape, directory: HandshakeDirectory) -> PeerPlan:
-        """First contact with a remote engine of this shape: fetch payloads, add peers,
-        connect, prepare descriptor lists. Cached; later requests only look it up."""
-        plan = self._plans.get(shape)
-        if plan is not None:
-            return plan
-        engine_id, tp_size, pp_size, dcp_size = shape
-        if any(s[0] == engine_id for s in self._plans):  # another shape: a restarted engine
-            self.drop_engine(engine_id)
-        self.topology.unregister_remote_engine(engine_id)
-        targets = self.topology.handshake_target_ranks(tp_size, dcp_size)
-        stages = []
-        for pp_rank in range(pp_size):
-            payloads = directory(engine_id, pp_rank, targets)
-            if len(payloads) != len(targets):
-                raise HandshakeError("ranks", f"asked for ranks {targets}, got {len(payloads)} payloads")
-            peers: dict[int, RankHandshake] = {}
-            for data in payloads:
-                hs = decode_handshake(data, expect_compat_hash=self.compat.compat_hash())
-                if (hs.engine_id, hs.pp_rank, hs.tp_size, hs.dcp_size) != (engine_id, pp_rank, tp_size, dcp_size):
-                    raise HandshakeError("engine_id", f"payload of {hs.key} does not match the request")
-                compatible_geometry(self.geometry, hs.geometry)
-                self.transport.add_peer(hs)
-                peers[hs.tp_rank] = hs
-            g, first = peers[targets[0]].geometry, peers[targets[0]]
-            layers = (g.first_layer, g.first_layer + g.num_layers) if first.pp_size > 1 else (0, 0)
-            self.topology.register_remote_engine(engine_id, EngineTransferInfo(
-                remote_tp_size=tp_size, remote_block_len=g.block_bytes, remote_block_size=first.block_size,
-                remote_physical_blocks_per_logical=1, remote_pp_rank=pp_rank,
-                start_layer=layers[0], end_layer=layers[1], remote_dcp_size=dcp_size,
-            ))
-            stage = build_stage(self.transport, self.geometry, plan_reads(self.topology, engine_id, pp_rank), peers)
-            for src in stage.reads:
-                self._confirms[src.key] = self.confirmer.prepare(
-                    len(stages) * 64 + stage.reads.index(src), src, peers[src.key[2]].board, src.all_layers,
-                    src.local_heads, src.remote_heads, src.remote_head0)
-            stages.append(stage)
-            # replicated: ranks holding the same KV are read once, the others only notified
-            logger.info("%s connected to %s: %s, replicated=%s", self.identity.reader_name, engine_id,
-                        self.topology.describe(engine_id, pp_rank),
-                        self.topology.replicates_kv_cache(engine_id, pp_rank))
-        plan = self._plans[shape] = PeerPlan(engine_id, tuple(stages))
-        return plan
+        """First contact with a remote engine of this shape (`PeerBook.connect`); cached."""
+        return self.peers.connect(shape, directory)
 
     def refresh_peers(self, agents: dict[PeerKey, str]) -> None:
         """Forget an engine whose ranks now answer under other agent names (it restarted)."""
-        for key, name in agents.items():
-            if self.transport.has_peer(key) and self.transport.peer(key).agent_name != name:
-                self.drop_engine(key[0])
-                return
+        self.peers.refresh(agents)
 
     # ---------------------------------------------------------------- reader
     def _notice(self, pull: _Pull, req_id: str, consumers: int, ok: bool) -> bytes:
@@ -258,7 +218,7 @@ class RankTransfer:
         return pull.req.remote_request_id or req_id
 
     def _read_sources(self, pull: _Pull) -> list[SourceConfirm]:
-        return [self._confirms[src.key] for stage in pull.plan.stages for src in stage.reads]
+        return [self.peers.confirms[src.key] for stage in pull.plan.stages for src in stage.reads]
 
     def _confirm(self, req_id: str, pull: _Pull) -> None:
         """READ every source's lease record (and the checksums we check)."""
@@ -370,12 +330,7 @@ class RankTransfer:
     # ------------------------------------------------------------- lifecycle
     def drop_engine(self, engine_id: str) -> int:
         """Forget a remote engine (it died or restarted): plans, topology, peers."""
-        for shape in [s for s in self._plans if s[0] == engine_id]:
-            del self._plans[shape]
-        for key in [k for k in self._confirms if k[0] == engine_id]:
-            del self._confirms[key]
-        self.topology.unregister_remote_engine(engine_id)
-        return self.transport.remove_engine(engine_id)
+        return self.peers.drop_engine(engine_id)
 
     @property
     def pulls_in_flight(self) -> int:

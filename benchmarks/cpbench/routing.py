@@ -38,7 +38,7 @@ from typing import Any
 import ray
 
 from actors.prefix_wire import IndexCursor, IndexUpdate
-from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
+from actors.protocol.request import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from actors.routes import RouteTable
 from cpbench.mix import (
     ERROR,

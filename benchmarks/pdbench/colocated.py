@@ -8,7 +8,7 @@ changed: the remote path's fixed cost before the first token (`router.slo.
 remote_first_token_overhead_s`) set to 10^6 s. For two `both` engines every disaggregated
 option (prefill on Y, decode on X) has a colocated twin on Y with the same prefill side and no
 handoff, so a handoff of 10^6 s puts every remote option behind some colocated one whatever
-the engines' load (serving/routing/placement.py). The knob is used by the placement model
+the engines' load (serving/routing/slo_model.py). The knob is used by the placement model
 only, not by the chunk budget (`PlacementConfig.chunk_budget`): (e0)'s engines start with
 exactly (e)'s vLLM arguments. Kept: placement `slo`, the connector (kv_both), KV events,
 leases, deadlines, migration. The benchmark checks from the front's decision counters that

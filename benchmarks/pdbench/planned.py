@@ -20,9 +20,9 @@ from pathlib import Path
 
 from serving.cli.plan import DEFAULT_PROFILE, parse_prompt_mix
 from serving.config import load_config
-from serving.planner.plan import plan
-from serving.planner.profile import load_profile
-from serving.planner.workload import Request, SloTargets, Workload
+from serving.sizing.plan import plan
+from serving.sizing.profile import load_profile
+from serving.sizing.workload import Request, SloTargets, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 SLO = SloTargets(ttft_s=3.0, tpot_s=0.1)  # `raypd config --plan`'s defaults

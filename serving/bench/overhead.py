@@ -33,7 +33,7 @@ from serving.ops.health_probe import wait_healthy
 async def direct_request(prefill: Any, decode: Any, i: int, prompt: str, max_tokens: int) -> Sample:
     """The P/D path without the front: the prefill actor's first token, then the decode actor's stream
     (the same continuation the router runs)."""
-    from actors.protocol import EngineRequest, SamplingSpec
+    from actors.protocol.request import EngineRequest, SamplingSpec
     from actors.engine.synthetic.tokenizer import encode_text
 
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@
                       [--prompt-tokens TOKENS:SHARE,...] [--output-tokens N] [--plan-out PATH]
                       [--config FILE and the other deployment flags: the base deployment]
 
-Prints the predicted goodput of every shape to stderr (serving.planner.plan.render_table) and the
+Prints the predicted goodput of every shape to stderr (serving.sizing.plan.render_table) and the
 chosen deployment's YAML to stdout (or --plan-out): the base deployment (--config, else the
 embedded default) with only its engine groups, router.placement (and the targets placement `slo`
 judges by) and, where the plan chose one, the decode-capable engines' `max_num_batched_tokens` changed.
@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 from serving.config import DeploymentConfig
-from serving.planner.deployment import deployment_yaml
-from serving.planner.plan import plan, render_table
-from serving.planner.profile import load_profile
-from serving.planner.workload import SloTargets, Workload
+from serving.sizing.deployment import deployment_yaml
+from serving.sizing.plan import plan, render_table
+from serving.sizing.profile import load_profile
+from serving.sizing.workload import SloTargets, Workload
 
 DEFAULT_PROFILE = str(Path(__file__).resolve().parents[2] / "configs" / "profiles" / "smollm2-cpu.yaml")
 

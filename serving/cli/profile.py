@@ -1,24 +1,14 @@
 """`raypd profile`: a short measured profile of the running deployment's engines, for the shape planner.
 
-1. A load through the front (the path users take), in rounds until `--seconds` have passed (default:
-   four half-lives of the engines' rate fits, `router.slo.rate_half_life_s`): each round one wave of
-   long prompts, one per engine, each prompt its own words (no prefix-cache hits), then one wave of
-   short prompts with long answers, `--batches` streams per engine in turn (1, 2, 4, 8). The long
-   prompts teach each engine its prefill rate, the short ones its step against the batch size.
-   Why this long: the engines' fits weigh samples by age (60 s half-life by default), and a fresh
-   engine is slower than a warm one for minutes (back-to-back loads on one deployment of two one-core
-   engines here fitted 475, 639 and 703 tokens/s over three 10 s loads; 644 then 786 over two of
-   120 s). Four half-lives leave the first one a 7 % share of the fit.
-2. Every engine's own rate fit is read back (`EngineActor.load()`: the record it publishes,
-   `actors.rates.EngineRates`) and averaged per engine size, weighted by the engines' samples (the
-   prefill rate by their prefill samples: a decode engine that only pulls KV adds its steps alone):
-   an engine's size is its CPU cores (its `cpu.bind` entry, else `num_cpus`) or its GPUs (TP x PP).
-3. The sizes measured replace theirs in `--out` (a `serving.planner.profile` file; the other sizes
-   in it stay), which `raypd config --plan --profile` reads. The KV transfer rate is not measured
-   here: a new file takes `router.slo`'s priors for it.
-
-Run it once per engine size you want the planner to consider (e.g. `raypd up` with one-core engines,
-then with a two-core engine).
+1. A load through the front, in rounds until `--seconds` have passed (default: four half-lives of
+   the engines' rate fits, `router.slo.rate_half_life_s`, since a fresh engine is slower than a warm
+   one for minutes: docs/benchmarks.md): waves of long unique prompts (each engine's prefill rate),
+   then of short prompts with long answers, `--batches` streams per engine (its step by batch size).
+2. Every engine's own rate fit is read back (`EngineActor.load()`) and averaged per engine size
+   (CPU cores or GPUs), weighted by the engines' samples.
+3. The sizes measured replace theirs in `--out` (a `serving.sizing.profile` file), which
+   `raypd config --plan --profile` reads; the KV transfer rate is not measured (`router.slo`'s priors).
+Run it once per engine size you want the planner to consider.
 """
 
 from __future__ import annotations
@@ -37,7 +27,7 @@ from actors.rates import EngineRates
 from serving.bench.samples import Sample, make_prompt
 from serving.bench.sse import stream_request
 from serving.config import DeploymentConfig
-from serving.planner.profile import EngineProfile, ProfileError, load_profile, parse_profile
+from serving.sizing.profile import EngineProfile, ProfileError, load_profile, parse_profile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

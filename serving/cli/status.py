@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 from actors.engine.startup import StartPhase
-from actors.protocol import EngineStats, EngineSummary
+from actors.protocol.registration import EngineSummary
+from actors.protocol.stats import EngineStats
 from serving.routing.status import jsonable
 
 

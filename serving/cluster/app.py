@@ -1,21 +1,10 @@
 """The Ray Serve application: `build_app(config) -> serve.Application`.
 
-One ingress deployment (FastAPI, `serving.front`) whose replicas attach to the
-deployment's engines through its launcher (`serving.cluster.launcher`: the one
-owner of engine start-up; the first replica's attach launches them) and route
-over them (`serving.routing.router`). The same builder serves three entry points:
-
-  serve run serving.cluster.app:build_app config_path=configs/synthetic.yaml
-  a Serve config file / KubeRay RayService:
-      applications:
-        - name: raypd
-          route_prefix: /
-          import_path: serving.cluster.app:build_app
-          args: {config_path: configs/local.yaml}     # or the deployment inline
-  raypd up (serving.cli), which launches the engines first.
-
-`config` is either a deployment dict (validated by `DeploymentConfig`) or
-`{"config_path": <yaml>, ...overrides}`.
+One ingress deployment (FastAPI, `serving.front`) whose replicas attach to the deployment's engines
+through its launcher (`serving.cluster.launcher`, the one owner of engine start-up: the first
+replica's attach launches them) and route over them (`serving.routing.router`). `config` is a
+deployment dict (validated by `DeploymentConfig`) or `{"config_path": <yaml>, ...overrides}`. The
+three entry points it serves: `build_app`.
 """
 
 from __future__ import annotations
@@ -130,7 +119,22 @@ class RaypdIngress:
 
 
 def build_app(config: dict[str, Any] | None = None) -> serve.Application:
-    """The raypd Serve application for one deployment config (see the module docstring)."""
+    """The raypd Serve application for one deployment config.
+
+    The same builder serves three entry points:
+
+      serve run serving.cluster.app:build_app config_path=configs/synthetic.yaml
+      a Serve config file / KubeRay RayService:
+          applications:
+            - name: raypd
+              route_prefix: /
+              import_path: serving.cluster.app:build_app
+              args: {config_path: configs/local.yaml}     # or the deployment inline
+      raypd up (serving.cli), which launches the engines first.
+
+    `config` is either a deployment dict (validated by `DeploymentConfig`) or
+    `{"config_path": <yaml>, ...overrides}`.
+    """
     cfg = resolve_config(config)
     # engine_kwargs are checked by vLLM's own classes before anything deploys (as `raypd up` does)
     for note in check_engine_args(cfg):

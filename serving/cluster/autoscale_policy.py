@@ -1,31 +1,12 @@
 """P:D autoscaling policy (pure): how many prefill, decode and role-flexible engines.
 
-Each role is scaled between `min` and `max` by its own `RolePolicy`. What says a role
-needs one more engine, or could do with one fewer (`autoscaler.policy`):
-
-  model       (default) the shape planner's simulation of the live pools
-              (`serving.planner.live`, fed with the rates the engines measured of
-              themselves, the arrival rate and the request mix, requests placed by the
-              router's own `place()`): when the pools are predicted to miss a target, the
-              pool whose extra engine helps most grows; one predicted to stay well within
-              its targets with one engine fewer shrinks; with role `both` engines it is
-              the engine count;
-  thresholds  the per-role thresholds below:
-
-  prefill  pressure: queued prompt tokens per engine above `queued_tokens_per_engine`,
-           or the p90 prefill latency (the pool's part of TTFT) above `ttft_target_factor` x
-           the deployment's TTFT target (`router.slo.ttft_target_s`);
-  decode   pressure: outstanding tokens per engine above `outstanding_tokens_per_engine`,
-           KV usage above `kv_usage_high`, or the p90 inter-token latency above
-           `itl_target_factor` x the deployment's ITL target (`router.slo.itl_target_s`).
-
-Queues are the engines' time-weighted averages (`actors.engine.load`), summed over
-the role's serving engines. Hysteresis: a role grows by one engine once its
-pressure has lasted `up_delay_s` and `up_cooldown_s` passed since its last change;
-it shrinks by one only when the pool *with one engine fewer* would stay under
-`down_fraction` of every threshold, for `down_delay_s`, and `cooldown_s` after its
-last change. Pure, with the time passed in: `serving.cluster.autoscaler` applies it.
-The knobs (`AutoscalerConfig`) are plain config in `serving.autoscaler_config`.
+Each role is scaled between `min` and `max` by its own `RolePolicy`, from the shape planner's
+simulation of the live pools (`model`, the default: `serving.sizing.live`) or per-role thresholds
+(`thresholds`). Invariants: a role changes by one engine at a time, grows only after its pressure
+lasted `up_delay_s` and `up_cooldown_s` passed, and shrinks only when the pool *with one engine
+fewer* would stay under `down_fraction` of every threshold for `down_delay_s`. Pure, with the time
+passed in: `serving.cluster.autoscaler` applies it; the knobs are `serving.autoscaler_config`.
+What says a role needs an engine more or fewer: `RolePolicy`.
 """
 
 from __future__ import annotations
@@ -71,6 +52,34 @@ def _under(value: float | None, limit: float) -> bool:
 
 
 class RolePolicy:
+    """Each role is scaled between `min` and `max` by its own `RolePolicy`. What says a role
+    needs one more engine, or could do with one fewer (`autoscaler.policy`):
+
+      model       (default) the shape planner's simulation of the live pools
+                  (`serving.sizing.live`, fed with the rates the engines measured of
+                  themselves, the arrival rate and the request mix, requests placed by the
+                  router's own `place()`): when the pools are predicted to miss a target, the
+                  pool whose extra engine helps most grows; one predicted to stay well within
+                  its targets with one engine fewer shrinks; with role `both` engines it is
+                  the engine count;
+      thresholds  the per-role thresholds below:
+
+      prefill  pressure: queued prompt tokens per engine above `queued_tokens_per_engine`,
+               or the p90 prefill latency (the pool's part of TTFT) above `ttft_target_factor` x
+               the deployment's TTFT target (`router.slo.ttft_target_s`);
+      decode   pressure: outstanding tokens per engine above `outstanding_tokens_per_engine`,
+               KV usage above `kv_usage_high`, or the p90 inter-token latency above
+               `itl_target_factor` x the deployment's ITL target (`router.slo.itl_target_s`).
+
+    Queues are the engines' time-weighted averages (`actors.engine.load`), summed over
+    the role's serving engines. Hysteresis: a role grows by one engine once its
+    pressure has lasted `up_delay_s` and `up_cooldown_s` passed since its last change;
+    it shrinks by one only when the pool *with one engine fewer* would stay under
+    `down_fraction` of every threshold, for `down_delay_s`, and `cooldown_s` after its
+    last change. Pure, with the time passed in: `serving.cluster.autoscaler` applies it.
+    The knobs (`AutoscalerConfig`) are plain config in `serving.autoscaler_config`.
+    """
+
     def __init__(self, role: Literal["prefill", "decode", "both"], scaling: PrefillScaling | DecodeScaling,
                  cfg: AutoscalerConfig, targets: SloTargets):
         self.role, self.scaling, self.cfg = role, scaling, cfg

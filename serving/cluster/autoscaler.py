@@ -1,27 +1,11 @@
 """The P:D autoscaler: the launcher's loop that applies `serving.cluster.autoscale_policy`.
 
-Life cycle of a pool change:
-
-  observe  every `interval_s`: the deployment's engines as the coordinator lists
-           them (serving or draining) and each serving engine's `load()`,
-           summed per role into `PoolSignals`; each role's `RolePolicy` decides;
-  grow     one more engine at the lowest free index, in its own STRICT_PACK
-           placement group carrying the role's resources (pinned like every
-           engine), started with the rates the role's serving engines measured
-           last (its chunk budget comes from them: `MeasuredRates`); it registers
-           with the coordinator and routers adopt it from the directory. A group
-           no node can hold is removed again and the attempt counted (`unschedulable`);
-  shrink   the highest-index serving engine is marked draining at the
-           coordinator, so routers stop choosing it; once it has been idle (no
-           decode stream, no prefill, no lease, no handoff in flight) for
-           `drain_quiet_s` it is shut down (it unregisters: its prefix-index
-           entries go), killed, and its placement group removed. A drain that
-           never gets idle stops after `drain_timeout_s` (counted).
-
-A role with a change in progress makes no other decision. It runs inside the
-deployment's launcher actor (`serving.cluster.launcher`, the one owner of engine
-start-up), which it asks to start and stop engines (`EngineHands`); once it runs it
-owns the pool sizes.
+Every `interval_s` it sums the deployment's serving engines' loads per role and lets each role's
+`RolePolicy` decide; it grows a pool by one engine in its own placement group, or drains the
+highest-index engine and stops it once idle. Invariants: a role with a change in progress makes no
+other decision; a drain that never gets idle stops after `drain_timeout_s` (counted); it runs in
+the launcher actor, the one owner of engine start-up, and owns the pool sizes once it runs. The
+life cycle of a pool change: `Autoscaler`.
 """
 
 from __future__ import annotations
@@ -38,11 +22,11 @@ import ray
 from actors.control.coordinator_actor import get_coordinator
 from actors.engine.load import EngineLoad
 from serving.cluster.autoscale_policy import PoolSignals, RolePolicy, ScaleDecision
-from serving.routing.placement import EngineEstimate
+from serving.routing.slo_model import EngineEstimate
 from serving.cluster.engines import Unschedulable, handle_of
 from serving.cluster.names import engine_id, engine_index
 from serving.config import DeploymentConfig
-from serving.planner.live import LivePool, LoadMix, ScaleAdvice, scale_advice
+from serving.sizing.live import LivePool, LoadMix, ScaleAdvice, scale_advice
 from serving.placement_config import MeasuredRates
 
 logger = logging.getLogger("raypd.autoscaler")
@@ -90,6 +74,30 @@ class AutoscalerStatus:
 
 
 class Autoscaler:
+    """Life cycle of a pool change:
+
+      observe  every `interval_s`: the deployment's engines as the coordinator lists
+               them (serving or draining) and each serving engine's `load()`,
+               summed per role into `PoolSignals`; each role's `RolePolicy` decides;
+      grow     one more engine at the lowest free index, in its own STRICT_PACK
+               placement group carrying the role's resources (pinned like every
+               engine), started with the rates the role's serving engines measured
+               last (its chunk budget comes from them: `MeasuredRates`); it registers
+               with the coordinator and routers adopt it from the directory. A group
+               no node can hold is removed again and the attempt counted (`unschedulable`);
+      shrink   the highest-index serving engine is marked draining at the
+               coordinator, so routers stop choosing it; once it has been idle (no
+               decode stream, no prefill, no lease, no handoff in flight) for
+               `drain_quiet_s` it is shut down (it unregisters: its prefix-index
+               entries go), killed, and its placement group removed. A drain that
+               never gets idle stops after `drain_timeout_s` (counted).
+
+    A role with a change in progress makes no other decision. It runs inside the
+    deployment's launcher actor (`serving.cluster.launcher`, the one owner of engine
+    start-up), which it asks to start and stop engines (`EngineHands`); once it runs it
+    owns the pool sizes.
+    """
+
     def __init__(self, cfg: DeploymentConfig, hands: EngineHands):
         self.cfg, self.hands = cfg, hands
         acfg = self.cfg.autoscaler
@@ -206,7 +214,7 @@ class Autoscaler:
         return MeasuredRates.of([x.meter.prefill_tokens_per_s for x in loads], [x.meter.step_s for x in loads])
 
     async def _advice(self, loads: dict[str, list[EngineLoad]]) -> ScaleAdvice:
-        """The planner's model on the live pools (`serving.planner.live`), from what the engines measured
+        """The planner's model on the live pools (`serving.sizing.live`), from what the engines measured
         of themselves (the same rate model each engine publishes to the routers: `LoadSnapshot.rates`)."""
         slo = self.cfg.router.slo
         pools = []

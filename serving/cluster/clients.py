@@ -25,7 +25,7 @@ from serving.cluster.launcher import find_launcher
 from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, actor_name_of
 from actors.routes import RouteDelta, RouteTable
 from actors.prefix_wire import IndexCursor, IndexUpdate
-from actors.protocol import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
+from actors.protocol.request import EngineRequest, EngineRequestError, PrefillResult, TokenChunk
 from serving.cluster.merge import merge_ready
 from serving.cluster.token_inbox import InboxStream, TokenInbox
 from serving.config import DeploymentConfig

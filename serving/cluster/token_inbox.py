@@ -1,23 +1,12 @@
 """The ingress's side of the same-node token hop: one inbox per event loop, one stream per engine call.
 
-Life of a stream read through the inbox:
-  1. `RayEngineClient.generate` opens a mailbox under a fresh random key (`TokenInbox.open`) and
-     calls the engine's `generate_to(req, InboxRoute)` at once (the call starts now).
-  2. The engine sends each chunk as a frame [key, pickled TokenChunk] to this process's PULL
-     socket (`actors/engine/token_outbox.py`); the inbox's reader puts it in the key's mailbox.
-     A frame under a key the inbox did not hand out is dropped unread.
-  3. `InboxStream.__anext__` takes the next chunk, with every chunk already in the mailbox merged
-     in (as `merge_ready` does for Ray items), until the finished one.
-  4. The call's end is posted to the mailbox too. A failed call raises there, translated like a Ray
-     stream's error (engine died, request rejected); an engine on another node refuses before it
-     starts and the stream is read by Ray items instead (the client remembers). A call that
-     returned without its finished chunk in `LAST_CHUNK_WAIT_S` fails the stream.
-  5. Closing before the finished chunk cancels the call: the engine aborts the request and frees
-     its blocks. Every way out closes the mailbox.
-
-The socket is ipc in a directory only this user can enter (the same trust as Ray's session
-directory); frames are pickled by raypd's engines. `RAYPD_TOKEN_INBOX=0` turns the inbox off (every
-stream by Ray items).
+Engines on the ingress's node send a stream's chunks as frames to this process's PULL socket
+(`actors.engine.token_outbox`), one mailbox per stream; the Ray call that asked for the stream stays
+its control. Invariants: a frame under a key the inbox did not hand out is dropped unread; a failed
+call raises as a Ray stream's error would; closing before the last chunk cancels the call (the
+engine aborts the request and frees its blocks); every way out closes the mailbox. The socket is ipc
+in a directory only this user can enter; `RAYPD_TOKEN_INBOX=0` turns the inbox off. The life of a
+stream read through it: `TokenInbox`.
 """
 
 from __future__ import annotations
@@ -39,7 +28,7 @@ import ray
 import zmq
 
 from actors.engine.token_outbox import zmq_context
-from actors.protocol import InboxRoute, InboxUnreachable, TokenChunk
+from actors.protocol.request import InboxRoute, InboxUnreachable, TokenChunk
 
 logger = logging.getLogger("raypd.router")
 
@@ -78,7 +67,27 @@ class Mailbox:
 
 
 class TokenInbox:
-    """This event loop's PULL socket and the mailboxes of the streams it reads."""
+    """This event loop's PULL socket and the mailboxes of the streams it reads.
+
+    Life of a stream read through the inbox:
+      1. `RayEngineClient.generate` opens a mailbox under a fresh random key (`TokenInbox.open`) and
+         calls the engine's `generate_to(req, InboxRoute)` at once (the call starts now).
+      2. The engine sends each chunk as a frame [key, pickled TokenChunk] to this process's PULL
+         socket (`actors/engine/token_outbox.py`); the inbox's reader puts it in the key's mailbox.
+         A frame under a key the inbox did not hand out is dropped unread.
+      3. `InboxStream.__anext__` takes the next chunk, with every chunk already in the mailbox merged
+         in (as `merge_ready` does for Ray items), until the finished one.
+      4. The call's end is posted to the mailbox too. A failed call raises there, translated like a Ray
+         stream's error (engine died, request rejected); an engine on another node refuses before it
+         starts and the stream is read by Ray items instead (the client remembers). A call that
+         returned without its finished chunk in `LAST_CHUNK_WAIT_S` fails the stream.
+      5. Closing before the finished chunk cancels the call: the engine aborts the request and frees
+         its blocks. Every way out closes the mailbox.
+
+    The socket is ipc in a directory only this user can enter (the same trust as Ray's session
+    directory); frames are pickled by raypd's engines. `RAYPD_TOKEN_INBOX=0` turns the inbox off (every
+    stream by Ray items).
+    """
 
     _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TokenInbox]" = weakref.WeakKeyDictionary()
 

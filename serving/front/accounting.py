@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from actors.protocol import TokenChunk
-from serving.front.errors import ApiError
+from actors.protocol.request import TokenChunk
+from serving.front.http_errors import ApiError
 from serving.ops.metrics import ServiceMetrics
 from serving.routing.protocols import TokenStream
 

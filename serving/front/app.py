@@ -31,10 +31,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.protocol import ModelInfo
+from actors.protocol.request import ModelInfo
 from serving.front.api_keys import load_api_keys
 from serving.config import DeploymentConfig
-from serving.front import errors
+from serving.front import http_errors as errors
 from serving.front.accounting import Accounting
 from serving.front.heap import settle_heap
 from serving.front.routes import FrontState, count_refusal, open_router, router

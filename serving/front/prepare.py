@@ -22,8 +22,8 @@ from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from actors.protocol import EngineRequest, SamplingSpec
-from serving.front.errors import CLIENT_ERRORS, ApiError, invalid_request, invalid_value
+from actors.protocol.request import EngineRequest, SamplingSpec
+from serving.front.http_errors import CLIENT_ERRORS, ApiError, invalid_request, invalid_value
 from serving.front.served_model import OpenAIRequest, ServedModel
 
 Kind = Literal["completions", "chat"]

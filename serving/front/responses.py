@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from actors.protocol import Stamps
+from actors.protocol.request import Stamps
 from serving.front.accounting import RequestTicket
-from serving.front.errors import ApiError, error_body
+from serving.front.http_errors import ApiError, error_body
 from serving.front.prepare import PreparedRequest
 from serving.front.trace import RequestTrace
 

@@ -21,10 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
-from actors.protocol import EngineRequest, Stamps
+from actors.protocol.request import EngineRequest, Stamps
 from serving.config import DeploymentConfig
 from serving.front.accounting import Accounting, RequestTicket
-from serving.front.errors import CLIENT_ERRORS, ApiError, error_response, invalid_request, invalid_value
+from serving.front.http_errors import CLIENT_ERRORS, ApiError, error_response, invalid_request, invalid_value
 from serving.front.prepare import Kind, parse, prepare
 from serving.front.responses import SSEResponse, Shapes, collect, json_response, sse_events
 from serving.front.trace import RequestTrace
@@ -32,7 +32,7 @@ from serving.front.trace import requested as traced
 from serving.front.served_model import ServedModel
 from serving.ops.loop_watch import LoopWatch
 from serving.ops.metrics import CONTENT_TYPE, ServiceMetrics
-from serving.routing.errors import InvalidRequest, RoutingError
+from serving.routing.route_errors import InvalidRequest, RoutingError
 from serving.routing.protocols import RequestRouter, TokenStream
 from serving.routing.status import Readiness
 

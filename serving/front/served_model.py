@@ -38,7 +38,7 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import SamplingParams
 
 from actors.decode_caps import NO_CAPS, replay_reason
-from actors.protocol import ModelInfo
+from actors.protocol.request import ModelInfo
 from actors.engine.synthetic.tokenizer import chat_to_text, decode_tokens, encode_text
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from actors.protocol import Stamps
+from actors.protocol.request import Stamps
 
 HEADER = "x-raypd-trace"
 

@@ -21,6 +21,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from serving.ops.metrics import MetricSpec, RouterCollector
+from serving.routing.pool import RouterCounter
 
 logger = logging.getLogger("raypd.metrics")
 
@@ -101,7 +102,7 @@ class RouterExporter:
                     metric.set(sample.value, tags=tags or None)
 
     def _should_ask(self, router: Any) -> bool:
-        requests = getattr(getattr(router, "pool", None), "counters", {}).get("requests", 0)
+        requests = getattr(getattr(router, "pool", None), "counters", {}).get(RouterCounter.REQUESTS, 0)
         now = self.clock()
         if self._asked is not None and self._asked[0] == requests and now - self._asked[1] < self.idle_refresh_s:
             return False

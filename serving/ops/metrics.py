@@ -1,26 +1,11 @@
 """raypd's metrics, all named `raypd_*`: the replica's own registry and the cluster-wide copy.
 
-Recorded by the front as requests flow (`ServiceMetrics`): request counts by
-endpoint and status, time to first token and inter-token latency per P/D path
-(pd | local | fallback), the P/D handoff (prefill's token -> decode engine's
-first token: KV pull + one decode step), end-to-end latency, tokens.
-Read from the router at scrape time (a custom collector, so nothing is copied
-on the hot path): prefill / decode queue depths, the breaker of every
-(prefill, decode) pair as the coordinator's ledger holds it (the one owner of
-breakers; the router reads it with its routes), KV transfer failures the
-router saw, prefill failures, retries, fallbacks, stream migrations, readiness
-(`raypd_ready{reason}`: what `/health` answers), deadlines the engines missed and
-the hangs the coordinator judged (`raypd_engine_hangs_total`), and the
-engines' own stats (free blocks, leases held, running requests, transfer
-bytes and handshakes when the backend reports them).
-
-Two exports of the same events:
-  - the front's `GET /metrics`: this replica's registry (one per app, so tests
-    and several replicas in one process never collide);
-  - Ray's metrics (`serving.ops.cluster_metrics`, when the process is connected to
-    Ray): every replica records into Ray's per-node metrics agent, so a scrape
-    of each node's metrics port (`raypd status` prints them) adds up across
-    ingress replicas. Ray prefixes the names: `ray_raypd_requests_total`.
+The front records requests as they flow (`ServiceMetrics`); the router's state is read at scrape
+time by a custom collector (`RouterCollector`), so nothing is copied on the hot path. Labels come
+from the routing enums (`serving.routing.decisions`, `RouterCounter`, `ReadinessCode`,
+`BreakerState`). Two exports of the same events: the front's `GET /metrics` (one registry per app)
+and Ray's metrics (`serving.ops.cluster_metrics`), which add up across ingress replicas. What is
+recorded and read: `ServiceMetrics`.
 """
 
 from __future__ import annotations
@@ -33,13 +18,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from serving.routing.status import READINESS_CODES, jsonable
+from actors.routes import BreakerState
+from serving.routing.pool import RouterCounter
+from serving.routing.status import ReadinessCode, jsonable
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+BREAKER_STATES = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 # engine gauges: metric suffix -> (help, value of one engine's stats)
 ENGINE_GAUGES: dict[str, tuple[str, Callable[[Any], float]]] = {
@@ -70,7 +57,7 @@ class RouterCollector(Collector):
             ready = GaugeMetricFamily("raypd_ready", "1 on this front's readiness state, 0 on the others: ok (a "
                                       "P/D path or a permitted fallback, /health 200) or why not (/health 503)",
                                       labels=["reason"])
-            for code in READINESS_CODES:
+            for code in ReadinessCode:
                 ready.add_metric([code], 1 if snap.readiness.code == code else 0)
             yield ready
         yield _labelled(CounterMetricFamily("raypd_engine_hangs", "engine incarnations the coordinator judged hung "
@@ -125,9 +112,9 @@ class RouterCollector(Collector):
             yield _labelled(GaugeMetricFamily("raypd_prefix_index_blocks", "KV blocks the router's prefix index "
                                               "holds per engine", labels=["engine"]), snap.planner.prefix_index_engines)
         yield CounterMetricFamily("raypd_prefill_retries", "prefills retried on another engine",
-                                  value=snap.counters.get("prefill_retries", 0))
+                                  value=snap.counters.get(RouterCounter.PREFILL_RETRIES, 0))
         yield CounterMetricFamily("raypd_aborts", "requests aborted on the engines (client went away)",
-                                  value=snap.counters.get("aborted", 0))
+                                  value=snap.counters.get(RouterCounter.ABORTED, 0))
         yield from pool_metrics(snap.pools)
         up = GaugeMetricFamily("raypd_engine_up", "1 when the engine answered its last stats call",
                                labels=["engine"])
@@ -197,7 +184,30 @@ def pool_metrics(pools: Any) -> Iterator[Metric]:
 
 
 class ServiceMetrics:
-    """The front's events, recorded into the replica's registry and (optionally) Ray's metrics."""
+    """The front's events, recorded into the replica's registry and (optionally) Ray's metrics.
+
+    Recorded by the front as requests flow (`ServiceMetrics`): request counts by
+    endpoint and status, time to first token and inter-token latency per P/D path
+    (pd | local | fallback), the P/D handoff (prefill's token -> decode engine's
+    first token: KV pull + one decode step), end-to-end latency, tokens.
+    Read from the router at scrape time (a custom collector, so nothing is copied
+    on the hot path): prefill / decode queue depths, the breaker of every
+    (prefill, decode) pair as the coordinator's ledger holds it (the one owner of
+    breakers; the router reads it with its routes), KV transfer failures the
+    router saw, prefill failures, retries, fallbacks, stream migrations, readiness
+    (`raypd_ready{reason}`: what `/health` answers), deadlines the engines missed and
+    the hangs the coordinator judged (`raypd_engine_hangs_total`), and the
+    engines' own stats (free blocks, leases held, running requests, transfer
+    bytes and handshakes when the backend reports them).
+
+    Two exports of the same events:
+      - the front's `GET /metrics`: this replica's registry (one per app, so tests
+        and several replicas in one process never collide);
+      - Ray's metrics (`serving.ops.cluster_metrics`, when the process is connected to
+        Ray): every replica records into Ray's per-node metrics agent, so a scrape
+        of each node's metrics port (`raypd status` prints them) adds up across
+        ingress replicas. Ray prefixes the names: `ray_raypd_requests_total`.
+    """
 
     def __init__(self, router_getter: Callable[[], Any] | None = None, registry: CollectorRegistry | None = None,
                  cluster: Any = None):

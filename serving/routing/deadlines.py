@@ -1,42 +1,12 @@
 """Deadlines on every engine call a client waits for, and the engines that missed one (suspected hung).
 
-Every wait is derived from the work it waits for (RouterConfig fields), at the rates placement
-predicts with: the engine's own, as it published them to every router (`serving.routing.rates`;
-this router keeps no second estimate of them):
-
-  a prefill call          floor + margin x prefill(engine, prompt tokens, queued)
-  a stream's first chunk  floor + margin x prefill(engine, tokens)
-                          (+ transfer.read_timeout_s when the decode engine pulls the KV first;
-                          tokens: the prompt, plus what was streamed for a migrated stream)
-  every later chunk       max(token_timeout_s, margin x step(engine))
-
-  floor = deadline_floor_s, margin = deadline_margin;
-  prefill(engine, tokens, queued): `RateEstimator.prefill_s`: the queue ahead (the larger of this
-  router's own and the engine's published one) and the tokens at the engine's prefill rate, its
-  chunked steps at its step time, plus this router's hop to it (its one local correction);
-  step(engine): one decode step at the batch the engine published.
-
-A deadline is missed only when the engine shows no progress (busy is not hung): when a wait's
-time is up but this router heard from the same incarnation (any call on it returned) within the
-last `token_timeout_s`, the wait goes on until that engine has been silent for `token_timeout_s`,
-at most `deadline_margin` x its deadline in all. A frozen engine is still found one token timeout
-after its last output; a busy one (20 prompts queued on a prefill engine, a decode engine taking
-the streams of a failed one) is not failed, its clients are not migrated, nothing cascades.
-
-An engine incarnation that misses a deadline is suspected hung, once:
-
-  - every other wait of this router on that incarnation ends now (`EngineHung`): its streams
-    migrate at once instead of each waiting out its own deadline;
-  - it gets no new work from this router until the directory lists another incarnation of it
-    (the coordinator killed it and Ray restarted it) or `hung_engine_hold_s` passed (the
-    coordinator probed it and found it alive);
-  - the coordinator hears of it (`report`, fire and forget). The coordinator is the one that
-    decides: it pings the engine with a timeout and, when that times out too, evicts the
-    incarnation (its pairs' breakers open) and kills it so that Ray restarts it.
-
-Deadline misses are counted per (engine, call) (`raypd_deadline_misses_total`), waits that went
-on because the engine was busy per (engine, call) too (`extended`). Pure asyncio; `asyncio.timeout`
-(no task per wait), so a wait on the token path costs one timer.
+Every wait is derived from the work it waits for, at the rates placement predicts with (the
+engine's own, `serving.routing.rates`). Invariants: busy is not hung (a wait whose time is up goes
+on while the same incarnation shows progress, up to `deadline_margin` x its deadline); an
+incarnation that misses a deadline is suspected once: this router's other waits on it end, it gets
+no new work until another incarnation is listed or `hung_engine_hold_s` passed, and the
+coordinator, the one that decides, hears of it. Pure asyncio, one timer per wait. The formulas and
+the rules: `EngineDeadlines`.
 """
 
 from __future__ import annotations
@@ -49,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from serving.config import RouterConfig
-from serving.routing.errors import EngineUnavailable
+from serving.routing.route_errors import EngineUnavailable
 from serving.routing.rates import RateEstimator
 
 logger = logging.getLogger("raypd.router")
@@ -81,6 +51,45 @@ class _Wait:
 
 
 class EngineDeadlines:
+    """Every wait is derived from the work it waits for (RouterConfig fields), at the rates placement
+    predicts with: the engine's own, as it published them to every router (`serving.routing.rates`;
+    this router keeps no second estimate of them):
+
+      a prefill call          floor + margin x prefill(engine, prompt tokens, queued)
+      a stream's first chunk  floor + margin x prefill(engine, tokens)
+                              (+ transfer.read_timeout_s when the decode engine pulls the KV first;
+                              tokens: the prompt, plus what was streamed for a migrated stream)
+      every later chunk       max(token_timeout_s, margin x step(engine))
+
+      floor = deadline_floor_s, margin = deadline_margin;
+      prefill(engine, tokens, queued): `RateEstimator.prefill_s`: the queue ahead (the larger of this
+      router's own and the engine's published one) and the tokens at the engine's prefill rate, its
+      chunked steps at its step time, plus this router's hop to it (its one local correction);
+      step(engine): one decode step at the batch the engine published.
+
+    A deadline is missed only when the engine shows no progress (busy is not hung): when a wait's
+    time is up but this router heard from the same incarnation (any call on it returned) within the
+    last `token_timeout_s`, the wait goes on until that engine has been silent for `token_timeout_s`,
+    at most `deadline_margin` x its deadline in all. A frozen engine is still found one token timeout
+    after its last output; a busy one (20 prompts queued on a prefill engine, a decode engine taking
+    the streams of a failed one) is not failed, its clients are not migrated, nothing cascades.
+
+    An engine incarnation that misses a deadline is suspected hung, once:
+
+      - every other wait of this router on that incarnation ends now (`EngineHung`): its streams
+        migrate at once instead of each waiting out its own deadline;
+      - it gets no new work from this router until the directory lists another incarnation of it
+        (the coordinator killed it and Ray restarted it) or `hung_engine_hold_s` passed (the
+        coordinator probed it and found it alive);
+      - the coordinator hears of it (`report`, fire and forget). The coordinator is the one that
+        decides: it pings the engine with a timeout and, when that times out too, evicts the
+        incarnation (its pairs' breakers open) and kills it so that Ray restarts it.
+
+    Deadline misses are counted per (engine, call) (`raypd_deadline_misses_total`), waits that went
+    on because the engine was busy per (engine, call) too (`extended`). Pure asyncio; `asyncio.timeout`
+    (no task per wait), so a wait on the token path costs one timer.
+    """
+
     def __init__(self, config: RouterConfig | None = None, pull_timeout_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, report: Report | None = None,
                  rates: RateEstimator | None = None):

@@ -1,23 +1,10 @@
 """The router's cached view of the directory (the coordinator): which engines serve, which pairs route.
 
-Life cycle of the view:
-
-  first lookup   waits for the directory once (`waits` counts every lookup that
-                 waited: the first, and those that asked for it with `force`);
-  fresh          served as is for `ttl_s`;
-  expired        served as is while one refresh runs in the background, so no
-                 request pays the coordinator's round trip on its way to the
-                 first token; the directory answers a current copy with nothing
-                 (`Directory.routes` may return the same table again);
-  invalidated    an outcome that may move a breaker was reported
-                 (`invalidate()`): a refresh starts in the background at once
-                 (and again after it, if one was already out); requests keep
-                 the last view meanwhile: a stale breaker costs a retry at
-                 worst, never a wrong answer;
-  settling       a restarted coordinator whose engines are still registering
-                 again: engines it does not list yet are kept from the last view;
-  unreachable    the last view is kept (an empty one before any), the error is
-                 shown in readiness and status.
+Invariants: after the first lookup no request pays the coordinator's round trip on its way to the
+first token (an expired view is served while one refresh runs in the background); an invalidated
+view refreshes at once in the background and a stale breaker costs a retry at worst, never a wrong
+answer; a coordinator that is unreachable, or restarted and still settling, leaves the last view in
+place (the error shows in readiness and status). The life cycle of the view: `DirectoryView`.
 """
 
 from __future__ import annotations
@@ -50,6 +37,26 @@ class Directory(Protocol):
 
 
 class DirectoryView:
+    """Life cycle of the view:
+
+      first lookup   waits for the directory once (`waits` counts every lookup that
+                     waited: the first, and those that asked for it with `force`);
+      fresh          served as is for `ttl_s`;
+      expired        served as is while one refresh runs in the background, so no
+                     request pays the coordinator's round trip on its way to the
+                     first token; the directory answers a current copy with nothing
+                     (`Directory.routes` may return the same table again);
+      invalidated    an outcome that may move a breaker was reported
+                     (`invalidate()`): a refresh starts in the background at once
+                     (and again after it, if one was already out); requests keep
+                     the last view meanwhile: a stale breaker costs a retry at
+                     worst, never a wrong answer;
+      settling       a restarted coordinator whose engines are still registering
+                     again: engines it does not list yet are kept from the last view;
+      unreachable    the last view is kept (an empty one before any), the error is
+                     shown in readiness and status.
+    """
+
     def __init__(self, directory: Directory, ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  on_refresh: Callable[[RouteTable], None] | None = None):
         self.directory = directory
@@ -66,7 +73,7 @@ class DirectoryView:
         self._raw: RouteTable | None = None  # the directory's last answer, as it came
 
     async def routes(self, force: bool = False) -> RouteTable:
-        """The view (see the module docstring); `force` waits for a fresh one."""
+        """The view (see the class docstring); `force` waits for a fresh one."""
         if force or self.table is None:
             self.waits += 1
             self._stale = False

@@ -4,7 +4,7 @@ Both are a `Placer` (one request's `RoutePlan` from the live decode engines and 
 prefix caches hold); `placer_for` is the one place the placement is chosen, and the
 `RoutePlanner` (`serving.routing.planner`) holds the placer it returns:
 
-  `SloPlacer`           placement "slo" (the default): the SLO model (`serving.routing.placement`)
+  `SloPlacer`           placement "slo" (the default): the SLO model (`serving.routing.slo_model`)
                         predicts every allowed option's TTFT and the stall it imposes and picks
                         the one that keeps TTFT and ITL within their targets at the least cost,
                         colocated (local) or disaggregated (remote);
@@ -18,11 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from actors.protocol import EngineRequest
+from actors.protocol.request import EngineRequest
 from actors.routes import RouteTable
 from serving.placement_config import PlacementConfig
-from serving.routing.placement import EngineEstimate, Placement, place
-from serving.routing.policy import Candidate, DisaggDecision, ScoreSettings, best, select
+from serving.routing.slo_model import EngineEstimate, Placement, place
+from serving.routing.decisions import Decision, DecisionReason, DisaggDecision
+from serving.routing.policy import Candidate, ScoreSettings, best, select
 from serving.routing.pool import EnginePool
 from serving.routing.shortlist import PrefillShortlist, shortlist
 
@@ -130,14 +131,14 @@ class SloPlacer:
                        answer_tokens=req.max_tokens)
         if chosen is None:  # decode engines that may not prefill and no prefill engine: refused
             d = live[0]
-            return RoutePlan(d, (), DisaggDecision("reject", "no_prefill_engine"), cached.get(d, 0))
+            return RoutePlan(d, (), DisaggDecision(Decision.REJECT, DecisionReason.NO_PREFILL_ENGINE), cached.get(d, 0))
         d = chosen.option.decode_id
         others = [p.option.prefill_id for p in chosen.predictions
                   if p.option.decode_id == d and p.option.prefill_id not in (None, chosen.option.prefill_id)]
-        _, _, why = chosen.reason.partition("/")
         if chosen.option.prefill_id is None:
-            return RoutePlan(d, tuple(others), DisaggDecision("local", why), cached.get(d, 0), chosen)
-        return RoutePlan(d, (chosen.option.prefill_id, *others), DisaggDecision("remote", why), cached.get(d, 0),
+            return RoutePlan(d, tuple(others), DisaggDecision(Decision.LOCAL, chosen.why), cached.get(d, 0), chosen)
+        return RoutePlan(d, (chosen.option.prefill_id, *others), DisaggDecision(Decision.REMOTE, chosen.why),
+                         cached.get(d, 0),
                          chosen)
 
 

@@ -1,40 +1,22 @@
 """Where one request goes: the decode engine, its prefill engines in order, and colocated or disaggregated.
 
-Per request (`RoutePlanner.plan`, called once by `Router.open`):
-
-  1. the router's copy of the prefix index (`PrefixCacheView`, cache-aware
-     policy only) is refreshed in the background when older than
-     `index_refresh_s`; a request never waits for it (a stale copy costs a
-     cache miss at worst, never a wrong answer);
-  2. candidates: the live decode-capable engines (role decode or both) with the
-     prompt tokens each one's prefix cache holds; for each, its usable prefill
-     engines (role prefill or both, compatible, breaker not open);
-  3. placement: the `Placer` that `router.placement` names (`serving.routing.placers`,
-     chosen once, by `placer_for`, when the planner is built):
-       slo          (default, `SloPlacer`) `serving.routing.placement` predicts every
-                    allowed option's TTFT and the stall it imposes (queued prefill work
-                    at each engine's own published rate, its decode streams, the chunked-
-                    prefill budget, the pair's pull) and picks the one that keeps
-                    TTFT and ITL within their targets at the least cost;
-       disaggregate (`DisaggregatePlacer`) every request is prefilled on a prefill
-                    engine when one is usable (`serving.routing.policy` scores the engines);
-  4. the decision is counted by (decision, reason), exported as
-     `raypd_disagg_decisions_total{decision,reason}`.
-
-Migration (`choose_decode`) goes through the same placer as a first placement (`Placer.continuation`). At cluster size the
-SLO model sees a shortlist (`serving.routing.shortlist`): the least loaded engines and those holding
-most of the prompt.
+`RoutePlanner.plan` (called once by `Router.open`) lists the candidates (live decode-capable engines
+with the prompt tokens each one's prefix cache holds, and their usable prefill engines) and asks the
+`Placer` that `router.placement` names (`serving.routing.placers`: the SLO model by default); every
+decision is counted by (decision, reason) (`raypd_disagg_decisions_total`). Invariant: a request
+never waits for the prefix index (its copy is refreshed in the background; a stale copy costs a
+cache miss at worst, never a wrong answer). Migration (`choose_decode`) goes through the same
+placer. The steps of one plan: `RoutePlanner`.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
-from actors.protocol import EngineRequest
+from actors.protocol.request import EngineRequest
 from actors.routes import RouteTable
 from serving.config import RouterConfig
-from serving.routing.placement import EngineEstimate
+from serving.routing.slo_model import EngineEstimate
 from serving.routing.placers import EngineEstimates, Placer, RoutePlan, placer_for
 from serving.routing.policy import ScoreSettings
 from serving.routing.pool import EnginePool
@@ -43,6 +25,32 @@ from serving.routing.status import PlannerSnapshot
 
 
 class RoutePlanner:
+    """Per request (`RoutePlanner.plan`, called once by `Router.open`):
+
+      1. the router's copy of the prefix index (`PrefixCacheView`, cache-aware
+         policy only) is refreshed in the background when older than
+         `index_refresh_s`; a request never waits for it (a stale copy costs a
+         cache miss at worst, never a wrong answer);
+      2. candidates: the live decode-capable engines (role decode or both) with the
+         prompt tokens each one's prefix cache holds; for each, its usable prefill
+         engines (role prefill or both, compatible, breaker not open);
+      3. placement: the `Placer` that `router.placement` names (`serving.routing.placers`,
+         chosen once, by `placer_for`, when the planner is built):
+           slo          (default, `SloPlacer`) `serving.routing.slo_model` predicts every
+                        allowed option's TTFT and the stall it imposes (queued prefill work
+                        at each engine's own published rate, its decode streams, the chunked-
+                        prefill budget, the pair's pull) and picks the one that keeps
+                        TTFT and ITL within their targets at the least cost;
+           disaggregate (`DisaggregatePlacer`) every request is prefilled on a prefill
+                        engine when one is usable (`serving.routing.policy` scores the engines);
+      4. the decision is counted by (decision, reason), exported as
+         `raypd_disagg_decisions_total{decision,reason}`.
+
+    Migration (`choose_decode`) goes through the same placer as a first placement (`Placer.continuation`). At cluster size the
+    SLO model sees a shortlist (`serving.routing.shortlist`): the least loaded engines and those holding
+    most of the prompt.
+    """
+
     def __init__(self, settings: ScoreSettings, view: PrefixCacheView | None = None, fallback_local: bool = True,
                  config: RouterConfig | None = None, chunk_budgets: dict[str, int] | None = None):
         self.settings, self.view, self.fallback_local = settings, view, fallback_local
@@ -73,10 +81,6 @@ class RoutePlanner:
     def estimate(self, pool: EnginePool, engine_id: str, cached_tokens: int = 0) -> EngineEstimate:
         """One engine as the SLO model sees it: its own published rates and queues, and this router's load there."""
         return self.estimates.of(pool, engine_id, cached_tokens)
-
-    def steps_for(self, pool: EnginePool, engine_id: str, tokens: int) -> int:
-        """Engine steps a prefill of `tokens` takes there (its chunked-prefill budget)."""
-        return max(1, math.ceil(tokens / self.estimate(pool, engine_id).chunk_budget_tokens))
 
     def choose_decode(self, pool: EnginePool, req: EngineRequest, routes: RouteTable, turn: int,
                       exclude: set[str] = frozenset()) -> str | None:

@@ -1,35 +1,24 @@
 """Engine scores and the per-request choice between remote and local prefill (pure).
 
-Scores (lower is better), in tokens of work:
+Scores (lower is better), in tokens of work (`cost`):
 
   decode engine   cost(d) = cache_weight * (prompt - cached_d) + outstanding_d
   prefill engine  cost(p) = cache_weight * (prompt - cached_p) + queued_p
 
-`cached_x` is the prompt prefix whose KV blocks engine x holds (the prefix index,
-fed by the engines' own KV events), `outstanding_d` the tokens a decode engine
-still owes (this router's charges: prompt estimate + max_tokens, paid back as
-tokens stream), `queued_p` the prompt tokens in flight on a prefill engine.
-`cache_weight` says what one prompt token still to compute is worth against one
-token of queued work: 0 routes by load alone, large values follow the cache
-even onto busy engines. Ties go to fewer requests, then round robin. With
-`policy: least_outstanding` nothing is cached as far as scoring knows.
-
-With `router.placement: disaggregate` (`decide_prefill`): remote prefill on the
-best usable prefill engine whenever there is one (`uncached_prompt`); without one
-the decode engine prefills itself, or the request is refused when the fallback is
-`reject` (`no_prefill_engine`). The default placement (`slo`) decides with the
-SLO model instead (`serving.routing.placement`) and uses these scores only to
-pick a migrated stream's decode engine.
-
-Every decision is counted by the router with its reason
-(`raypd_disagg_decisions_total{decision,reason}`).
+`cache_weight` is what one prompt token still to compute is worth against one token of queued work
+(0 routes by load alone); ties go to fewer requests, then round robin. With `router.placement:
+disaggregate` (`decide_prefill`) a request is prefilled remotely whenever a usable prefill engine
+exists; the default placement (`slo`) decides with the SLO model and uses these scores only to pick
+a migrated stream's decode engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
+
+from serving.routing.decisions import Decision, DecisionReason, DisaggDecision
 
 
 class Candidate(NamedTuple):  # built per engine per request: a NamedTuple is the cheapest typed record
@@ -63,21 +52,11 @@ def best(candidates: Sequence[Candidate], prompt_tokens: int, cache_weight: floa
                for i, c in enumerate(candidates))[1]
 
 
-@dataclass(frozen=True)
-class DisaggDecision:
-    decision: Literal["remote", "local", "reject"]
-    reason: str
-
-    @property
-    def remote(self) -> bool:
-        return self.decision == "remote"
-
-
 def decide_prefill(prefill: Candidate | None, fallback_local: bool = True) -> DisaggDecision:
     """Remote prefill whenever a usable prefill engine exists (placement `disaggregate`)."""
     if prefill is None:
-        return DisaggDecision("local" if fallback_local else "reject", "no_prefill_engine")
-    return DisaggDecision("remote", "uncached_prompt")
+        return DisaggDecision(Decision.LOCAL if fallback_local else Decision.REJECT, DecisionReason.NO_PREFILL_ENGINE)
+    return DisaggDecision(Decision.REMOTE, DecisionReason.UNCACHED_PROMPT)
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,11 @@
 """The router's engines: the one owner of their clients, the work charged to them and the counters.
 
-Per engine it keeps the client (`EngineClient`: a Ray actor handle behind a small
-interface, a fake in unit tests) and the `Load` this router sent there; per pool
-the counters routing reports (requests, retries, fallbacks, migrations, transfer
-and prefill failures) and the engines' last stats. Everything else reads it:
-
-  membership  `sync(routes)` adopts engines the directory lists that the pool has
-              no client for (scaled up, recreated), and forgets departed ones
-              once nothing of ours runs there and their actor is gone;
-  selection   `live_decodes` / `usable_prefills` intersect the directory's view
-              with the engines the pool knows, least loaded first, leaving out the
-              incarnations that missed a deadline (`deadlines`, suspected hung);
-  charges     `charge_decode` opens a `DecodeCharge` (paid back as tokens stream);
-              `prefilling` counts a prefill's prompt tokens on the engine running it
-              (a prefill engine's, or a decode engine's own local prefill);
-  rates       `rates` reads each engine's prefill rate, step time and queues as the
-              engine published them (every router the same: adopted with each table in
-              `sync`), and keeps what only this router sees: its hop to each engine and
-              each pair's pull (`serving.routing.rates`); the deadlines read the same;
-  cleanup     `abort_decode`, `abort_prefill`, `close_gen` run in the background
-              (safe from a cancelled task); `drain()` waits for them.
+Per engine it keeps the client (`EngineClient`: a Ray actor handle behind a small interface, a fake
+in unit tests) and the `Load` this router sent there; per pool the counters routing reports
+(`RouterCounter`, fallbacks, migrations, transfer and prefill failures) and the engines' last stats.
+Invariants: selection leaves out incarnations suspected hung; a departed engine is forgotten only
+once nothing of ours runs there and its actor is gone; aborts and closes run in the background (safe
+from a cancelled task). What it offers the rest of routing: `EnginePool`.
 """
 
 from __future__ import annotations
@@ -31,11 +17,14 @@ import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence, Set as AbstractSet
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol
 
-from actors.protocol import EngineRequest, EngineStats, PrefillResult, TokenChunk
+from actors.protocol.request import EngineRequest, PrefillResult, TokenChunk
+from actors.protocol.stats import EngineStats
 from actors.routes import RouteTable
 from serving.routing.deadlines import EngineDeadlines
+from serving.routing.decisions import FallbackReason
 from serving.routing.rates import RateEstimator
 
 logger = logging.getLogger("raypd.router")
@@ -120,7 +109,38 @@ class DecodeCharge:
             self.load.requests = max(0, self.load.requests - 1)
 
 
+class RouterCounter(StrEnum):
+    """What `EnginePool.counters` counts; the values are `raypd status`'s and `/metrics`' names."""
+
+    REQUESTS = "requests"
+    REJECTED_NO_DECODE = "rejected_no_decode"
+    REJECTED_NO_PREFILL = "rejected_no_prefill"
+    PREFILL_RETRIES = "prefill_retries"
+    RECOMPUTED = "recomputed"
+    MIGRATION_FAILED = "migration_failed"
+    ABORTED = "aborted"
+
+
 class EnginePool:
+    """What the rest of routing reads of it:
+
+      membership  `sync(routes)` adopts engines the directory lists that the pool has
+                  no client for (scaled up, recreated), and forgets departed ones
+                  once nothing of ours runs there and their actor is gone;
+      selection   `live_decodes` / `usable_prefills` intersect the directory's view
+                  with the engines the pool knows, least loaded first, leaving out the
+                  incarnations that missed a deadline (`deadlines`, suspected hung);
+      charges     `charge_decode` opens a `DecodeCharge` (paid back as tokens stream);
+                  `prefilling` counts a prefill's prompt tokens on the engine running it
+                  (a prefill engine's, or a decode engine's own local prefill);
+      rates       `rates` reads each engine's prefill rate, step time and queues as the
+                  engine published them (every router the same: adopted with each table in
+                  `sync`), and keeps what only this router sees: its hop to each engine and
+                  each pair's pull (`serving.routing.rates`); the deadlines read the same;
+      cleanup     `abort_decode`, `abort_prefill`, `close_gen` run in the background
+                  (safe from a cancelled task); `drain()` waits for them.
+    """
+
     def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
                  resolve_engine: Callable[[str], EngineClient | None] | None = None,
                  rates: RateEstimator | None = None, deadlines: EngineDeadlines | None = None):
@@ -131,8 +151,8 @@ class EnginePool:
         self.resolve_engine = resolve_engine
         self.decode_load: dict[str, Load] = {d: Load() for d in self.decodes}
         self.prefill_load: dict[str, Load] = {p: Load() for p in self.prefills}
-        self.counters: Counter[str] = Counter()  # requests, retries, aborted, recomputed...
-        self.fallbacks: Counter[str] = Counter()  # reason -> count
+        self.counters: Counter[RouterCounter] = Counter()
+        self.fallbacks: Counter[FallbackReason] = Counter()
         self.migrations: Counter[str] = Counter()  # reason -> streams moved to another decode engine
         self.transfer_failures: Counter[tuple[str, str]] = Counter()  # (decode, prefill), as observed
         self.prefill_failures: Counter[str] = Counter()  # prefill id

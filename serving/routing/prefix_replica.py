@@ -1,33 +1,15 @@
 """A router's replica of the prefix index, inverted for lookups: block hash -> the engines holding it.
 
-The owner (`actors.control.prefix_index.PrefixIndex`, in the coordinator) keeps each engine's
-blocks in LRU order to cap them; a router only asks "how many leading blocks of this prompt does
-each engine hold", so its copy keeps one entry per distinct block: the hash and a bitmask of the
-engines that hold it (bit i = the engine with index i). A block many engines cache (a shared
-system prompt) is stored once.
-
-Life cycle of an engine in the replica:
-
-  stored    a "store" op sets the engine's bit on each hash (an engine whose hash scheme
-            changed starts over);
-  removed   a "remove" op clears it (a hash nobody holds any more is dropped);
-  cleared   a "clear" op (the engine died, restarted, or its relay lost events) clears its
-            bit everywhere, O(distinct blocks): rare; its bit index is reused.
-
-A router's own placements (llm-d's approximate prefix scoring): `note_held(engine, tokens, now)`
-claims the prompt's blocks for the engine it just routed them to, at once, before its KV events
-arrive; the claim lives beside the owner's entries for `claim_ttl_s` (the events confirm it long
-before), a "remove" or "clear" of the engine drops it (an eviction wins), a full snapshot too.
-
-Cost: applying an op is O(its hashes); a lookup is O(leading blocks held by anyone + the
-engines holding them), never O(engines x blocks), and the prompt is hashed only as far as
-some engine holds it. One routing decision looks a prompt up and claims it for one or two
-engines: the last prompt's hashes are kept per scheme (`PromptHashes`), so it is hashed once
-(sha256 per block was a fifth of a decision's CPU at 256 engines). The per-block maps are split
-into `SHARDS` dicts by the hash's low bits: a dict that outgrows its table (or fills with deleted
-slots, as blocks churn) rebuilds the whole table in one go, page faults included, and at 256 engines
-(131k blocks) one rebuild held the router's event loop for 13 ms idle and 80-97 ms with the coordinator
-busy (benchmarks/control_plane.py); a shard's rebuild is 1/64 of that. Pure Python: no Ray, no vLLM.
+The owner (`actors.control.prefix_index.PrefixIndex`) keeps each engine's blocks in LRU order; a
+router only asks how many leading blocks of a prompt each engine holds, so its copy keeps one entry
+per distinct block: the hash and a bitmask of the engines holding it (a shared system prompt is
+stored once). Ops: "store" sets an engine's bit, "remove" clears it (a hash nobody holds is
+dropped), "clear" (the engine died, restarted or lost events) clears its bit everywhere.
+A router's own placements are claimed at once (`note_held`, llm-d's approximate prefix scoring) and
+live for `claim_ttl_s` or until a "remove"/"clear" of the engine. An op costs O(its hashes), a
+lookup O(leading blocks held + their engines); a prompt is hashed once per scheme (`PromptHashes`);
+the maps are split into `SHARDS` dicts so a dict's rebuild holds the event loop for a fraction of the
+whole (docs/benchmarks.md). Pure Python: no Ray, no vLLM.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ class PrefixCacheView:
     def __init__(self, fetch: Callable[[IndexCursor | None], Awaitable[IndexUpdate]], refresh_s: float = 0.1,
                  clock: Callable[[], float] = time.monotonic, slice_hashes: int = 500):
         self.fetch, self.refresh_s, self.clock = fetch, refresh_s, clock
-        # block hashes applied between two turns of the event loop: ~0.5 us each at 256 engines
-        # (control_plane.py), so a request arriving meanwhile waits at most ~0.25 ms (4000: ~2 ms)
+        # block hashes applied between two turns of the event loop: bounds how long a request
+        # arriving meanwhile waits (docs/benchmarks.md, control plane)
         self.slice_hashes = slice_hashes
         self.index = PrefixReplica()  # mirrors the owner's evictions
         self.upkeep_s = 0.0  # time spent applying updates to the copy (the event loop's, in slices)

@@ -2,23 +2,10 @@
 
 A pair whose breaker is half-open takes one probe request, granted once cluster-wide by the
 coordinator's ledger (`Directory.admit_probe`); the probe's outcome closes or reopens the breaker.
-Asking is a coordinator round trip, and a busy coordinator answers in hundreds of ms
-(benchmarks/control_plane.py at 256 engines with KV events): a request must not wait for it while a
-closed pair can serve it. Life cycle of one pair's probe in this router:
-
-  1. asked      a request ranked the half-open pair ahead of the closed one it then took:
-                `ask_later` asks the ledger in a task of its own (one ask per pair at a time);
-  2. held       granted: the grant is held for `hold_s`, well within the ledger's probe window
-                (after which the ledger grants the probe to the next caller, here or elsewhere);
-  3. carried    the next request ranked to that pair takes the grant (`take`) and runs there;
-  4. lapsed     no request came within `hold_s`: the grant is dropped, and the ledger's window
-                lets another caller probe later.
-
-A refused ask (another router holds the probe) or one left unanswered is not repeated for `hold_s`:
-the ledger would refuse again within its window, and each ask is a call on a busy coordinator.
-
-A request with no closed pair to take waits for the probe itself (`ask_now`, within its deadline,
-joining an ask already out), as there is nothing else it could do first.
+Asking is a coordinator round trip, slow on a busy coordinator (docs/benchmarks.md, control plane).
+Invariants: a request never waits for an ask while a closed pair can serve it (the ask runs in a
+task of its own and its grant is held for the next request); a refused or unanswered ask is not
+repeated for `hold_s`. The life cycle of one pair's probe: `ProbeGrants`.
 """
 
 from __future__ import annotations
@@ -34,6 +21,21 @@ Pair = tuple[str, str]  # (decode engine, prefill engine)
 
 
 class ProbeGrants:
+    """1. asked      a request ranked the half-open pair ahead of the closed one it then took:
+                    `ask_later` asks the ledger in a task of its own (one ask per pair at a time);
+      2. held       granted: the grant is held for `hold_s`, well within the ledger's probe window
+                    (after which the ledger grants the probe to the next caller, here or elsewhere);
+      3. carried    the next request ranked to that pair takes the grant (`take`) and runs there;
+      4. lapsed     no request came within `hold_s`: the grant is dropped, and the ledger's window
+                    lets another caller probe later.
+
+    A refused ask (another router holds the probe) or one left unanswered is not repeated for `hold_s`:
+    the ledger would refuse again within its window, and each ask is a call on a busy coordinator.
+
+    A request with no closed pair to take waits for the probe itself (`ask_now`, within its deadline,
+    joining an ask already out), as there is nothing else it could do first.
+    """
+
     def __init__(self, ask: Callable[[str, str], Awaitable[bool]], timeout_s: float, hold_s: float,
                  clock: Callable[[], float]):
         self.ask = ask  # the ledger's admit_probe

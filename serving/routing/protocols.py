@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from actors.protocol import EngineRequest, TokenChunk
+from actors.protocol.request import EngineRequest, TokenChunk
 from serving.routing.pool import EngineStatus
 from serving.routing.status import Readiness, RouterSnapshot
 from serving.routing.stream import Route
@@ -26,7 +26,7 @@ class TokenStream(Protocol):
     """A routed request's token chunks: iterate them, close the stream when done (aborts it if unfinished)."""
 
     route: Route  # how it is served (its `path`: pd | local | fallback | migrated labels the metrics)
-    first_stamps: tuple[tuple[str, float], ...]  # the first token's hops (`actors.protocol.Stamps`)
+    first_stamps: tuple[tuple[str, float], ...]  # the first token's hops (`actors.protocol.request.Stamps`)
     num_prompt_tokens: int
     num_generated: int
     num_cached_tokens: int | None  # prompt tokens found in a prefix cache (vLLM reports them; else None)
@@ -45,7 +45,7 @@ class RequestRouter(Protocol):
 
     async def open(self, req: EngineRequest) -> TokenStream:
         """Route `req`; its stream once the first chunk is known. Raises a
-        `serving.routing.errors.RoutingError` when no engine can serve it (nothing left running)."""
+        `serving.routing.route_errors.RoutingError` when no engine can serve it (nothing left running)."""
         ...
 
     async def readiness(self) -> Readiness:

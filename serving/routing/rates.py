@@ -1,27 +1,11 @@
 """The rates a router predicts with: every engine's own (one model, shared), its hop, each pair's pull.
 
-Engines (`rates`). The model `seconds = a * steps + b * steps * batch + c * prompt_tokens`
-(`actors.rates`) is fitted by each engine from what it serves (every router's requests, at its
-true batch and queue) and published with its queues through the coordinator's route table
-(`RouteTable.rates`, adopted with every table: `adopt`). A router does not fit engine rates
-itself: every router holding one table version reads the same numbers. An engine that published
-nothing measured yet (new, or not yet heard of) takes the pooled rates: the sample-weighted mean
-of the measured ones (a and b over `samples`, c over `prefill_samples`), or the config's priors
-while no engine measured anything; one that measured steps but no prefill takes the pooled c.
-
-Load (`estimate`, `prefill_s`). Queued prompt tokens, decode streams and the prompt tokens given
-per second are the larger of what this router has in flight there (exact, its own share) and
-what the engine published (every router's, as of its last publication): never counted twice,
-never below this router's own.
-
-Local correction (`hop_s`). The delay this router observes to an engine beyond the engine's own
-time: per first token, (router in - routed) - (engine out - engine in) of its stamps
-(`hop_of`), an exponential average per engine. It only adds that hop to this router's TTFT
-predictions and deadlines: it never moves the shared rates, and no other router sees it.
-
-KV pulls per pair (`transfer`): seconds = overhead + tokens / rate, fitted by this router from the
-first->second token gaps of its own streams (`observe_transfer`; a `RidgeFit` per pair, pooled
-over pairs as their prior).
+Invariants: a router does not fit engine rates itself (each engine fits `actors.rates`' model from
+what it serves and publishes it through the route table, so every router holding one table version
+reads the same numbers); load is the larger of this router's own share and the engine's published
+one (never counted twice); this router's hop to an engine only adds to its own predictions and
+deadlines; KV pulls are fitted per pair from this router's first->second token gaps. The parts one
+by one: `RateEstimator`.
 """
 
 from __future__ import annotations
@@ -31,10 +15,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from actors.protocol import Stamps
+from actors.protocol.request import Stamps
 from actors.rates import PAIR_FLOORS, EngineRates, RidgeFit
 from serving.placement_config import PlacementConfig
-from serving.routing.placement import EngineEstimate, Role, TransferEstimate
+from serving.routing.slo_model import EngineEstimate, Role, TransferEstimate
 
 HOP_ALPHA = 0.2  # weight of the newest hop sample
 
@@ -43,7 +27,7 @@ __all__ = ["EngineRates", "RateEstimator", "hop_of"]
 
 def hop_of(stamps: tuple[tuple[str, float], ...]) -> float | None:
     """This router's delay around one engine call: its own wait less the engine's time, from the first
-    token's stamps (`actors.protocol.Stamps`; each difference within one process); None without them."""
+    token's stamps (`actors.protocol.request.Stamps`; each difference within one process); None without them."""
     at = dict(stamps)
     try:
         hop = (at[Stamps.ROUTER_IN] - at[Stamps.ROUTED]) - (at[Stamps.ENGINE_OUT] - at[Stamps.ENGINE_IN])
@@ -53,6 +37,30 @@ def hop_of(stamps: tuple[tuple[str, float], ...]) -> float | None:
 
 
 class RateEstimator:
+    """Engines (`rates`). The model `seconds = a * steps + b * steps * batch + c * prompt_tokens`
+    (`actors.rates`) is fitted by each engine from what it serves (every router's requests, at its
+    true batch and queue) and published with its queues through the coordinator's route table
+    (`RouteTable.rates`, adopted with every table: `adopt`). A router does not fit engine rates
+    itself: every router holding one table version reads the same numbers. An engine that published
+    nothing measured yet (new, or not yet heard of) takes the pooled rates: the sample-weighted mean
+    of the measured ones (a and b over `samples`, c over `prefill_samples`), or the config's priors
+    while no engine measured anything; one that measured steps but no prefill takes the pooled c.
+
+    Load (`estimate`, `prefill_s`). Queued prompt tokens, decode streams and the prompt tokens given
+    per second are the larger of what this router has in flight there (exact, its own share) and
+    what the engine published (every router's, as of its last publication): never counted twice,
+    never below this router's own.
+
+    Local correction (`hop_s`). The delay this router observes to an engine beyond the engine's own
+    time: per first token, (router in - routed) - (engine out - engine in) of its stamps
+    (`hop_of`), an exponential average per engine. It only adds that hop to this router's TTFT
+    predictions and deadlines: it never moves the shared rates, and no other router sees it.
+
+    KV pulls per pair (`transfer`): seconds = overhead + tokens / rate, fitted by this router from the
+    first->second token gaps of its own streams (`observe_transfer`; a `RidgeFit` per pair, pooled
+    over pairs as their prior).
+    """
+
     def __init__(self, config: PlacementConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.config, self.clock = config or PlacementConfig(), clock
         c = self.config
@@ -145,7 +153,7 @@ class RateEstimator:
         self._pairs.setdefault((prefill_id, decode_id), self._pair_fit()).add((1.0, float(tokens)), seconds, now)
 
     def transfer(self, prefill_id: str, decode_id: str) -> TransferEstimate:
-        """The pair's pull estimate (a `placement.TransferOf`)."""
+        """The pair's pull estimate (a `slo_model.TransferOf`)."""
         now = self.clock()
         pooled = self._pooled_pair.solve(self._pair_prior, now)
         fit = self._pairs.get((prefill_id, decode_id))

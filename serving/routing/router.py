@@ -1,49 +1,13 @@
 """The P/D router: which decode engine, which prefill engine, and the handoff between them.
 
-Life cycle of one request (`Router.open`):
-
-  1. plan (`serving.routing.planner`): among the decode engines the directory
-     (the coordinator) lists as alive, the one with the lowest score (prompt
-     tokens its prefix cache lacks + tokens still owed by the requests this
-     router sent it; `serving.routing.policy`), its usable prefill engines
-     best first, and remote or local prefill (counted with its reason); the
-     decode engine is charged for the request until its stream ends (`DecodeCharge`);
-  2. remote attempts (a remote decision): the first of those prefill engines
-     the directory lists as usable with that decode engine (compatible, pair
-     breaker not open: the coordinator's ledger owns the breakers; a half-open
-     pair is used only if this router wins its one probe, asked in the background
-     while a closed pair can serve: `serving.routing.probes`) runs the prompt and returns a
-     `PrefillResult`: the first token, streamed to the client at once, and the
-     transfer params the decode engine pulls the KV with; the decode engine
-     continues from token two and applies the transfer failure policy itself.
-     A prefill that fails because of the engine is reported to the ledger and
-     retried once on another prefill engine (`prefill_retries`); one refused
-     because of the request is `InvalidRequest`, never retried, never reported;
-     the half-open probe (`admit_probe`, within `probe_timeout_s`) is the only
-     coordinator call a request may wait for, and only when half-open pairs are
-     all it has left: everything else is decided from the router's cached view
-     (`serving.routing.directory`), refreshed in the background;
-  3. local: a local decision (the uncached prompt is short, the prefill pool
-     is saturated), or no (more) usable prefill engine: the decode engine
-     prefills itself (`decode_local`) or the request is refused (`reject`);
-  4. the caller iterates the returned `RoutedStream`; if its decode engine
-     dies mid-stream, the stream migrates (`Migrator`: this router, with the
-     planner's decode choice) to another live decode engine (or the restarted
-     one, within `migration_wait_s`); closing it early (client disconnect)
-     aborts the request on the decode and on the prefill engine.
-
-Every engine call a client waits for has a deadline derived from its work
-(`serving.routing.deadlines`): a prefill, a stream's first chunk, each later
-chunk. An engine that misses one is treated as hung, like a dead one: the
-attempt fails over (another prefill engine, another decode engine, or the
-stream migrates), the engine gets no new work from this router, and the
-coordinator is told (it probes, evicts and restarts the engine). A request
-that no engine can take now is refused at once (`NoDecodeEngine`: 503).
-
-Pure asyncio: engines are `EngineClient`s (`serving.routing.pool`) and the
-coordinator a `Directory` (`serving.routing.directory`), so unit tests drive it
-with fakes; `serving.cluster.clients` adapts Ray actor handles. Routing errors
-are `serving.routing.errors`; the front maps them to HTTP statuses.
+A request is planned (`serving.routing.planner`), prefilled remotely with one retry on another
+prefill engine or locally (the fallback, or `reject`), and streamed as a `RoutedStream` that
+migrates when its decode engine dies. Invariants: every engine call a client waits for has a
+deadline (`serving.routing.deadlines`), and an engine that misses one is treated as hung; the only
+coordinator call a request may wait for is a half-open pair's probe, everything else comes from
+the router's cached view (`serving.routing.directory`). Pure asyncio: engines are `EngineClient`s
+and the coordinator a `Directory`, so unit tests drive it with fakes; routing errors are
+`serving.routing.route_errors`. The life cycle of one request: `Router`.
 """
 
 from __future__ import annotations
@@ -56,12 +20,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from actors.protocol import EngineRequest, PrefillResult, Stamps, TokenChunk
-from actors.routes import RouteTable
+from actors.protocol.request import EngineRequest, PrefillResult, Stamps, TokenChunk
+from actors.routes import BreakerState, RouteTable
 from serving.config import RouterConfig
 from serving.routing.deadlines import EngineDeadlines
+from serving.routing.decisions import Decision, DecisionReason, FallbackReason
 from serving.routing.directory import Directory, DirectoryView
-from serving.routing.errors import (
+from serving.routing.route_errors import (
     EngineFailed,
     EngineUnavailable,
     InvalidRequest,
@@ -71,7 +36,7 @@ from serving.routing.errors import (
 )
 from serving.routing.placers import RoutePlan
 from serving.routing.planner import RoutePlanner, planner_for
-from serving.routing.pool import DecodeCharge, EngineClient, EnginePool, EngineStatus
+from serving.routing.pool import DecodeCharge, EngineClient, EnginePool, EngineStatus, RouterCounter
 from serving.routing.probes import ProbeGrants
 from serving.routing.protocols import PoolStatusSource
 from serving.routing.rates import RateEstimator, hop_of
@@ -88,6 +53,52 @@ class PrefillTiming:
 
 
 class Router:
+    """Life cycle of one request (`Router.open`):
+
+      1. plan (`serving.routing.planner`): among the decode engines the directory
+         (the coordinator) lists as alive, the one with the lowest score (prompt
+         tokens its prefix cache lacks + tokens still owed by the requests this
+         router sent it; `serving.routing.policy`), its usable prefill engines
+         best first, and remote or local prefill (counted with its reason); the
+         decode engine is charged for the request until its stream ends (`DecodeCharge`);
+      2. remote attempts (a remote decision): the first of those prefill engines
+         the directory lists as usable with that decode engine (compatible, pair
+         breaker not open: the coordinator's ledger owns the breakers; a half-open
+         pair is used only if this router wins its one probe, asked in the background
+         while a closed pair can serve: `serving.routing.probes`) runs the prompt and returns a
+         `PrefillResult`: the first token, streamed to the client at once, and the
+         transfer params the decode engine pulls the KV with; the decode engine
+         continues from token two and applies the transfer failure policy itself.
+         A prefill that fails because of the engine is reported to the ledger and
+         retried once on another prefill engine (`prefill_retries`); one refused
+         because of the request is `InvalidRequest`, never retried, never reported;
+         the half-open probe (`admit_probe`, within `probe_timeout_s`) is the only
+         coordinator call a request may wait for, and only when half-open pairs are
+         all it has left: everything else is decided from the router's cached view
+         (`serving.routing.directory`), refreshed in the background;
+      3. local: a local decision (the uncached prompt is short, the prefill pool
+         is saturated), or no (more) usable prefill engine: the decode engine
+         prefills itself (`decode_local`) or the request is refused (`reject`);
+      4. the caller iterates the returned `RoutedStream`; if its decode engine
+         dies mid-stream, the stream migrates (`Migrator`: this router, with the
+         planner's decode choice) to another live decode engine (or the restarted
+         one, within `migration_wait_s`); closing it early (client disconnect)
+         aborts the request on the decode and on the prefill engine.
+
+    Every engine call a client waits for has a deadline derived from its work
+    (`serving.routing.deadlines`): a prefill, a stream's first chunk, each later
+    chunk. An engine that misses one is treated as hung, like a dead one: the
+    attempt fails over (another prefill engine, another decode engine, or the
+    stream migrates), the engine gets no new work from this router, and the
+    coordinator is told (it probes, evicts and restarts the engine). A request
+    that no engine can take now is refused at once (`NoDecodeEngine`: 503).
+
+    Pure asyncio: engines are `EngineClient`s (`serving.routing.pool`) and the
+    coordinator a `Directory` (`serving.routing.directory`), so unit tests drive it
+    with fakes; `serving.cluster.clients` adapts Ray actor handles. Routing errors
+    are `serving.routing.route_errors`; the front maps them to HTTP statuses.
+    """
+
     def __init__(self, prefills: dict[str, EngineClient], decodes: dict[str, EngineClient],
                  directory: Directory, config: RouterConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
@@ -111,7 +122,7 @@ class Router:
         self.probes = ProbeGrants(lambda d, p: self.directory.admit_probe(d, p), c.probe_timeout_s, c.probe_hold_s,
                                   clock)
         self._rr = itertools.count()
-        self._states: tuple[RouteTable | None, dict[str, dict[str, str]]] = (None, {})
+        self._states: tuple[RouteTable | None, dict[str, dict[str, BreakerState]]] = (None, {})
         # the pools' status (the autoscaler's, when one runs), asked with the engine stats and shown beside them
         self.pool_status_source = pool_status
         self.pool_status: object | None = None  # its last answer (None: no source, or it did not answer)
@@ -131,7 +142,7 @@ class Router:
         for p in ranked:
             if p not in states or p not in self.pool.prefills or p in exclude:
                 continue
-            if states[p] == "closed" or self.probes.take(decode_id, p):
+            if states[p] == BreakerState.CLOSED or self.probes.take(decode_id, p):
                 return p
             half_open.append(p)
             self.probes.ask_later(decode_id, p)
@@ -140,7 +151,7 @@ class Router:
                 return p
         return None
 
-    def _states_of(self, decode_id: str, routes: RouteTable) -> dict[str, str]:
+    def _states_of(self, decode_id: str, routes: RouteTable) -> dict[str, BreakerState]:
         """Prefill engine -> breaker state of the pair with `decode_id`, kept per table (not per request)."""
         if self._states[0] is not routes:
             self._states = (routes, {})
@@ -157,13 +168,13 @@ class Router:
         running on any engine in that case.
         """
         estimate = req.num_prompt_tokens  # the front tokenized the prompt: a real count
-        self.pool.counters["requests"] += 1
+        self.pool.counters[RouterCounter.REQUESTS] += 1
         routes = await self.routes()
         failed_decodes: set[str] = set()
         while True:
             plan = self.planner.plan(self.pool, req, routes, next(self._rr), failed_decodes)
             if plan is None:
-                self.pool.counters["rejected_no_decode"] += 1
+                self.pool.counters[RouterCounter.REJECTED_NO_DECODE] += 1
                 hung = self.deadlines.suspected_in(routes.generations)
                 raise NoDecodeEngine("no decode engine is available" + (
                     f" (missed their deadlines, treated as hung: {', '.join(sorted(hung))})" if hung else "") + (
@@ -194,7 +205,7 @@ class Router:
             tried.add(prefill_id)
             route.attempts += 1
             if route.attempts > 1:
-                self.pool.counters["prefill_retries"] += 1
+                self.pool.counters[RouterCounter.PREFILL_RETRIES] += 1
             engine_req = req.replace(request_id=self._attempt_id(req.request_id, route.attempts))
             route.prefill_id = prefill_id
             out = await self._prefill(route, engine_req, estimate)
@@ -205,12 +216,12 @@ class Router:
     async def _local(self, route: Route, req: EngineRequest, plan: RoutePlan, charge: DecodeCharge) -> RoutedStream:
         """The decode engine prefills itself: a local decision, or the fallback."""
         route.prefill_id = None
-        if plan.decision.decision == "local" and plan.decision.reason != "no_prefill_engine":
+        if plan.decision.decision == Decision.LOCAL and plan.decision.reason != DecisionReason.NO_PREFILL_ENGINE:
             route.path = "local"
         else:
-            reason = "prefill_failed" if route.failures else "no_prefill_engine"
+            reason = FallbackReason.PREFILL_FAILED if route.failures else FallbackReason.NO_PREFILL_ENGINE
             if self.config.no_prefill_fallback != "decode_local":
-                self.pool.counters["rejected_no_prefill"] += 1
+                self.pool.counters[RouterCounter.REJECTED_NO_PREFILL] += 1
                 why = "; ".join(route.failures) or "no compatible prefill engine with a closed breaker"
                 raise NoPrefillEngine(f"no prefill engine is available for decode engine {route.decode_id}: {why}")
             route.path = "fallback"
@@ -362,32 +373,9 @@ class Router:
     def readiness_of(self, routes: RouteTable | None) -> Readiness:
         """Readiness as a view of the directory says (`snapshot()` uses the cached one)."""
         routes = routes or RouteTable({})
-        live = self.pool.live_decodes(routes)
         hung = tuple(sorted(self.deadlines.suspected_in(routes.generations)))
-        pd_paths = {d: tuple(self.pool.usable_prefills(d, routes)) for d in live}
-        local_ok = bool(live) and (self.config.no_prefill_fallback == "decode_local" or not self.pool.prefills)
-        ready = any(pd_paths.values()) or local_ok
-        reason, code = None, "ok"
-        if not live and any(d in routes.decodes for d in hung):
-            reason, code = (f"no decode engine can take a request: {', '.join(hung)} missed their deadlines "
-                            "(treated as hung; the coordinator restarts them)"), "decode_engines_hung"
-        elif not live:
-            reason, code = "no decode engine is alive", "no_decode_engine"
-        elif not ready:
-            reason, code = ("no compatible prefill engine with a closed breaker, and the fallback is reject",
-                            "no_prefill_engine")
-        elif self.pool.prefills and not any(pd_paths.values()):
-            reason, code = self._pd_degraded(routes), "pd_degraded"
-        return Readiness(ready, reason, tuple(live), pd_paths, local_ok, self.view.error, code, hung)
-
-    def _pd_degraded(self, routes: RouteTable) -> str:
-        """Why no decode engine has a prefill engine to pull from (serving goes on colocated)."""
-        why = [f"breaker {b.prefill_id}->{b.decode_id} {b.state}" + (f" ({b.last_reason})" if b.last_reason else "")
-               for b in routes.breakers if b.state != "closed"]
-        why += [f"{p} not registered (dead or restarting)" for p in sorted(self.pool.prefills)
-                if p not in routes.generations]
-        return ("P/D degraded: no decode engine can pull from a prefill engine"
-                + (f" ({'; '.join(why)})" if why else "") + "; requests are prefilled on their decode engine")
+        return Readiness.of(self.pool, routes, hung, self.config.no_prefill_fallback == "decode_local",
+                            self.view.error)
 
     async def refresh_engine_stats(self, timeout_s: float = 2.0) -> dict[str, EngineStatus]:
         """Every engine's stats, and the routes (breakers) when the cached ones are old."""

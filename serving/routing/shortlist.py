@@ -1,6 +1,6 @@
 """The engines the SLO model is shown at cluster size: the least loaded and those holding most of the prompt.
 
-The SLO model (`serving.routing.placement`) predicts every option it is given, decode engines x
+The SLO model (`serving.routing.slo_model`) predicts every option it is given, decode engines x
 prefill engines; at cluster size `serving.routing.placers.SloPlacer` gives it the SHORTLIST least
 loaded engines and the SHORTLIST holding most of the prompt (per decode engine, of its prefill
 engines): 256 engines took 0.3 s per request unpruned, here O(decodes + prefills).

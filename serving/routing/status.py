@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from actors.routes import PairState, RouteTable
@@ -22,8 +23,15 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-# pd_degraded is ready (colocated serving goes on) with no P/D path; the others are not ready
-READINESS_CODES = ("ok", "pd_degraded", "no_decode_engine", "decode_engines_hung", "no_prefill_engine")
+class ReadinessCode(StrEnum):
+    """Why a router can or cannot place a request; the values are `raypd_ready`'s `reason` labels.
+    `PD_DEGRADED` is ready (colocated serving goes on) with no P/D path; the others but `OK` are not."""
+
+    OK = "ok"
+    PD_DEGRADED = "pd_degraded"
+    NO_DECODE_ENGINE = "no_decode_engine"
+    DECODE_ENGINES_HUNG = "decode_engines_hung"
+    NO_PREFILL_ENGINE = "no_prefill_engine"
 
 
 @dataclass(frozen=True)
@@ -36,9 +44,40 @@ class Readiness:
     pd_paths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # decode -> usable prefill engines
     decode_local: bool = False  # decode engines may prefill themselves
     directory_error: str | None = None
-    # as a label: ok | pd_degraded (ready, colocated only) | no_decode_engine | decode_engines_hung | no_prefill_engine
-    code: str = "ok"
+    code: ReadinessCode = ReadinessCode.OK
     hung: tuple[str, ...] = ()  # engines held back: they missed a deadline (serving/routing/deadlines.py)
+
+    @classmethod
+    def of(cls, pool: EnginePool, routes: RouteTable, hung: tuple[str, ...], decode_local: bool,
+           directory_error: str | None) -> "Readiness":
+        """What `routes` allow now: live decode engines, their usable prefill engines, or a local
+        prefill (`decode_local`: the fallback allows it, or there are no prefill engines)."""
+        live = pool.live_decodes(routes)
+        pd_paths = {d: tuple(pool.usable_prefills(d, routes)) for d in live}
+        local_ok = bool(live) and (decode_local or not pool.prefills)
+        ready = any(pd_paths.values()) or local_ok
+        reason, code = None, ReadinessCode.OK
+        if not live and any(d in routes.decodes for d in hung):
+            reason, code = (f"no decode engine can take a request: {', '.join(hung)} missed their deadlines "
+                            "(treated as hung; the coordinator restarts them)"), ReadinessCode.DECODE_ENGINES_HUNG
+        elif not live:
+            reason, code = "no decode engine is alive", ReadinessCode.NO_DECODE_ENGINE
+        elif not ready:
+            reason, code = ("no compatible prefill engine with a closed breaker, and the fallback is reject",
+                            ReadinessCode.NO_PREFILL_ENGINE)
+        elif pool.prefills and not any(pd_paths.values()):
+            reason, code = cls._pd_degraded(pool, routes), ReadinessCode.PD_DEGRADED
+        return cls(ready, reason, tuple(live), pd_paths, local_ok, directory_error, code, hung)
+
+    @staticmethod
+    def _pd_degraded(pool: EnginePool, routes: RouteTable) -> str:
+        """Why no decode engine has a prefill engine to pull from (serving goes on colocated)."""
+        why = [f"breaker {b.prefill_id}->{b.decode_id} {b.state}" + (f" ({b.last_reason})" if b.last_reason else "")
+               for b in routes.breakers if b.state != "closed"]
+        why += [f"{p} not registered (dead or restarting)" for p in sorted(pool.prefills)
+                if p not in routes.generations]
+        return ("P/D degraded: no decode engine can pull from a prefill engine"
+                + (f" ({'; '.join(why)})" if why else "") + "; requests are prefilled on their decode engine")
 
     def to_json(self) -> dict[str, Any]:
         return jsonable(self)

@@ -1,26 +1,11 @@
 """A routed request's token stream and the decode-load charge it carries.
 
-Life cycle of a `RoutedStream`:
-
-  created    by the router once the first chunk is known (the prefill
-             engine's first token, or the decode engine's first chunk), so
-             routing errors surface before any byte reaches the client;
-  iterated   chunks come from the decode engine; the first decode chunk of a
-             P/D stream carries the transfer verdict (recomputed, or the error
-             of the `fail` policy: the stream ends there);
-  migrated   the decode engine died, hung (missed a chunk's deadline:
-             `serving.routing.deadlines`) or failed the request mid-stream: the
-             stream continues on another live decode engine, or on the
-             restarted one within `migration_wait_s`, from what was already
-             streamed (prompt + generated token ids, `num_resumed_tokens`), so
-             a greedy stream is token for token the uninterrupted one; only
-             when no engine takes it does it end with finish_reason "error";
-  finished   the last chunk settles the decode charge; an error also lets the
-             prefill side go;
-  closed     early (client disconnect): the request is aborted on both engines.
-
-`close()` is synchronous so it is safe in a cancelled task: the aborts it issues
-run in the background.
+Invariants: a stream exists only once its first chunk is known, so routing errors surface before
+any byte reaches the client; a stream whose decode engine dies, hangs or fails mid-stream migrates
+from what was already streamed (a greedy stream is token for token the uninterrupted one) and ends
+with finish_reason "error" only when no engine takes it; `close()` is synchronous (safe in a
+cancelled task) and aborts the request on both engines in the background. The life cycle:
+`RoutedStream`.
 """
 
 from __future__ import annotations
@@ -31,9 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from actors.protocol import EngineRequest, TokenChunk
-from serving.routing.errors import EngineUnavailable, RequestRejected
-from serving.routing.pool import DecodeCharge, EnginePool
+from actors.protocol.request import EngineRequest, TokenChunk
+from serving.routing.route_errors import EngineUnavailable, RequestRejected
+from serving.routing.pool import DecodeCharge, EnginePool, RouterCounter
 
 logger = logging.getLogger("raypd.router")
 
@@ -77,7 +62,30 @@ async def no_more_chunks() -> AsyncIterator[TokenChunk]:
 
 
 class RoutedStream:
-    """The token deltas of one routed request; iterate it, and close it when done."""
+    """The token deltas of one routed request; iterate it, and close it when done.
+
+    Life cycle of a `RoutedStream`:
+
+      created    by the router once the first chunk is known (the prefill
+                 engine's first token, or the decode engine's first chunk), so
+                 routing errors surface before any byte reaches the client;
+      iterated   chunks come from the decode engine; the first decode chunk of a
+                 P/D stream carries the transfer verdict (recomputed, or the error
+                 of the `fail` policy: the stream ends there);
+      migrated   the decode engine died, hung (missed a chunk's deadline:
+                 `serving.routing.deadlines`) or failed the request mid-stream: the
+                 stream continues on another live decode engine, or on the
+                 restarted one within `migration_wait_s`, from what was already
+                 streamed (prompt + generated token ids, `num_resumed_tokens`), so
+                 a greedy stream is token for token the uninterrupted one; only
+                 when no engine takes it does it end with finish_reason "error";
+      finished   the last chunk settles the decode charge; an error also lets the
+                 prefill side go;
+      closed     early (client disconnect): the request is aborted on both engines.
+
+    `close()` is synchronous so it is safe in a cancelled task: the aborts it issues
+    run in the background.
+    """
 
     def __init__(self, pool: EnginePool, migrator: Migrator, request: EngineRequest, engine_request_id: str,
                  route: Route, gen: AsyncIterator[TokenChunk], first: TokenChunk, charge: DecodeCharge,
@@ -89,7 +97,7 @@ class RoutedStream:
         self.route = route
         self._gen = gen
         self._pending: TokenChunk | None = first
-        self.first_stamps = first.stamps  # the hops of the first token (actors.protocol.Stamps)
+        self.first_stamps = first.stamps  # the hops of the first token (actors.protocol.request.Stamps)
         self._charge = charge.hand_over()
         self.token_ids: list[int] = []  # every token streamed so far
         self.num_prompt_tokens = first.num_prompt_tokens
@@ -172,7 +180,7 @@ class RoutedStream:
             self._let_prefill_go()
             self.migrator.outcome_reported()
         if chunk.recomputed:
-            self.pool.counters["recomputed"] += 1
+            self.pool.counters[RouterCounter.RECOMPUTED] += 1
 
     async def _migrate(self, exc: Exception) -> TokenChunk:
         """Continue on another live decode engine from what was streamed; the first chunk
@@ -218,7 +226,7 @@ class RoutedStream:
             logger.warning("%s: decode engine %s failed (%s); continued on %s after %d tokens",
                            self.request_id, dead, type(exc).__name__, target, len(self.token_ids))
             return first
-        self.pool.counters["migration_failed"] += 1
+        self.pool.counters[RouterCounter.MIGRATION_FAILED] += 1
         return TokenChunk.error_chunk(
             self.engine_request_id, f"decode engine {dead} failed mid-stream and no engine could take the "
             f"stream over: {exc}", self.num_prompt_tokens)
@@ -258,7 +266,7 @@ class RoutedStream:
         unfinished = not self.finished
         self._release()
         if unfinished:
-            self.pool.counters["aborted"] += 1
+            self.pool.counters[RouterCounter.ABORTED] += 1
             self.pool.abort_decode(self.decode_id, self.engine_request_id)
             self._let_prefill_go()
         self.pool.close_gen(self._gen)

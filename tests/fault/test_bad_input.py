@@ -11,7 +11,7 @@ import httpx
 import pytest
 import ray
 
-from actors.protocol import EngineRequestError
+from actors.protocol.request import EngineRequestError
 from serving.front import create_app
 from serving.config import DeploymentConfig
 from serving.cluster.launcher import launch, shutdown_deployment

@@ -9,7 +9,7 @@ are there; then the fault is injected and they are let go, all at once:
 - partition: the NIXL link from the decode engine to the prefill engine carries nothing. The producer's
   rank process is frozen (SIGSTOP) after its prefill, over a link that one request has already wired
   up, so the decode ranks' READs neither complete nor fail (NIXL needs the target's progress thread to
-  complete a READ: actors/kv/NIXL_NOTES.md), while both engines answer the control plane (a synthetic
+  complete a READ: docs/nixl_notes.md), while both engines answer the control plane (a synthetic
   engine actor answers the coordinator's pings itself): nothing but the pull's own timeout can end it;
 - READ error: every pull fails in the transport (`transfer.fault_rate: 1.0`, the test knob: the pull is
   failed in the transport before its READs are posted, and from the next poll on takes the path of a

@@ -33,11 +33,11 @@ import time
 import pytest
 import ray
 
-from actors.models.local import build_tiny_llama
+from actors.models.tiny_llama import build_tiny_llama
 from serving.config import DeploymentConfig
 from serving.cluster.launcher import launch, shutdown_deployment
 from serving.cluster.clients import build_router
-from serving.routing.errors import InvalidRequest
+from serving.routing.route_errors import InvalidRequest
 
 from chaos_helpers import freeze_tree, generation, kill_tree, pair_states, wait_generation
 from engine_calls import request

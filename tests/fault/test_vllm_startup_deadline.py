@@ -19,7 +19,7 @@ import time
 import pytest
 import ray
 
-from actors.models.local import build_tiny_llama
+from actors.models.tiny_llama import build_tiny_llama
 from serving.cluster.launcher import launch, shutdown_deployment
 from serving.config import DeploymentConfig
 

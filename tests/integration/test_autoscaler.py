@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 
-from actors.protocol import EngineRequest, SamplingSpec
+from actors.protocol.request import EngineRequest, SamplingSpec
 from actors.engine.synthetic.tokenizer import encode_text
 from serving.cluster.launcher import find_autoscaler
 from serving.cluster.names import launcher_name

@@ -18,7 +18,7 @@ import yaml
 
 from process_helpers import cmdline, descendants, reap, survivors, wait_for_line
 from service_helpers import SYNTHETIC, free_port
-from serving.planner.profile import load_profile
+from serving.sizing.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 RAYPD = [sys.executable, "-m", "serving.cli"]

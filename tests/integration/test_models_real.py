@@ -13,7 +13,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from actors.models.local import MARKER_FILE, SMOLLM2_NAME, build_tiny_llama, smollm2_path  # noqa: E402
+from actors.models.local import MARKER_FILE, SMOLLM2_NAME, smollm2_path  # noqa: E402
+from actors.models.tiny_llama import build_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

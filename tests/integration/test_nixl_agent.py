@@ -1,4 +1,4 @@
-"""Integration tests of `actors.kv.nixl_agent.NixlAgent` across real processes.
+"""Integration tests of `actors.kv.nixl.nixl_agent.NixlAgent` across real processes.
 
 Every NIXL agent lives in a child process started with multiprocessing
 *spawn* (never in the pytest process, so a wedged UCX call cannot hang the
@@ -74,7 +74,7 @@ def rows(addr: int, length: int, count: int = 1, stride: int | None = None) -> "
 
 
 def c_init(state: dict, name: str, nbytes: int, seed: int) -> int:
-    from actors.kv.nixl_agent import NixlAgent
+    from actors.kv.nixl.nixl_agent import NixlAgent
 
     buf = _pattern(nbytes, seed) if seed >= 0 else torch.zeros(nbytes, dtype=torch.uint8)
     agent = NixlAgent(name)
@@ -92,7 +92,7 @@ def c_add_remote(state: dict, meta: bytes) -> str:
 
 
 def c_add_remote_error(state: dict, meta: bytes) -> str:
-    from actors.kv.errors import HandshakeError
+    from actors.kv.transfer_errors import HandshakeError
 
     try:
         state["agent"].add_remote(meta)
@@ -417,8 +417,8 @@ def c_shutdown_scenario(state: dict) -> dict[str, Any]:
 
     import numpy as np
 
-    from actors.kv.errors import TransportClosedError
-    from actors.kv.nixl_agent import NixlAgent
+    from actors.kv.transfer_errors import TransportClosedError
+    from actors.kv.nixl.nixl_agent import NixlAgent
 
     calls: collections.Counter[str] = collections.Counter()
 
@@ -518,8 +518,8 @@ def test_shutdown_is_idempotent_and_releases_everything_once(spawn_peer):
 def c_validation_scenario(state: dict) -> dict[str, str]:
     import numpy as np
 
-    from actors.kv.errors import KVTransferError
-    from actors.kv.nixl_agent import NixlAgent
+    from actors.kv.transfer_errors import KVTransferError
+    from actors.kv.nixl.nixl_agent import NixlAgent
 
     a, b = NixlAgent("va"), NixlAgent("vb")
     src = torch.ones(1 << 16, dtype=torch.uint8)

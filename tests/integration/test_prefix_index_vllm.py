@@ -21,7 +21,7 @@ import random
 import pytest
 import ray
 
-from actors.protocol import EngineRequest, SamplingSpec
+from actors.protocol.request import EngineRequest, SamplingSpec
 from serving.config import DeploymentConfig, load_config
 from serving.cluster.engines import stop_engine
 from serving.cluster.launcher import launch, shutdown_deployment

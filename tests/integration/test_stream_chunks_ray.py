@@ -6,7 +6,7 @@ import asyncio
 
 import ray
 
-from actors.protocol import TokenChunk
+from actors.protocol.request import TokenChunk
 
 
 def test_a_slow_consumer_gets_one_chunk_per_wake_up_from_a_real_ray_stream(ray_cluster):

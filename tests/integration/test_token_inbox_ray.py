@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 
-from actors.protocol import EngineRequestError, TokenChunk
+from actors.protocol.request import EngineRequestError, TokenChunk
 
 
 @ray.remote(num_cpus=0)

@@ -15,7 +15,7 @@ from actors.control.coordinator import COORDINATOR_NAME
 from actors.engine.actor import EngineActor
 from actors.engine.options import engine_actor_options
 from actors.engine.config import EngineConfig
-from actors.models.local import build_tiny_llama
+from actors.models.tiny_llama import build_tiny_llama
 from actors.transfer_config import TransferConfig
 from actors.engine.vllm.compute_group import autogroup_enabled
 from engine_calls import collect, pd, request, token_ids

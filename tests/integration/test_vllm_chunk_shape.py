@@ -18,7 +18,7 @@ import sys
 import httpx
 import pytest
 
-from actors.models.local import build_tiny_llama
+from actors.models.tiny_llama import build_tiny_llama
 from serving.cluster.clients import build_router
 from serving.cluster.launcher import launch, shutdown_deployment
 from serving.config import DeploymentConfig, load_config

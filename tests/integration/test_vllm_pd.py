@@ -23,9 +23,9 @@ from actors.control.coordinator import COORDINATOR_NAME
 from actors.engine.actor import EngineActor
 from actors.engine.options import engine_actor_options
 from actors.engine.config import EngineConfig
-from actors.kv.pull_types import LEASE_ENDED
-from actors.models.local import build_tiny_llama
-from actors.protocol import SamplingSpec
+from actors.kv.plan.pull_types import LEASE_ENDED
+from actors.models.tiny_llama import build_tiny_llama
+from actors.protocol.request import SamplingSpec
 from actors.transfer_config import TransferConfig
 from engine_calls import collect, request, token_ids
 

@@ -22,8 +22,8 @@ from actors.engine.actor import EngineActor
 from actors.engine.options import engine_actor_options
 from actors.control.coordinator import COORDINATOR_NAME
 from actors.engine.config import EngineConfig
-from actors.models.local import build_tiny_llama
-from actors.protocol import EngineRequest, SamplingSpec
+from actors.models.tiny_llama import build_tiny_llama
+from actors.protocol.request import EngineRequest, SamplingSpec
 from actors.transfer_config import TransferConfig
 from engine_calls import collect
 

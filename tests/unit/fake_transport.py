@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from actors.kv.descriptors import DescTable
-from actors.kv.errors import HandshakeError, TransferSetupError
+from actors.kv.plan.descriptors import DescTable
+from actors.kv.transfer_errors import HandshakeError, TransferSetupError
 from actors.kv.handshake import RankHandshake
-from actors.kv.layout import CacheGeometry
+from actors.kv.plan.layout import CacheGeometry
 from actors.kv.transport import TransportBase
 
 

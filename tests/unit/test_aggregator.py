@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.kv.aggregator import KVConnectorOutput, KVOutputAggregator
-from actors.kv.errors import AggregationError, KVTransferError
+from actors.kv.transfer_errors import AggregationError, KVTransferError
 
 
 def out(**kwargs) -> KVConnectorOutput:

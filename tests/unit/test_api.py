@@ -7,12 +7,12 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from actors.protocol import ModelInfo, TokenChunk
+from actors.protocol.request import ModelInfo, TokenChunk
 from actors.engine.synthetic.tokenizer import chat_to_text, encode_text
 from serving.config import DeploymentConfig
 from serving.front import create_app
 from serving.front.served_model import SyntheticServedModel
-from serving.routing.errors import InvalidRequest, NoPrefillEngine
+from serving.routing.route_errors import InvalidRequest, NoPrefillEngine
 from serving.routing.stream import Route
 from serving.routing.status import Readiness
 from typed_fakes import router_snapshot

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from actors.engine.load import EngineLoad
-from actors.protocol import LoadSnapshot
+from actors.protocol.stats import LoadSnapshot
 from serving.cluster.autoscaler import Autoscaler
 from serving.config import DeploymentConfig
 

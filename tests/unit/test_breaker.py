@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.kv.breaker import CircuitBreaker
-from actors.kv.errors import BreakerConfigError, KVTransferError
+from actors.control.breaker import CircuitBreaker
+from actors.kv.transfer_errors import BreakerConfigError, KVTransferError
 
 
 class FakeClock:

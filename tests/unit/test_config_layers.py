@@ -49,10 +49,10 @@ def test_the_config_types_are_imported_downward():
     from serving.autoscaler_config import AutoscalerConfig
     from serving.cluster import autoscale_policy
     from serving.placement_config import PlacementConfig
-    from serving.routing import placement
+    from serving.routing import slo_model
 
     assert autoscale_policy.AutoscalerConfig is AutoscalerConfig
-    assert placement.PlacementConfig is PlacementConfig
+    assert slo_model.PlacementConfig is PlacementConfig
     assert DeploymentConfig.model_fields["autoscaler"].annotation is AutoscalerConfig
 
 

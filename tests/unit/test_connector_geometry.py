@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from actors.engine.vllm.connector.worker import check_supported, geometry_from_vllm
-from actors.kv.errors import LayoutError, TopologyError
-from actors.kv.layout import CPU_HKND, MLA_ND, NHD, canonical_view
+from actors.kv.transfer_errors import LayoutError, TopologyError
+from actors.kv.plan.layout import CPU_HKND, MLA_ND, NHD, canonical_view
 
 
 def test_cpu_layout_matches_how_the_cpu_backend_reads_it():

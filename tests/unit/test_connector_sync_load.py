@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 from actors.engine.vllm.connector.metadata import RayNixlMetadata, RecvSpec  # noqa: E402
 from actors.engine.vllm.connector.worker import ConnectorWorker, merge_steps  # noqa: E402
-from actors.kv.pull_types import StepResult  # noqa: E402
+from actors.kv.plan.pull_types import StepResult  # noqa: E402
 from actors.transfer_config import TransferConfig  # noqa: E402
 
 

@@ -148,7 +148,7 @@ def test_a_routing_run_is_disaggregated_opens_the_faulty_pairs_and_awaits_their_
     pytest.importorskip("ray")
     from actors.control.coordinator import Coordinator
     from actors.prefix_wire import BlocksStored, KVEventsBatch
-    from actors.protocol import EngineInfo
+    from actors.protocol.registration import EngineInfo
     from cpbench.fleet import COMPAT, SCHEME, handshake
     from cpbench.routing import Marks, build_router, hold_streams, measure, repair_pairs
     from serving.config import RouterConfig

@@ -14,7 +14,7 @@ from serving.config import RouterConfig
 from serving.placement_config import PlacementConfig
 from serving.ops.metrics import ServiceMetrics
 from serving.routing.deadlines import EngineDeadlines, EngineHung
-from serving.routing.errors import NoDecodeEngine
+from serving.routing.route_errors import NoDecodeEngine
 from tests.unit.test_router import FakeClock, collect, make, req, texts
 
 # deadlines of about the floor: fast priors (no engine publishes its rates in these tests)

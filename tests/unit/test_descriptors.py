@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.kv.descriptors import DescTable, UnitCut, checked_block_ids, head_slice_runs, token_cut
-from actors.kv.errors import BlockRangeError, LayoutError
-from actors.kv.layout import HND, MLA_ND, NHD
+from actors.kv.plan.descriptors import DescTable, UnitCut, checked_block_ids, head_slice_runs, token_cut
+from actors.kv.transfer_errors import BlockRangeError, LayoutError
+from actors.kv.plan.layout import HND, MLA_ND, NHD
 
 
 def brute_force(table: DescTable) -> list[tuple[int, int]]:

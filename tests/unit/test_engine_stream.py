@@ -5,7 +5,7 @@ import asyncio
 
 import ray
 
-from actors.protocol import EngineRequest, SamplingSpec
+from actors.protocol.request import EngineRequest, SamplingSpec
 from serving.cluster import clients
 from serving.cluster.clients import RayEngineClient
 

@@ -3,7 +3,7 @@ followed by the reference's greedy continuation of the accepted branch (computed
 
 import asyncio
 
-from actors.protocol import TokenLogprob
+from actors.protocol.request import TokenLogprob
 from greedy import divergence, exact_divergence
 
 

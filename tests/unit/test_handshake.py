@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from actors.kv.errors import HandshakeError
+from actors.kv.transfer_errors import HandshakeError
 from actors.kv.handshake import PROTOCOL_VERSION, CompatInfo, RankHandshake, decode_handshake
-from actors.kv.layout import HND, CacheGeometry
+from actors.kv.plan.layout import HND, CacheGeometry
 
 COMPAT = CompatInfo("m", "float32", 4, 2, 32, "float32", "split")
 GEO = CacheGeometry(HND, 2, 0, 8, 16, 2, 32, 4, ((4096, 8192), (12288, 16384)))

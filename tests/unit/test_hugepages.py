@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from actors.kv.hugepages import HUGE, _private_anonymous, back_with_huge_pages
+from actors.kv.nixl.hugepages import HUGE, _private_anonymous, back_with_huge_pages
 
 
 def _anon_huge_bytes(start: int, end: int) -> int:

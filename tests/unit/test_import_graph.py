@@ -1,4 +1,4 @@
-"""The project's own import graph has no cycle, and no source file grows past 420 lines.
+"""The project's own import graph has no cycle, and no source file grows past 400 lines.
 
 Every import statement counts, wherever it stands (module level, inside a function, under
 TYPE_CHECKING): a lazy import hides a cycle, it does not remove it. Folders open with a
@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("actors", "serving", "benchmarks", "k8s")
-MAX_LINES = 420  # the size limit (docs/design.md): a file past this is split by job
+MAX_LINES = 400  # the size limit (docs/design.md): a file past this is split by job
 
 
 def _modules() -> dict[str, Path]:
@@ -110,9 +110,9 @@ def test_no_import_cycle():
 
 def test_the_graph_sees_lazy_imports_and_the_benchmarks_packages(tmp_path):
     lazy = tmp_path / "lazy.py"
-    lazy.write_text("def f():\n    from actors.protocol import TokenChunk\n    return TokenChunk\n")
+    lazy.write_text("def f():\n    from actors.protocol.request import TokenChunk\n    return TokenChunk\n")
     modules = _modules()
-    assert _imports(lazy, "x.lazy", modules) == {"actors.protocol"}  # an import inside a function is an edge
+    assert _imports(lazy, "x.lazy", modules) == {"actors.protocol.request"}  # an import inside a function is an edge
     graph = _graph()
     # the benchmark scripts import their packages as `pdbench` / `cpbench` (benchmarks/ on the path)
     assert {"benchmarks.pdbench.setups", "benchmarks.pdbench.report"} <= graph["benchmarks.pd_vs_vllm"]
@@ -140,7 +140,7 @@ def test_the_seams_hold():
     assert _edges_from("a", {"a.b": {"c.d", "e"}, "a.c": {"e"}, "f": {"c"}}, "c") == {"a.b": ["c.d"]}
 
 
-def test_no_source_file_past_420_lines():
+def test_no_source_file_past_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in _modules().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}

@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.kv.descriptors import checked_block_ids
-from actors.kv.errors import BlockRangeError, LayoutError
+from actors.kv.plan.descriptors import checked_block_ids
+from actors.kv.transfer_errors import BlockRangeError, LayoutError
 from actors.kv.handshake import CompatInfo, RankHandshake
-from actors.kv.layout import (
+from actors.kv.plan.layout import (
     CPU_HKND,
     HND,
     MLA_ND,
@@ -28,9 +28,9 @@ from actors.kv.layout import (
     compatible_geometry,
     to_local_layout,
 )
-from actors.kv.pull_plan import build_stage
-from actors.kv.read_plan import plan_reads
-from actors.kv.topology import EngineTransferInfo, TransferTopology, rank_global_heads
+from actors.kv.plan.pull_plan import build_stage
+from actors.kv.plan.read_plan import plan_reads
+from actors.kv.plan.topology import EngineTransferInfo, TransferTopology, rank_global_heads
 
 D = 4
 

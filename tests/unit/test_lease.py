@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.kv.errors import KVTransferError, LeaseError
-from actors.kv.lease import Lease, LeaseTable
+from actors.kv.transfer_errors import KVTransferError, LeaseError
+from actors.kv.lease.lease import Lease, LeaseTable
 
 
 class FakeClock:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from actors.kv.faults import NO_FAULTS, FaultPolicy
-from actors.kv.lease_board import BUCKET, HELD, RELEASED, LeaseBoard, find, lease_tag, parse
+from actors.kv.lease.lease_board import BUCKET, HELD, RELEASED, LeaseBoard, find, lease_tag, parse
 from actors.engine.synthetic.rank import RankConfig, SyntheticModel, SyntheticRank
 from actors.transfer_params import TransferParams
 from tests.unit.fake_transport import FakeFabric, FakeTransport
@@ -188,7 +188,7 @@ def test_with_verify_off_the_same_flip_goes_unnoticed():
 
 
 def test_the_sample_both_sides_pick_is_the_same_and_about_one_in_eight():
-    from actors.kv.integrity import SAMPLE_EVERY, sampled
+    from actors.kv.lease.integrity import SAMPLE_EVERY, sampled
 
     ids = np.arange(100_000)
     picked = sampled(lease_tag("x"), ids)
@@ -200,7 +200,7 @@ def test_the_sample_both_sides_pick_is_the_same_and_about_one_in_eight():
 def test_both_ways_of_summing_words_give_one_checksum():
     import torch
 
-    from actors.kv.integrity import word_sums, word_weights
+    from actors.kv.lease.integrity import word_sums, word_weights
 
     words = torch.randint(-2**31, 2**31 - 1, (50, 1024), dtype=torch.int32)
     w = word_weights(1024, torch.device("cpu"))

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 from actors.engine.vllm.connector.metadata import LeaseEnds, LeaseEndStats  # noqa: E402
 from actors.engine.vllm.connector.scheduler import RELEASE_KEY, ConnectorScheduler  # noqa: E402
 from actors.engine.vllm.connector.worker import ConnectorWorker  # noqa: E402
-from actors.kv.pull_types import StepResult  # noqa: E402
+from actors.kv.plan.pull_types import StepResult  # noqa: E402
 
 TTL_S = 30.0
 
@@ -267,7 +267,7 @@ def test_a_failed_pulls_reason_reaches_the_actor_counted_by_kind_and_kept_for_th
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from actors.kv.pull_types import LEASE_ENDED, NO_LEASE_RECORD
+    from actors.kv.plan.pull_types import LEASE_ENDED, NO_LEASE_RECORD
 
     unread, counters = held()
     logger = lease_ends_logger(unread.ended)(SimpleNamespace(), 0)
@@ -299,7 +299,7 @@ def test_failed_pulls_are_exported_by_kind_as_a_prometheus_counter():
     from prometheus_client import Counter, Gauge, Histogram
 
     from actors.engine.vllm.connector.connector import RayNixlConnector
-    from actors.kv.pull_types import LEASE_ENDED
+    from actors.kv.plan.pull_types import LEASE_ENDED
 
     class FakeCounter:
         made: list = []

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from serving.planner.live import LivePool, LoadMix, scale_advice
-from serving.routing.placement import EngineEstimate
+from serving.sizing.live import LivePool, LoadMix, scale_advice
+from serving.routing.slo_model import EngineEstimate
 
 
 def pool(role: str, n: int, per_stream_s: float = 0.001, **bounds) -> LivePool:

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from actors.protocol import BackendStats
+from actors.protocol.stats import BackendStats
 from actors.engine.load import EngineLoad, LoadMeter
-from actors.protocol import EngineRequest, SamplingSpec, TokenChunk
+from actors.protocol.request import EngineRequest, SamplingSpec, TokenChunk
 
 
 class Clock:

@@ -12,7 +12,7 @@ import pytest
 from actors.engine.config import EngineConfig
 from actors.engine.load import EngineLoad
 from actors.engine.vllm.args import platform_defaults
-from actors.protocol import LoadSnapshot
+from actors.protocol.stats import LoadSnapshot
 from serving.cluster import engines
 from serving.cluster.autoscaler import Autoscaler, ScaleEvent
 from serving.config import DeploymentConfig

@@ -20,12 +20,12 @@ from actors.models.local import (  # noqa: E402
     ModelError,
     ModelNotFoundError,
     UnsupportedModelError,
-    build_tiny_llama,
     default_cache_dir,
     resolve_model,
     smollm2_gguf_path,
     smollm2_path,
 )
+from actors.models.tiny_llama import build_tiny_llama  # noqa: E402
 
 
 def _hf_folder(path: Path) -> Path:

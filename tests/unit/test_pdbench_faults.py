@@ -14,7 +14,7 @@ from benchmarks import pd_vs_vllm  # noqa: F401 - puts benchmarks/ on sys.path: 
 from pdbench import colocated, faults, report_checks, stack_goals
 from serving.config import DeploymentConfig, load_config
 from serving.ops.metrics import RouterCollector
-from serving.routing.placement import EngineEstimate, place
+from serving.routing.slo_model import EngineEstimate, place
 from serving.routing.status import PlannerSnapshot
 from typed_fakes import router_snapshot
 

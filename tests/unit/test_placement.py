@@ -7,7 +7,7 @@ import math
 import pytest
 
 from serving.placement_config import PlacementConfig, chunked_prefill_budget
-from serving.routing.placement import (
+from serving.routing.slo_model import (
     EngineEstimate,
     Option,
     TransferEstimate,

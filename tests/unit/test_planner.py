@@ -1,4 +1,4 @@
-"""The shape planner (serving/planner, `raypd config --plan`): shapes, the simulation, the choice, the YAML."""
+"""The shape planner (serving/sizing, `raypd config --plan`): shapes, the simulation, the choice, the YAML."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import yaml
 
 from serving.cli.main import main
 from serving.config import DeploymentConfig, read_config_file
-from serving.planner.deployment import budget_choices, core_ranges, deployment_config, deployment_yaml, shape_limits
-from serving.planner.plan import plan, render_table
-from serving.planner.profile import EngineProfile, HardwareProfile, ProfileError, load_profile
-from serving.planner.shapes import Shape, enumerate_shapes
-from serving.planner.simulate import ShapeLimits, StepLimits, simulate
-from serving.planner.workload import SloTargets, Workload
+from serving.sizing.deployment import budget_choices, core_ranges, deployment_config, deployment_yaml, shape_limits
+from serving.sizing.plan import plan, render_table
+from serving.sizing.profile import EngineProfile, HardwareProfile, ProfileError, load_profile
+from serving.sizing.shapes import Shape, enumerate_shapes
+from serving.sizing.simulate import ShapeLimits, StepLimits, simulate
+from serving.sizing.workload import SloTargets, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_PROFILE = ROOT / "configs" / "profiles" / "smollm2-cpu.yaml"
@@ -200,7 +200,7 @@ def test_both_engines_are_placed_by_the_routers_slo_model():
 def test_a_large_pool_shows_place_the_routers_shortlist(monkeypatch):
     # as the router's SloPlacer: at most SHORTLIST engines with the fewest streams and SHORTLIST with the
     # fewest queued prompt tokens are shown to the SLO model, not all sixteen
-    import serving.planner.simulate as sim
+    import serving.sizing.simulate as sim
     from serving.routing.shortlist import SHORTLIST
 
     shown: list[int] = []

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from actors.kv.descriptors import checked_block_ids
+from actors.kv.plan.descriptors import checked_block_ids
 from actors.kv.handshake import CompatInfo, RankHandshake
-from actors.kv.layout import HND, CacheGeometry
-from actors.kv.pull_plan import build_stage
-from actors.kv.read_plan import plan_reads
-from actors.kv.topology import EngineTransferInfo, TransferTopology
+from actors.kv.plan.layout import HND, CacheGeometry
+from actors.kv.plan.pull_plan import build_stage
+from actors.kv.plan.read_plan import plan_reads
+from actors.kv.plan.topology import EngineTransferInfo, TransferTopology
 
 COMPAT = CompatInfo("m", "float32", 2, 2, 4, "float32", "split")
 

@@ -11,7 +11,7 @@ import pytest
 from actors.engine.config import RateModelConfig
 from actors.engine.rate_model import EngineRateModel
 from actors.rates import EngineRates
-from serving.routing.placement import Option, place
+from serving.routing.slo_model import Option, place
 from serving.routing.rates import RateEstimator
 
 # what the engine "really" does: a 20 ms step, +2 ms per stream, 1000 prompt tokens/s

@@ -29,7 +29,7 @@ from actors.engine.vllm.resumed import (
     cpu_sampler_draws_once,
 )
 from actors.models.local import resolve_model
-from actors.protocol import PrefillResult
+from actors.protocol.request import PrefillResult
 
 CAPS = DecodeCaps(penalties=True, seed_advance=True)
 
@@ -220,7 +220,7 @@ def decode_path(llm, caps=CAPS):
 
 
 def resumed_request(tokenizer, prompt, first, max_tokens, **sampling):
-    from actors.protocol import EngineRequest, SamplingSpec
+    from actors.protocol.request import EngineRequest, SamplingSpec
 
     sp = SamplingParams(max_tokens=max_tokens, **sampling)
     return EngineRequest("r", SamplingSpec(max_tokens=max_tokens, vllm_params=pickle.dumps(sp)),

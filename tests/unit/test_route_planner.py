@@ -7,7 +7,7 @@ import asyncio
 
 from actors.control.prefix_index import PrefixIndex
 from actors.prefix_wire import BlocksStored, HashScheme, KVEventsBatch
-from actors.protocol import EngineRequest, SamplingSpec
+from actors.protocol.request import EngineRequest, SamplingSpec
 from serving.ops.metrics import RouterCollector
 from serving.routing.prefix_view import PrefixCacheView
 from serving.config import RouterConfig

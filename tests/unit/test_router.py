@@ -11,9 +11,9 @@ from actors.kv.aggregator import KVConnectorOutput
 from actors.control.breaker_config import BreakerConfig
 from actors.control.ledger import TransferLedger
 from actors.routes import PrefillRoute, RouteTable
-from actors.protocol import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
+from actors.protocol.request import EngineRequest, PrefillResult, SamplingSpec, TokenChunk
 from serving.config import RouterConfig
-from serving.routing.errors import (
+from serving.routing.route_errors import (
     EngineUnavailable,
     InvalidRequest,
     NoDecodeEngine,

@@ -9,7 +9,7 @@ import typing
 
 import pytest
 
-from actors.protocol import EngineRequest, SamplingSpec, TokenChunk
+from actors.protocol.request import EngineRequest, SamplingSpec, TokenChunk
 from actors.routes import RouteTable
 from serving.config import RouterConfig
 from serving.front.routes import FrontState, open_stream

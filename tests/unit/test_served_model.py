@@ -10,7 +10,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.exceptions import VLLMValidationError
 
 from actors.models.local import resolve_model
-from actors.protocol import ModelInfo
+from actors.protocol.request import ModelInfo
 from serving.front.served_model import VllmServedModel
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

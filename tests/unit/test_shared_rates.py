@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from actors.engine.rates_publisher import RatesPublisher
-from actors.protocol import EngineRequest, SamplingSpec, Stamps
+from actors.protocol.request import EngineRequest, SamplingSpec, Stamps
 from actors.rates import EngineRates
 from actors.routes import PairState, PrefillRoute, RouteDelta, RouteTable
 from serving.config import RouterConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from actors.protocol import Stamps, TokenChunk, TokenLogprob
+from actors.protocol.request import Stamps, TokenChunk, TokenLogprob
 from serving.cluster.merge import merge_ready
 from serving.front.trace import HEADER, parse
 from test_api import make_client, post, sse_events

@@ -222,7 +222,7 @@ def test_fault_policy_rate_holds_per_request():
 
 
 def test_notice_before_the_lease_is_applied_when_the_lease_arrives():
-    from actors.kv.notify import ReaderNotice
+    from actors.kv.lease.notify import ReaderNotice
 
     model = SyntheticModel(num_layers=2, num_kv_heads=2)
     fabric, directory = FakeFabric(), {}

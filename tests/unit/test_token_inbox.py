@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.protocol import TokenChunk
+from actors.protocol.request import TokenChunk
 from serving.cluster import token_inbox
 from serving.cluster.token_inbox import InboxStream, TokenInbox
 

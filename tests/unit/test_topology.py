@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.kv.errors import TopologyError
-from actors.kv.read_plan import plan_reads
-from actors.kv.topology import (
+from actors.kv.transfer_errors import TopologyError
+from actors.kv.plan.read_plan import plan_reads
+from actors.kv.plan.topology import (
     EngineTransferInfo,
     TransferTopology,
     rank_global_heads,
@@ -323,7 +323,7 @@ def test_readers_per_remote_rank_match_consumer_count(case):
 
 
 def test_pp_layer_range():
-    from actors.kv.topology import pp_layer_range
+    from actors.kv.plan.topology import pp_layer_range
 
     assert [pp_layer_range(7, 3, r) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
     assert pp_layer_range(4, 1, 0) == (0, 4)

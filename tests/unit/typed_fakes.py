@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.protocol import BackendStats, EngineStats, LoadSnapshot
+from actors.protocol.stats import BackendStats, EngineStats, LoadSnapshot
 from actors.routes import PairState
 from serving.routing.pool import EngineStatus, Load
 from serving.routing.status import PlannerSnapshot, RouterSnapshot

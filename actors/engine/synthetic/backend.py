@@ -13,7 +13,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from actors.engine.config import EngineConfig
 from actors.transfer_params import TransferParams
-from actors.protocol import BackendStats, EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
+from actors.protocol.request import EngineRequest, EngineRequestError, ModelInfo, PrefillResult, TokenChunk
+from actors.protocol.stats import BackendStats
 from actors.engine.synthetic.engine import EngineShape, SyntheticEngine
 from actors.engine.synthetic.outcomes import TransferFailed
 from actors.engine.synthetic.pattern import generate_tokens

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.kv.errors import KVTransferError
+from actors.kv.transfer_errors import KVTransferError
 
 
 class OutOfBlocksError(KVTransferError, RuntimeError):

@@ -1,29 +1,13 @@
 """A synthetic engine: tp x pp rank actors, one block pool, leases and pulls.
 
-Life cycle of a request:
-
-  prefill   blocks are allocated (one id list shared by every rank, as vLLM
-            does), every rank writes its share, every rank holds the blocks
-            under a lease; the transfer params are returned;
-  decode    blocks are allocated, every rank pulls its read plan; per-rank
-            outcomes are aggregated (`KVOutputAggregator`) into one verdict;
-            tokens are derived from the checksums of what was read; the
-            decode blocks are freed;
-  release   the prefill engine frees a request's blocks once every rank's
-            lease is released (readers notified, aborted or expired);
-            `poll()` drives this and must be called while leases are held;
-  abort     frees a request's blocks on this engine at once (prefill: its
-            lease on every rank; decode: its pull).
-
-Life cycle of the engine's ranks: each rank actor is restarted by Ray when it
-dies, at most `rank_max_restarts` times (the deployment's `restarts.max_restarts`). The engine keeps one pending `watch()` call per rank, so
-a death is seen at once: held prefill blocks are freed (their KV is gone with
-the rank), pulls in flight fail (what their step had collected is salvaged
-through the coordinator's `unit_died`), and once the rank is back with a fresh
-NIXL agent the engine is a new incarnation: `on_new_incarnation` registers its
-new handshakes.
-
-Async so it can live inside an engine actor; tests drive it with asyncio.run.
+What a vLLM engine does to KV, without a model: prefill writes and leases blocks on every rank,
+decode pulls every rank's read plan and folds the ranks' outcomes into one verdict
+(`KVOutputAggregator`), and tokens are derived from the checksums of what was read, so a wrong
+byte shows as a wrong token. Invariants: one block id list is shared by every rank (as vLLM does);
+a prefill's blocks return to the pool only once every rank's lease is released; a rank's death
+voids every lease and pull of the incarnation before it (`RankSupervision`). Async so it can live
+inside an engine actor; tests drive it with asyncio.run. The life cycle of a request:
+`SyntheticEngine`.
 """
 
 from __future__ import annotations
@@ -32,7 +16,6 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable
 
@@ -46,6 +29,7 @@ from actors.engine.synthetic.pattern import tokens_from_checksums
 from actors.engine.synthetic.rank import FailedPull, PulledKV, RankConfig, RankPoll, SyntheticModel
 from actors.engine.synthetic.outcomes import TransferFailed, is_handshake_failure, ordered_checksums
 from actors.engine.synthetic.rank_actor import RANK_MAX_RESTARTS, RankActor
+from actors.engine.synthetic.rank_supervision import RankSupervision
 from actors.transfer_params import TransferParams
 
 logger = logging.getLogger("raypd.synthetic")
@@ -61,7 +45,33 @@ class EngineShape:
     layout: str = "HND"
 
 
-class SyntheticEngine:
+class SyntheticEngine(RankSupervision):
+    """Life cycle of a request:
+
+      prefill   blocks are allocated (one id list shared by every rank, as vLLM
+                does), every rank writes its share, every rank holds the blocks
+                under a lease; the transfer params are returned;
+      decode    blocks are allocated, every rank pulls its read plan; per-rank
+                outcomes are aggregated (`KVOutputAggregator`) into one verdict;
+                tokens are derived from the checksums of what was read; the
+                decode blocks are freed;
+      release   the prefill engine frees a request's blocks once every rank's
+                lease is released (readers notified, aborted or expired);
+                `poll()` drives this and must be called while leases are held;
+      abort     frees a request's blocks on this engine at once (prefill: its
+                lease on every rank; decode: its pull).
+
+    Life cycle of the engine's ranks: each rank actor is restarted by Ray when it
+    dies, at most `rank_max_restarts` times (the deployment's `restarts.max_restarts`). The engine keeps one pending `watch()` call per rank, so
+    a death is seen at once: held prefill blocks are freed (their KV is gone with
+    the rank), pulls in flight fail (what their step had collected is salvaged
+    through the coordinator's `unit_died`), and once the rank is back with a fresh
+    NIXL agent the engine is a new incarnation: `on_new_incarnation` registers its
+    new handshakes.
+
+    Async so it can live inside an engine actor; tests drive it with asyncio.run.
+    """
+
     def __init__(self, engine_id: str, role: str, model: SyntheticModel, shape: EngineShape,
                  coordinator: Any = None, lease_ttl_s: float = 30.0, read_timeout_s: float = 30.0,
                  register: bool = True, fault_rate: float = 0.0, verify: str = "off",
@@ -117,63 +127,6 @@ class SyntheticEngine:
             self.engine_id, self.role, list(self.handshakes), self.ranks,
             {"backend": "synthetic", "shape": asdict(self.shape)},
         )
-
-    async def ready(self) -> None:
-        """Until no rank is being replaced."""
-        await self._ready.wait()
-
-    async def _watch_rank(self, i: int) -> None:
-        try:
-            await self.ranks[i].watch.options(max_task_retries=0).remote()
-        except asyncio.CancelledError:
-            return
-        except ray.exceptions.RayError as exc:
-            if not self.closed:
-                await self._rank_died(i, exc)
-
-    async def _rank_died(self, i: int, exc: Exception) -> None:
-        """A rank actor died: free what it held, wait for Ray to restart it, rejoin."""
-        logger.warning("%s: rank %d died (%s); replacing it", self.engine_id, i, type(exc).__name__)
-        self._ready.clear()
-        self._replacing += 1
-        self.incarnation += 1
-        live = [r for j, r in enumerate(self.ranks) if j != i]
-        for req_id in list(self._held):  # their KV on that rank is gone: nobody can read them
-            await self.abort(req_id, live)
-        try:
-            self.handshakes[i] = await self._once_restarted(self.ranks[i].handshake)
-            self.rank_pids[i] = await self._once_restarted(self.ranks[i].pid)
-        except ray.exceptions.RayError as err:
-            self.dead = f"rank {i} died and was not restarted ({type(err).__name__})"
-            logger.error("%s: %s", self.engine_id, self.dead)
-        self._replacing -= 1
-        if self.closed:
-            return
-        if self.dead is None:
-            self._rank_watchers[i] = asyncio.get_running_loop().create_task(self._watch_rank(i))
-            logger.warning("%s: rank %d is back (incarnation %d)", self.engine_id, i, self.incarnation)
-        if self._replacing:
-            return  # another rank is still being replaced: that one rejoins for both
-        self._ready.set()  # (a dead engine too: its requests fail instead of waiting)
-        if self.on_new_incarnation is not None:
-            try:
-                await self.on_new_incarnation()
-            except ray.exceptions.RayError as err:  # the coordinator is away: the engine registers later
-                logger.warning("%s: registering the new incarnation failed: %s", self.engine_id, err)
-
-    @staticmethod
-    async def _once_restarted(method: Any, timeout_s: float = 120.0) -> Any:
-        """Call a rank's method once Ray restarted it: "unavailable" while it restarts, "died"
-        (raised) when it will not come back."""
-        deadline, delay = time.monotonic() + timeout_s, 0.05
-        while True:
-            try:
-                return await method.remote()
-            except ray.exceptions.ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
 
     def blocks_for(self, num_tokens: int) -> int:
         slots = math.ceil(num_tokens / self.shape.dcp_size)
@@ -408,7 +361,3 @@ class SyntheticEngine:
         for r in self.ranks:
             ray.kill(r)
         return [r for r in results if isinstance(r, dict)]
-
-
-def new_engine_id(role: str) -> str:
-    return f"{role}-{uuid.uuid4().hex[:6]}"

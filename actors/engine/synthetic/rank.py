@@ -1,26 +1,11 @@
 """One rank of a synthetic engine: a real KV cache, a transport, leases, pulls.
 
-Life cycle of a request across ranks:
-
-  prefill rank  write_prompt(req)   values of its heads/layers/token shard are
-                                    written into the blocks, which are then
-                                    held under a lease;
-  decode rank   start_pull(req)     `RankTransfer.start_pull` with the request
-                                    built from its TransferParams: handshake
-                                    once per engine (through the directory),
-                                    then READs by descriptor index;
-                poll()              one `RankTransfer.step()`: finished pulls
-                                    (already in the local layout) are verified
-                                    element by element and summarized as
-                                    per-position checksums; failed pulls carry
-                                    their reason and invalid blocks;
-  prefill rank  poll()              the same step releases leases (notices,
-                                    expiry, aborts).
-
-A thin adapter: every transfer decision is `RankTransfer`'s. Faults are
-injected by the `FaultPolicy` the engine gives the rank. No Ray import:
-`actors.engine.synthetic.engine` runs it as an actor, unit tests drive it in-process
-with `FakeTransport`.
+A thin adapter: every transfer decision is `RankTransfer`'s. A prefill rank writes values of its
+heads/layers/token shard into the blocks and leases them; a decode rank pulls, and verifies a
+finished pull element by element, summarized as per-position checksums. Faults are injected by the
+`FaultPolicy` the engine gives the rank. No Ray import: `actors.engine.synthetic.engine` runs it as
+an actor, unit tests drive it in-process with `FakeTransport`. The life cycle of a request across
+ranks: `SyntheticRank`.
 """
 
 from __future__ import annotations
@@ -34,13 +19,13 @@ from typing import Callable
 
 import torch
 
-from actors.kv.errors import HandshakeError, KVTransferError
+from actors.kv.transfer_errors import HandshakeError, KVTransferError
 from actors.kv.faults import NO_FAULTS, FaultPolicy
 from actors.kv.handshake import CompatInfo
-from actors.kv.layout import BlockLayout, CacheGeometry, canonical_view
+from actors.kv.plan.layout import BlockLayout, CacheGeometry, canonical_view
 from actors.kv.rank_transfer import HandshakeDirectory, RankIdentity, RankTransfer
-from actors.kv.topology import pp_layer_range, rank_global_heads
-from actors.kv.transport import NixlTransport
+from actors.kv.plan.topology import pp_layer_range, rank_global_heads
+from actors.kv.nixl.nixl_transport import NixlTransport
 from actors.engine.synthetic.pattern import kv_values
 from actors.transfer_params import TransferParams
 
@@ -69,7 +54,7 @@ class RankConfig(RankIdentity):
     num_blocks: int = 64
     layout: str = "HND"  # HND | NHD | HCND (K/V packed, vLLM CPU) | ND (MLA)
     read_timeout_s: float = 30.0
-    verify: str = "off"  # transfer.verify: off | sample | all (KV checksums, actors.kv.integrity)
+    verify: str = "off"  # transfer.verify: off | sample | all (KV checksums, actors.kv.lease.integrity)
 
     @property
     def kv_packing(self) -> str:
@@ -110,6 +95,29 @@ class RankPoll:
 
 
 class SyntheticRank:
+    """Life cycle of a request across ranks:
+
+      prefill rank  write_prompt(req)   values of its heads/layers/token shard are
+                                        written into the blocks, which are then
+                                        held under a lease;
+      decode rank   start_pull(req)     `RankTransfer.start_pull` with the request
+                                        built from its TransferParams: handshake
+                                        once per engine (through the directory),
+                                        then READs by descriptor index;
+                    poll()              one `RankTransfer.step()`: finished pulls
+                                        (already in the local layout) are verified
+                                        element by element and summarized as
+                                        per-position checksums; failed pulls carry
+                                        their reason and invalid blocks;
+      prefill rank  poll()              the same step releases leases (notices,
+                                        expiry, aborts).
+
+    A thin adapter: every transfer decision is `RankTransfer`'s. Faults are
+    injected by the `FaultPolicy` the engine gives the rank. No Ray import:
+    `actors.engine.synthetic.engine` runs it as an actor, unit tests drive it in-process
+    with `FakeTransport`.
+    """
+
     def __init__(self, cfg: RankConfig, directory: HandshakeDirectory | None = None,
                  transport_factory: Callable[[str, CacheGeometry], object] | None = None,
                  clock: Callable[[], float] = time.monotonic, faults: FaultPolicy = NO_FAULTS):

@@ -1,23 +1,12 @@
-"""vLLM engine arguments of one raypd engine: the user's engine_kwargs, unchanged,
-plus the little P/D needs.
+"""vLLM engine arguments of one raypd engine: the user's engine_kwargs, unchanged, plus the little P/D needs.
 
-- `check_engine_kwargs` validates engine_kwargs with vLLM's own classes: each key
-  must be a field of `AsyncEngineArgs`, each value must fit that field's type
-  (pydantic, as vLLM's configs validate), and `AsyncEngineArgs(**kwargs)` must
-  construct. Errors name the key. Called when a config is checked (CLI) and
-  again when an engine starts.
-- `build_engine_args` adds raypd's fields (model, dtype, max_model_len, TP/PP,
-  block size: raypd owns them, see actors/engine/config.py) and what P/D needs:
-  the KV connector and its role in `kv_transfer_config`, and engine stats on
-  (the engine's free-block view comes from them). Where that replaces a value
-  the user gave, `pd_overrides` says so in one line each.
-- On the CPU (V1) model runner, raypd's `ResumedPenalties` logits processor is
-  appended to `logits_processors` (`resumed_logits_processors`): a decode engine
-  continues a resumed request without replaying its first token
-  (`actors.engine.vllm.resumed`).
-- Everything else follows vLLM's defaults (CUDA graphs on GPU, prefix caching on).
-
-vLLM is imported lazily: the config layer stays importable without it.
+`check_engine_kwargs` validates engine_kwargs with vLLM's own classes (each key a field of
+`AsyncEngineArgs`, each value of its type, the whole constructible; errors name the key), when a
+config is checked and again when an engine starts. `build_engine_args` adds the fields raypd owns
+(`actors.engine.config`) and what P/D needs (the KV connector and its role, engine stats on, on the
+CPU model runner raypd's `ResumedPenalties` logits processor); where that replaces a user's value,
+`pd_overrides` says so in one line each. Everything else follows vLLM's defaults. vLLM is imported
+lazily: the config layer stays importable without it.
 """
 
 from __future__ import annotations

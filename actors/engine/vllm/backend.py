@@ -1,47 +1,13 @@
 """vLLM (AsyncLLM) behind an EngineActor, with RayNixlConnector moving the KV.
 
-Life cycle of a P/D request here:
-
-  prefill engine  prefill(req)  runs the prompt with max_tokens=1 and
-                  do_remote_decode; returns the first sampled token (the
-                  router streams it to the client at once: TTFT is the
-                  prefill engine's) and the transfer params;
-  decode engine   generate(req) the request is the prompt plus that first
-                  token (`num_resumed_tokens` 1); the params (completed here
-                  with the producer ranks' handshake payloads, fetched from the
-                  coordinator) make the connector pull the KV of every prompt
-                  token, and the engine's first step computes only the first
-                  token's KV and samples the second. Penalties, min_tokens,
-                  stop strings, logprobs and seeded sampling see the answer as
-                  one vLLM engine would (`actors.engine.vllm.decode`); the few
-                  parameters that need it replay the first token instead.
-  prefill engine  the readers' notices release the lease on the producer's
-                  ranks; the connector reports that through vLLM's step stats
-                  and the prefill stops counting as a held lease at once (what a
-                  drain waits for: `actors.engine.vllm.leases`), not at its TTL,
-                  which bounds only readers that never come.
-
-Prompts arrive as token ids (the front renders and tokenizes); the sampling
-parameters arrive as the `vllm.SamplingParams` the front derived the way vLLM's
-OpenAI server does (`SamplingSpec.vllm_params`, pickled).
-
-  either          abort(req_id) a running request is aborted in vLLM; a
-                  prefill nobody will read (its blocks held under a lease) is
-                  released through vLLM's rejection hook
-                  (`notify_kv_transfer_request_rejected`): the connector's
-                  scheduler side puts it on the release list of the next step's
-                  metadata and the workers free the lease in that step.
-
-Requests vLLM refuses because of the request itself (`VLLMClientError`, or a
-ValueError raised while vLLM admits it: vocabulary, length, sampling params)
-become `EngineRequestError`: a 400 for the client, never an engine failure.
-
-The engine core (and workers, for several ranks or `distributed_executor_backend: mp`; a one-rank
-CPU engine runs its model in the core: `actors.engine.vllm.uniproc`) are child processes of this
-actor (AsyncLLM always runs its core in a subprocess); their ranks publish handshake
-payloads into a per-engine folder this backend collects for the coordinator.
-Their pids are recorded, so a restarted actor reaps what its killed
-predecessor left behind (`actors.engine.vllm.orphans`).
+Prompts arrive as token ids and sampling parameters as the `vllm.SamplingParams` the front derived
+(engines never tokenize a prompt). A prefill engine runs the prompt with max_tokens=1 and holds its
+blocks under a lease until the readers' notices (or the lease's TTL) free them; a decode engine
+pulls the KV of every prompt token and continues the answer (`actors.engine.vllm.decode`).
+Invariants: a request vLLM refuses because of the request itself is an `EngineRequestError` (a 400,
+never an engine failure); a prefill nobody will read is released, not left to its TTL; vLLM's child
+processes are recorded, so a restarted actor reaps what its killed predecessor left
+(`actors.engine.vllm.orphans`). The life cycle of a P/D request here: `VllmBackend`.
 """
 
 from __future__ import annotations
@@ -63,13 +29,8 @@ from actors.engine.vllm.kv_events import KVEventsSource, endpoint_in, vllm_kv_ev
 from actors.engine.vllm.leases import UnreadLeases, lease_ends_logger
 from actors.prefix_wire import DEFAULT_SEED, HashScheme
 from actors.engine.vllm.orphans import Child, forget, live_pids, reap_children, reap_previous, record_children
-from actors.protocol import (
-    BackendStats,
-    EngineRequest,
-    ModelInfo,
-    PrefillResult,
-    TokenChunk,
-)
+from actors.protocol.request import EngineRequest, ModelInfo, PrefillResult, TokenChunk
+from actors.protocol.stats import BackendStats
 from actors.engine.vllm.peer_payloads import PeerPayloads
 from actors.engine.vllm.requests import engine_outputs, logprobs_of, prompt_ids, sampling_params, usage_sink
 from actors.transfer_params import TransferParams
@@ -81,6 +42,50 @@ logger = logging.getLogger("raypd.vllm")
 
 
 class VllmBackend:
+    """Life cycle of a P/D request here:
+
+      prefill engine  prefill(req)  runs the prompt with max_tokens=1 and
+                      do_remote_decode; returns the first sampled token (the
+                      router streams it to the client at once: TTFT is the
+                      prefill engine's) and the transfer params;
+      decode engine   generate(req) the request is the prompt plus that first
+                      token (`num_resumed_tokens` 1); the params (completed here
+                      with the producer ranks' handshake payloads, fetched from the
+                      coordinator) make the connector pull the KV of every prompt
+                      token, and the engine's first step computes only the first
+                      token's KV and samples the second. Penalties, min_tokens,
+                      stop strings, logprobs and seeded sampling see the answer as
+                      one vLLM engine would (`actors.engine.vllm.decode`); the few
+                      parameters that need it replay the first token instead.
+      prefill engine  the readers' notices release the lease on the producer's
+                      ranks; the connector reports that through vLLM's step stats
+                      and the prefill stops counting as a held lease at once (what a
+                      drain waits for: `actors.engine.vllm.leases`), not at its TTL,
+                      which bounds only readers that never come.
+
+    Prompts arrive as token ids (the front renders and tokenizes); the sampling
+    parameters arrive as the `vllm.SamplingParams` the front derived the way vLLM's
+    OpenAI server does (`SamplingSpec.vllm_params`, pickled).
+
+      either          abort(req_id) a running request is aborted in vLLM; a
+                      prefill nobody will read (its blocks held under a lease) is
+                      released through vLLM's rejection hook
+                      (`notify_kv_transfer_request_rejected`): the connector's
+                      scheduler side puts it on the release list of the next step's
+                      metadata and the workers free the lease in that step.
+
+    Requests vLLM refuses because of the request itself (`VLLMClientError`, or a
+    ValueError raised while vLLM admits it: vocabulary, length, sampling params)
+    become `EngineRequestError`: a 400 for the client, never an engine failure.
+
+    The engine core (and workers, for several ranks or `distributed_executor_backend: mp`; a one-rank
+    CPU engine runs its model in the core: `actors.engine.vllm.uniproc`) are child processes of this
+    actor (AsyncLLM always runs its core in a subprocess); their ranks publish handshake
+    payloads into a per-engine folder this backend collects for the coordinator.
+    Their pids are recorded, so a restarted actor reaps what its killed
+    predecessor left behind (`actors.engine.vllm.orphans`).
+    """
+
     def __init__(self, cfg: EngineConfig, engine_id: str, start_timeout_s: float = 600.0):
         self.cfg, self.engine_id = cfg, engine_id
         self.start_timeout_s = start_timeout_s

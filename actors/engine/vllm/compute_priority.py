@@ -1,24 +1,13 @@
 """On a CPU host, vLLM's compute threads yield to the serving path: they run at a higher nice value.
 
-With one core per engine and every process of the service on the same few
-cores, each engine's worker computes flat out on its core while the processes
-that carry requests (the HTTP proxy, the ingress, the engine actors, vLLM's
-engine cores) need that same core for a few hundred microseconds at a time.
-At equal priority each of those short wake-ups waits behind the compute, hop
-after hop, and a request's first bytes take seconds to reach the engine under
-load (the trace's client -> front and response -> client hops). At
-`compute_nice` (default 10) above the engine actor's own nice value the worker
-still gets every cycle nobody else wants, but the serving path runs first.
-Relative, because Ray starts its workers at nice 15 (`RAY_worker_niceness`):
-the Serve proxy, the ingress and the engine actors all run there, and an
-absolute nice 10 would have put the compute *ahead* of them (as root; others
-may not lower a nice value and the compute stayed level with them). The value
-is capped at 19, the lowest priority. Under the kernel's autogroup the compute's session gets the same
-value (`actors.engine.vllm.compute_group`). Nice is per thread on Linux: every
-thread of each `VLLM::Worker` process below the engine actor is set (threads
-created later inherit it); an engine whose core runs the model itself (vLLM's uni
-executor, `actors.engine.vllm.uniproc`) has no worker: its `VLLM::EngineCore` is set. GPU hosts are left alone (the compute is not on the
-CPU there, and a worker's CPU threads launch the kernels).
+With every process of the service on the same few cores, each engine's worker computes flat out
+while the processes that carry requests (proxy, ingress, engine actors, vLLM's engine cores) need
+that core for short wake-ups; at equal priority each waits behind the compute, hop after hop. At
+`compute_nice` above the engine actor's own nice value (relative: Ray starts its workers at nice
+15; capped at 19) the worker still gets every cycle nobody else wants, but the serving path runs
+first. Nice is per thread: every thread of each `VLLM::Worker` below the engine actor is set (or
+its `VLLM::EngineCore` under the uni executor); under autogroup its session too (`compute_group`).
+GPU hosts are left alone.
 """
 
 from __future__ import annotations

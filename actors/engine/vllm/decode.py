@@ -1,43 +1,13 @@
 """The vLLM decode engine's `generate`: a colocated request, or one that resumes an answer.
 
 A resumed request is the prompt plus the k tokens the client already has
-(`EngineRequest.num_resumed_tokens`): k = 1 after a prefill on another engine
-(the prefill engine's first token), more for a migrated stream. vLLM 0.32 has
-no way to hand a request output tokens, so those k tokens are prompt here;
-what one engine would have seen differently is corrected around vLLM.
-
-Life cycle of a resumed request:
-
-  1. plan      `replay_reason`: nearly every parameter continues from prompt + k
-               (the table in the README, "Sampling parameters and the first-token
-               replay"); the few whose state only vLLM's own sampled outputs can
-               feed (structured outputs, thinking budget, repetition detection,
-               multi-token bad words, or what this engine lacks: `DecodeCaps`)
-               replay the k-th token instead (k = 1 only, and only when the redraw
-               is exact: greedy or seeded; the front seeds what may need it);
-  2. params    `resumed_params`: max_tokens is what is left, min_tokens less k,
-               presence/frequency/repetition penalties move to raypd's
-               `ResumedPenalties` (the k tokens count as outputs), a seeded
-               generator is advanced by k draws (`actors.engine.vllm.resumed`),
-               prompt_logprobs are dropped (the prefill engine returned them) and
-               the prefix cache is read again (vLLM skips it, and the pull, when
-               prompt_logprobs are asked for);
-  3. pull      with transfer params the connector pulls the KV of every prompt
-               token (synchronously for small pulls: `sync_load_max_tokens`);
-               the first scheduled step computes only the resumed token and
-               samples the next one;
-  4. verdict   the first delta says how the KV arrived (`PullVerdict`): the
-               ledger hears it, the first chunk the client sees carries it;
-  5. text      with stop strings of two or more characters (or a replay),
-               `ResumedText` detokenizes as one engine would: vLLM's incremental
-               detokenizer over the original prompt, fed the k tokens first, so a
-               stop string that begins in them is found and the text one engine
-               holds back (`PrefillResult.held_chars`) is streamed exactly once;
-  6. stream    one chunk per vLLM delta; logprobs as vLLM returns them (the
-               first token's came with the prefill), the cumulative logprob
-               continued from `EngineRequest.resumed_logprob`.
-
-A colocated request (k = 0, no transfer params) is vLLM's own stream, unchanged.
+(`EngineRequest.num_resumed_tokens`): k = 1 after a prefill on another engine, more for a migrated
+stream. vLLM 0.32 has no way to hand a request output tokens, so those k tokens are prompt here;
+what one engine would have seen differently (penalties, min_tokens, seeded draws, stop strings,
+logprobs) is corrected around vLLM, and the few parameters that cannot be replay the k-th token
+instead. The first chunk the client sees carries how the KV arrived (`PullVerdict`). A colocated
+request (k = 0, no transfer params) is vLLM's own stream, unchanged. The life cycle of a resumed
+request: `DecodePath`.
 """
 
 from __future__ import annotations
@@ -50,8 +20,8 @@ from typing import TYPE_CHECKING
 from actors.decode_caps import SAMPLING_EPS, DecodeCaps, replay_reason
 from actors.engine.vllm.requests import base_params, engine_outputs, logprobs_of, prompt_ids, stream_params
 from actors.engine.vllm.resumed import PENALTIES_KEY, RESUMED_KEY, SKIP_DRAWS_KEY
-from actors.kv.errors import HandshakeError
-from actors.protocol import EngineRequest, TokenChunk
+from actors.kv.transfer_errors import HandshakeError
+from actors.protocol.request import EngineRequest, TokenChunk
 from actors.transfer_params import TransferParams
 
 if TYPE_CHECKING:  # vLLM's own types, for the annotations only (this module imports vLLM lazily)
@@ -170,7 +140,41 @@ class DecodeWiring:
 
 
 class DecodePath:
-    """`VllmBackend.generate`, with the engine, peers, counters and ledger its `DecodeWiring` gives."""
+    """`VllmBackend.generate`, with the engine, peers, counters and ledger its `DecodeWiring` gives.
+
+    Life cycle of a resumed request:
+
+      1. plan      `replay_reason`: nearly every parameter continues from prompt + k
+                   (the table in the README, "Sampling parameters and the first-token
+                   replay"); the few whose state only vLLM's own sampled outputs can
+                   feed (structured outputs, thinking budget, repetition detection,
+                   multi-token bad words, or what this engine lacks: `DecodeCaps`)
+                   replay the k-th token instead (k = 1 only, and only when the redraw
+                   is exact: greedy or seeded; the front seeds what may need it);
+      2. params    `resumed_params`: max_tokens is what is left, min_tokens less k,
+                   presence/frequency/repetition penalties move to raypd's
+                   `ResumedPenalties` (the k tokens count as outputs), a seeded
+                   generator is advanced by k draws (`actors.engine.vllm.resumed`),
+                   prompt_logprobs are dropped (the prefill engine returned them) and
+                   the prefix cache is read again (vLLM skips it, and the pull, when
+                   prompt_logprobs are asked for);
+      3. pull      with transfer params the connector pulls the KV of every prompt
+                   token (synchronously for small pulls: `sync_load_max_tokens`);
+                   the first scheduled step computes only the resumed token and
+                   samples the next one;
+      4. verdict   the first delta says how the KV arrived (`PullVerdict`): the
+                   ledger hears it, the first chunk the client sees carries it;
+      5. text      with stop strings of two or more characters (or a replay),
+                   `ResumedText` detokenizes as one engine would: vLLM's incremental
+                   detokenizer over the original prompt, fed the k tokens first, so a
+                   stop string that begins in them is found and the text one engine
+                   holds back (`PrefillResult.held_chars`) is streamed exactly once;
+      6. stream    one chunk per vLLM delta; logprobs as vLLM returns them (the
+                   first token's came with the prefill), the cumulative logprob
+                   continued from `EngineRequest.resumed_logprob`.
+
+    A colocated request (k = 0, no transfer params) is vLLM's own stream, unchanged.
+    """
 
     def __init__(self, wiring: DecodeWiring, caps: DecodeCaps):
         self.w, self.caps = wiring, caps

@@ -1,28 +1,12 @@
 """Relays a vLLM engine's KV cache events to the prefix index owner (the coordinator) over Ray.
 
-Life cycle of one engine's event stream:
-
-  configured  `vllm_kv_events_config(endpoint)`: vLLM's engine core (a child
-              process of the engine actor) publishes `KVEventBatch`es on a
-              per-engine ipc endpoint (its PUB socket binds);
-  subscribed  `KVEventsRelay.start()`: an asyncio zmq SUB socket in the engine
-              actor connects (no thread, no polling: the event loop wakes on data);
-  relayed     each message is decoded with vLLM's own msgspec types and turned
-              into typed `KVEventsBatch` events; whatever arrives while a Ray
-              call is in flight is coalesced into the next one (runs of stores
-              or of removals merged, `coalesce`), and calls are at least
-              `min_interval_s` apart; one call at a time, so the owner applies
-              them in the engine's order;
-  lost        a sequence gap (the publisher's high-water mark dropped messages)
-              or a delivery that failed (coordinator restarting) makes the next
-              batch a `reset` one: the owner drops the engine's entries and
-              rebuilds them from later events, never claiming blocks that may be gone;
-  stopped     `stop()` cancels the tasks and closes the socket.
-
-The first block of every stored prompt is re-hashed here with the engine's
-`HashScheme`: a mismatch means routers could never match this engine's
-hashes (another algorithm, a hybrid model's hash block size), so relaying
-stops and `stats()` says why.
+vLLM's engine core publishes `KVEventBatch`es on a per-engine ipc endpoint; the engine actor's
+relay (an asyncio zmq SUB socket: no thread, no polling) decodes them with vLLM's own types,
+coalesces what arrives while a call is in flight, and sends one call at a time. Invariants: the
+owner applies an engine's events in its order; after a gap or a failed delivery the next batch is
+a `reset` (the owner rebuilds the engine's entries, never claiming blocks that may be gone); a
+hash scheme routers cannot match (checked on each stored prompt's first block) stops the relay and
+`stats()` says why. The life cycle of one engine's event stream: `KVEventsRelay`.
 """
 
 from __future__ import annotations
@@ -45,7 +29,7 @@ from actors.prefix_wire import (
     coalesce,
     external_key,
 )
-from actors.protocol import KVEventsStats
+from actors.protocol.stats import KVEventsStats
 
 logger = logging.getLogger("raypd.kv_events")
 
@@ -94,6 +78,31 @@ def relay_for(backend: Any, engine_id: str, sink: Callable[[KVEventsBatch], Awai
 
 
 class KVEventsRelay:
+    """Life cycle of one engine's event stream:
+
+      configured  `vllm_kv_events_config(endpoint)`: vLLM's engine core (a child
+                  process of the engine actor) publishes `KVEventBatch`es on a
+                  per-engine ipc endpoint (its PUB socket binds);
+      subscribed  `KVEventsRelay.start()`: an asyncio zmq SUB socket in the engine
+                  actor connects (no thread, no polling: the event loop wakes on data);
+      relayed     each message is decoded with vLLM's own msgspec types and turned
+                  into typed `KVEventsBatch` events; whatever arrives while a Ray
+                  call is in flight is coalesced into the next one (runs of stores
+                  or of removals merged, `coalesce`), and calls are at least
+                  `min_interval_s` apart; one call at a time, so the owner applies
+                  them in the engine's order;
+      lost        a sequence gap (the publisher's high-water mark dropped messages)
+                  or a delivery that failed (coordinator restarting) makes the next
+                  batch a `reset` one: the owner drops the engine's entries and
+                  rebuilds them from later events, never claiming blocks that may be gone;
+      stopped     `stop()` cancels the tasks and closes the socket.
+
+    The first block of every stored prompt is re-hashed here with the engine's
+    `HashScheme`: a mismatch means routers could never match this engine's
+    hashes (another algorithm, a hybrid model's hash block size), so relaying
+    stops and `stats()` says why.
+    """
+
     def __init__(self, engine_id: str, endpoint: str, scheme: HashScheme,
                  sink: Callable[[KVEventsBatch], Awaitable[Any]], max_pending_events: int = 100_000,
                  min_interval_s: float = MIN_INTERVAL_S):

@@ -1,33 +1,11 @@
 """The EngineActor's prefills whose blocks wait for a reader: `held_leases`, what a drain waits for.
 
-Life cycle of one held prefill, as the actor sees it (`UnreadLeases`):
-
-  remembered  `prefill()` returned transfer params naming vLLM's id of the
-              request: the engine holds its blocks under a lease of `ttl` s;
-  read        the readers' notices (an ok=false one, from a reader that gave
-              up, included) released the lease on every producer rank:
-              the connector's scheduler half saw it finished sending and says
-              so in the step's connector stats (`LeaseEndStats`), which vLLM
-              carries to this process with the step's scheduler stats; our
-              stat logger (`lease_ends_logger`) hands them over and the entry
-              ends at once ("leases_released_by_notice");
-  expired     no reader finished within the TTL on some rank: reported the
-              same way ("leases_expired");
-  released    the actor let go itself (`pop`: abort, nobody will read it); the
-              engine's report of it only confirms;
-  timed out   no report came by the lease's expiry on this process's clock (an
-              engine core that died holding it): the entry ends then, silently.
-              The TTL stays the bound for readers that never come.
-
-The counters count the engine's reports, whichever way the entry ended here
-(an expiry report that comes after the entry timed out still counts).
-
-The same step stats carry a decode engine's failed pulls with the reader
-ranks' reasons (`PULL_FAILED`); `PullFailures` counts them by kind
-(`pull_failures_lease_ended`: the producer's lease board said the lease had
-ended after the data READ) and keeps each request's reason for its ledger
-verdict. They reach this process before the outputs of any later step, so
-before the request's first token.
+The connector reports how each lease ended (read, expired, released) in the step's connector
+stats, which reach this process with vLLM's scheduler stats; an entry ends then, or silently when
+no report came by the lease's expiry on this clock (an engine core that died holding it). The same
+stats carry a decode engine's failed pulls with the reader ranks' reasons: `PullFailures` counts
+them by kind and keeps each request's reason for its ledger verdict; they arrive before the outputs
+of any later step. The life cycle of one held prefill: `UnreadLeases`.
 """
 
 from __future__ import annotations
@@ -38,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from actors.kv.pull_types import FAILURE_KINDS, failure_kind
+from actors.kv.plan.pull_types import FAILURE_KINDS, failure_kind
 
 logger = logging.getLogger("raypd.vllm")
 
@@ -51,7 +29,7 @@ PULL_FAILED = "pull_failed"  # the key of a step's failed pulls: [vLLM's id, why
 
 class PullFailures:
     """Why this engine's pulls failed, as its reader ranks said: counted by kind in `counters`
-    (`pull_failures_<kind>`, `actors.kv.pull_types.failure_kind`) and kept by request (the last
+    (`pull_failures_<kind>`, `actors.kv.plan.pull_types.failure_kind`) and kept by request (the last
     `keep`) for the ledger's verdict."""
 
     KINDS = (*FAILURE_KINDS.values(), "transfer")
@@ -79,7 +57,37 @@ class PullFailures:
 
 
 class UnreadLeases:
-    """Held prefills by request id, with vLLM's id and the lease's expiry on this process's clock."""
+    """Held prefills by request id, with vLLM's id and the lease's expiry on this process's clock.
+
+    Life cycle of one held prefill, as the actor sees it (`UnreadLeases`):
+
+      remembered  `prefill()` returned transfer params naming vLLM's id of the
+                  request: the engine holds its blocks under a lease of `ttl` s;
+      read        the readers' notices (an ok=false one, from a reader that gave
+                  up, included) released the lease on every producer rank:
+                  the connector's scheduler half saw it finished sending and says
+                  so in the step's connector stats (`LeaseEndStats`), which vLLM
+                  carries to this process with the step's scheduler stats; our
+                  stat logger (`lease_ends_logger`) hands them over and the entry
+                  ends at once ("leases_released_by_notice");
+      expired     no reader finished within the TTL on some rank: reported the
+                  same way ("leases_expired");
+      released    the actor let go itself (`pop`: abort, nobody will read it); the
+                  engine's report of it only confirms;
+      timed out   no report came by the lease's expiry on this process's clock (an
+                  engine core that died holding it): the entry ends then, silently.
+                  The TTL stays the bound for readers that never come.
+
+    The counters count the engine's reports, whichever way the entry ended here
+    (an expiry report that comes after the entry timed out still counts).
+
+    The same step stats carry a decode engine's failed pulls with the reader
+    ranks' reasons (`PULL_FAILED`); `PullFailures` counts them by kind
+    (`pull_failures_lease_ended`: the producer's lease board said the lease had
+    ended after the data READ) and keeps each request's reason for its ledger
+    verdict. They reach this process before the outputs of any later step, so
+    before the request's first token.
+    """
 
     def __init__(self, counters: dict[str, Any], clock: Callable[[], float] = time.monotonic):
         self.counters = counters

@@ -70,7 +70,7 @@ def record_children(engine_id: str) -> tuple[Child, ...]:
 
 def live_pids(children: tuple[Child, ...]) -> list[int]:
     """The recorded children still running: O(children). Listing them again (psutil's `children()`)
-    reads every process's /proc entry on the host, on the engine actor's event loop: 2.9 ms idle with 86 processes."""
+    reads every process's /proc entry on the host, on the engine actor's event loop."""
     return [child.pid for child in children if child.process() is not None]
 
 

@@ -1,26 +1,11 @@
 """vLLM's processes of a raypd engine end when their parent does.
 
-vLLM's engine core is a child process of the EngineActor (its workers, with TP/PP > 1, children of
-the core). vLLM's workers watch the core through a pipe, but nothing in vLLM makes the core follow
-the actor. Ray 2.60's raylet SIGKILLs a dead worker's process group (`RAY_process_group_cleanup_enabled`),
-which holds the core, within milliseconds of a kill -9 or an OOM kill of the actor. It cannot when it is
-gone too (a SIGTERM to the whole process group of `raypd up` stops the raylet and leaves the workers to
-exit on their own) or when that cleanup is off: then the core is re-parented and keeps its memory, its
-KV cache and its threads' CPU. `actors.engine.vllm.orphans` reaps such a core when the engine restarts
-on the same node; this makes it stop on its own, at once, whether or not an engine ever starts there
-again. Whichever of the raylet and this watch acts first, the core is gone. (On a CPU host with the kernel's
-autogroup, vLLM's processes leave the actor's process group (`actors.engine.vllm.compute_group`): there this
-watch is what stops them, and it SIGKILLs at once, as the raylet would have.)
-
-How: the actor names itself in its environment (`PARENT_ENV`) before vLLM spawns the core, so every
-vLLM process below it inherits the mark. raypd's vLLM plugin (`actors.engine.vllm.plugin`) calls
-`follow_parent` in each vLLM process it is loaded in; a marked process that is not the actor itself
-opens a pidfd on its parent and one daemon thread blocks in poll() on it. The poll also wakes every
-`CHECK_EVERY_S` to compare `os.getppid()` with the parent: a kernel or sandbox without pidfds, or
-whose pidfds never signal, still notices the re-parenting within that time (one wake-up per few
-seconds; no CPU in between). When the parent exits, the process sends itself SIGTERM (vLLM's handler
-shuts the core down and cleans its shared memory), then SIGKILL `grace_s` later if it is still alive.
-A parent already gone when it is checked (re-parented) counts the same.
+vLLM's engine core is a child process of the EngineActor (its workers children of the core), and
+nothing in vLLM makes the core follow the actor. Ray's raylet SIGKILLs a dead worker's process
+group, but not when it is gone too or that cleanup is off, nor for processes that left the group
+(`compute_group`); then the core would keep its memory, KV cache and CPU. Invariant: whichever of
+the raylet and this watch acts first, the core is gone (`orphans` reaps what escapes both on the
+next start). How the watch works: `follow_parent`.
 """
 
 from __future__ import annotations
@@ -50,8 +35,19 @@ def should_follow(env_value: str | None, pid: int) -> bool:
 
 
 def follow_parent(grace_s: float = GRACE_S, check_every_s: float = CHECK_EVERY_S) -> threading.Thread | None:
-    """In a vLLM process: end when the parent does (see the module docstring). The watching thread,
-    or None when this process is not below a raypd engine actor (or already follows)."""
+    """In a vLLM process: end when the parent does. The watching thread,
+    or None when this process is not below a raypd engine actor (or already follows).
+
+    How: the actor names itself in its environment (`PARENT_ENV`) before vLLM spawns the core, so every
+    vLLM process below it inherits the mark. raypd's vLLM plugin (`actors.engine.vllm.plugin`) calls
+    `follow_parent` in each vLLM process it is loaded in; a marked process that is not the actor itself
+    opens a pidfd on its parent and one daemon thread blocks in poll() on it. The poll also wakes every
+    `CHECK_EVERY_S` to compare `os.getppid()` with the parent: a kernel or sandbox without pidfds, or
+    whose pidfds never signal, still notices the re-parenting within that time (one wake-up per few
+    seconds; no CPU in between). When the parent exits, the process sends itself SIGTERM (vLLM's handler
+    shuts the core down and cleans its shared memory), then SIGKILL `grace_s` later if it is still alive.
+    A parent already gone when it is checked (re-parented) counts the same.
+    """
     global _following_in
     if _following_in == os.getpid() or not should_follow(os.environ.get(PARENT_ENV), os.getpid()):
         return None

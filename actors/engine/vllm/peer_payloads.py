@@ -15,9 +15,9 @@ from typing import Any
 
 import ray
 
-from actors.kv.errors import HandshakeError
+from actors.kv.transfer_errors import HandshakeError
 from actors.kv.handshake import decode_handshake
-from actors.kv.topology import TransferTopology
+from actors.kv.plan.topology import TransferTopology
 from actors.transfer_params import TransferParams, agent_incarnation
 
 

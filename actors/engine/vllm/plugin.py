@@ -1,35 +1,16 @@
-"""raypd's vLLM general plugin: how vLLM's processes wait, on the CPU hosts raypd starts them on,
-that they end with the engine actor that started them (`actors.engine.vllm.parent_death`), and,
-on a CPU host whose kernel groups processes by session, that each leads a session (a scheduling
-group) of its own (`actors.engine.vllm.compute_group`).
+"""raypd's vLLM general plugin: how vLLM's processes wait on CPU hosts, that they end with the engine
+actor that started them (`parent_death`) and, under autogroup, lead a session of their own
+(`compute_group`).
 
-vLLM loads every `vllm.general_plugins` entry point in each of its processes (engine core,
-workers); `register` runs there. It changes nothing unless the process was started by a raypd
-engine with `shm_busy_loop_s` set (`RAYPD_SHM_BUSY_LOOP_S` in its environment, from
-`actors.engine.options`; "auto": 0 on a CPU host, vLLM's own on a GPU host), so a plain vLLM
-server in the same environment (the benchmarks' baselines), and a raypd engine by default, run
-exactly as shipped.
-
-What it sets: the reader side of vLLM's shared-memory message queue (`SpinCondition`, which the
-engine core uses to wait for its workers' step outputs and the workers to wait for the next
-step) spins on `sched_yield` for `busy_loop_s` = 1 s after each read before it sleeps on its
-ZMQ notification. On a GPU host that spin waits for a step of a few milliseconds on a core of
-its own. On a CPU host the step is the worker computing on the very cores the spinning reader
-competes for: the engine core burned ~19 ms of CPU per streamed token beside a ~60 ms worker
-in an earlier measurement. With `busy_loop_s` = 0 the reader sleeps on the notification the
-writer sends after every write (`MessageQueue.enqueue` -> `notify`), and each step then waits for
-two wake-ups on busy cores: it is opt-in until a benchmark shows it faster
-(`benchmarks/engine_waits.py`).
-
-Two changes make that sleep safe, since vLLM only takes this path after a second of idleness:
-- the writer's notification socket gets no send high-water mark (vLLM sets 1): with 1, a
-  notification sent while the previous one is still in the pipe is dropped, and a reader that
-  consumed that previous one (for a message it had already read without waiting) sleeps while
-  the next message waits: both processes stalled until the read timeout (seen: minutes);
-- a reader sleeps at most `POLL_CAP_MS` at a time before it looks at the buffer again, so no
-  lost notification can stall a step for longer.
-
-vLLM 0.32's `SpinCondition` is what this is written against; another version's is left alone.
+vLLM runs `register` in each of its processes (engine core, workers). It changes nothing unless a
+raypd engine started the process with `shm_busy_loop_s` set (`RAYPD_SHM_BUSY_LOOP_S`, from
+`actors.engine.options`), so plain vLLM servers in the same environment run as shipped. With it, the
+reader of vLLM's shared-memory queue (`SpinCondition`) spins `busy_loop_s` after each read before
+it sleeps on its ZMQ notification; on a CPU host that spin competes with the computing worker, so 0
+sleeps at once (opt-in until measured faster; docs/benchmarks.md). Sleeping is made safe: the
+writer's notification socket gets no send high-water mark (with vLLM's 1 a notification can be
+dropped and both processes stall), and a reader sleeps at most `POLL_CAP_MS` before it looks again.
+Written against vLLM 0.32's `SpinCondition`; another version's is left alone.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pickle
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.protocol import EngineRequest, EngineRequestError, Logprobs, SamplingSpec, TokenLogprob
+from actors.protocol.request import EngineRequest, EngineRequestError, Logprobs, SamplingSpec, TokenLogprob
 
 
 def prompt_ids(req: EngineRequest, max_model_len: int) -> list[int]:

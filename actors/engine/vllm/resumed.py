@@ -1,29 +1,14 @@
 """Worker-side pieces that let a decode engine continue from prompt + the tokens the client has.
 
-vLLM 0.32 cannot be handed output tokens: a resumed request (prompt + k tokens already
-generated, `EngineRequest.num_resumed_tokens`) reaches the model runner with those k tokens as
-prompt. Two sampler states would see them wrongly; both are corrected here, in the worker
-process (vLLM loads this module there by name), so the decode engine samples the (k+1)-th
-token exactly as one engine would, without replaying the k-th:
-
-  ResumedPenalties   a V1 logits processor (registered by `actors.engine.vllm.args`) that
-                     applies vLLM's own `apply_penalties` to a resumed row with the last k
-                     prompt tokens counted as outputs; the decode backend moves the request's
-                     presence/frequency/repetition penalties into `extra_args` (vLLM's own
-                     penalty step then leaves the row alone). Custom processors run right
-                     before vLLM's penalties, so the pipeline order is unchanged;
-  generator hooks    `install_generator_hooks`, on the V1 model runner:
-                     - a new request whose `extra_args` say `raypd_skip_draws: k` has its seeded
-                       generator advanced by the k draws the prefill engine's sampler made
-                       (CPU `forward_cpu`: one `randint` per sampled step); only installed when
-                       `cpu_sampler_draws_once` proves that draw;
-                     - rows whose sample vLLM discards (a chunk of a prompt) are sampled without
-                       their generator, so vLLM's rewind (`set_offset`, which a CPU generator
-                       refuses with "CPU Generator does not use offset", killing the engine)
-                       has nothing to rewind: the same stream as vLLM's rewind on CUDA.
-
-The decode backend decides from `resume_support` (evaluated in its own process with the same
-checks) whether a parameter can skip the replay; when not, it replays (`actors.engine.vllm.decode`).
+vLLM 0.32 cannot be handed output tokens: a resumed request (prompt + k tokens already generated,
+`EngineRequest.num_resumed_tokens`) reaches the model runner with those k tokens as prompt. Two
+sampler states would see them wrongly; both are corrected here, in the worker process (vLLM loads
+this module there by name), so the decode engine samples the (k+1)-th token exactly as one engine
+would, without replaying the k-th: penalties (`ResumedPenalties`, a V1 logits processor applying
+vLLM's own `apply_penalties` with the last k prompt tokens counted as outputs, in the pipeline's
+order) and seeded generators (`install_generator_hooks`). The decode backend decides from
+`resume_support` whether a parameter can skip the replay; when not, it replays
+(`actors.engine.vllm.decode`).
 """
 
 from __future__ import annotations
@@ -141,7 +126,16 @@ _installed: dict[str, bool] = {}
 
 
 def install_generator_hooks(vllm_config: Any) -> None:
-    """Patch the V1 model runner once per process (CPU only; see the module docstring)."""
+    """Patch the V1 model runner once per process (CPU only):
+
+    - a new request whose `extra_args` say `raypd_skip_draws: k` has its seeded generator advanced
+      by the k draws the prefill engine's sampler made (CPU `forward_cpu`: one `randint` per
+      sampled step); only installed when `cpu_sampler_draws_once` proves that draw;
+    - rows whose sample vLLM discards (a chunk of a prompt) are sampled without their generator,
+      so vLLM's rewind (`set_offset`, which a CPU generator refuses with "CPU Generator does not
+      use offset", killing the engine) has nothing to rewind: the same stream as vLLM's rewind on
+      CUDA.
+    """
     from vllm.platforms import current_platform
 
     if _installed or not current_platform.is_cpu() or getattr(vllm_config, "use_v2_model_runner", False):

@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from actors.protocol import Stamps
+from actors.protocol.request import Stamps
 
 logger = logging.getLogger("raypd.vllm")
 

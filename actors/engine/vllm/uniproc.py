@@ -1,28 +1,15 @@
 """One-rank CPU engines whose model runs in vLLM's engine-core process (vLLM's UniProcExecutor).
 
-By default a one-rank vLLM engine on a CPU host is three processes: the AsyncLLM client (here, the
-EngineActor), the engine core (scheduler), and one worker (the model) that the core drives through a
-shared-memory queue. vLLM's CPU platform turns `distributed_executor_backend: uni` into `mp` unless
-VLLM_ENABLE_V1_MULTIPROCESSING is 0, because the mp executor is what sets a worker's OpenMP binding.
-Measured here (`benchmarks/results/engine_layout.txt`: 2-core EPYC, one core, SmolLM2 fp32, 512-token
-prompts, 64 greedy tokens, 4 runs each, alternating): `uni` starts in 44.1 s against 67.1 s (one
-process fewer to spawn and import), ITL p50 0.92x, CPU per token 0.95x (no queue between two processes
-that share the core), and every answer is the same.
-
-vLLM's async scheduling (a batch queue of two steps) is off on every CPU engine, plain vLLM's too:
-vLLM's CPU platform turns it off whatever was asked (`vllm/platforms/cpu.py`, "not required on CPU";
-`raypd status` reads back `async_scheduling=off`). So the two arms of
-`benchmarks/results/engine_async.txt` (vLLM's default against explicitly off) ran alike: the ratios
-between them (TTFT p50 1.02x, ITL p50 1.02x, CPU per token 1.06x) are that benchmark's run-to-run noise.
-
-raypd's default for one-rank engines on a CPU host (`EngineConfig.cpu_engine_defaults`, set by
-`serving.config`); an operator's `engine_kwargs: {distributed_executor_backend: mp}` keeps vLLM's.
-With `uni`, raypd makes it stick on a CPU host:
-- VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine actor's environment (AsyncLLM still runs its core in
-  a subprocess: only the worker process goes);
-- the core process's OpenMP threads bound to the engine's `cpu.bind` cores, as vLLM's mp executor
-  binds a worker's (OMP_NUM_THREADS, OMP_PLACES, OMP_PROC_BIND, set in the core's environment only:
-  the actor's own OpenMP runtime read its environment long before).
+A one-rank vLLM engine on a CPU host is otherwise three processes (AsyncLLM client, engine core,
+one worker fed through a shared-memory queue); `uni` drops the worker process: it starts faster and
+spends less CPU per token, with the same answers (docs/benchmarks.md). It is raypd's default for
+one-rank CPU engines (`EngineConfig.cpu_engine_defaults`); `engine_kwargs:
+{distributed_executor_backend: mp}` keeps vLLM's. vLLM's CPU platform turns `uni` into `mp`, and
+async scheduling off, whatever was asked; with `uni` raypd makes it stick:
+- VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine actor's environment (AsyncLLM still runs its core
+  in a subprocess: only the worker process goes);
+- the core's OpenMP threads bound to the engine's `cpu.bind` cores, as vLLM's mp executor binds a
+  worker's (OMP_* set in the core's environment only: the actor's runtime read its own long before).
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """RayNixlConnector: the KVConnectorBase_V1 face of raypd's KV transfer.
 
-vLLM builds one instance with role SCHEDULER (EngineCore process) and one with
-role WORKER per rank (worker process); each delegates to its half
-(`ConnectorScheduler`, `ConnectorWorker`). Both refuse, when created, a
-parallel/model configuration raypd cannot map (`check_supported`: the message
-names it). `kv_connector_extra_config` is validated once, here, into a
-`ConnectorExtraConfig` (actors.engine.vllm.extra_config: the engine id, the
-handshake folder, the model id, and the deployment's `TransferConfig`); both
-halves get the typed object.
-
-How a lease ended reaches the EngineActor through what vLLM already carries:
-each worker's `build_connector_worker_meta` (leases expired or released in its
-step) goes to the scheduler half with the step's finished_sending; the
-scheduler half's `get_kv_connector_stats` (leases finished on every rank, by
-how) goes to the client with the step's scheduler stats
-(`actors.engine.vllm.leases`). `build_kv_connector_stats` lets vLLM's own
-logging stat logger read the same payload; `build_prom_metrics` exports its
-failed pulls by kind (`vllm:raypd_kv_pull_failures{reason}`; through Ray's
-metrics agent, tagged with the engine: `actors.engine.vllm.metrics`).
+vLLM builds one instance with role SCHEDULER (EngineCore process) and one with role WORKER per rank;
+each delegates to its half (`ConnectorScheduler`, `ConnectorWorker`). Invariants: both refuse, when
+created, a parallel/model configuration raypd cannot map (`check_supported` names it);
+`kv_connector_extra_config` is validated once, here, into a typed `ConnectorExtraConfig`; how a
+lease ended and why a pull failed reach the EngineActor only through what vLLM already carries
+(worker metadata, connector stats). The path those take: `RayNixlConnector`.
 """
 
 from __future__ import annotations
@@ -40,12 +28,12 @@ from actors.engine.vllm.connector.scheduler import ConnectorScheduler
 from actors.engine.vllm.connector.worker import ConnectorWorker, check_supported
 from actors.engine.vllm.extra_config import ConnectorExtraConfig
 from actors.engine.vllm.leases import PULL_FAILED, PullFailures
-from actors.kv.pull_types import failure_kind
+from actors.kv.plan.pull_types import failure_kind
 
 
 class PullFailureMetrics(KVConnectorPromMetrics):
     """`vllm:raypd_kv_pull_failures{reason}`: a decode engine's failed pulls by kind
-    (`actors.kv.pull_types.failure_kind`; lease_ended: the producer's lease board refused the read)."""
+    (`actors.kv.plan.pull_types.failure_kind`; lease_ended: the producer's lease board refused the read)."""
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
@@ -63,6 +51,17 @@ class PullFailureMetrics(KVConnectorPromMetrics):
 
 
 class RayNixlConnector(KVConnectorBase_V1):
+    """How a lease ended reaches the EngineActor through what vLLM already carries:
+    each worker's `build_connector_worker_meta` (leases expired or released in its
+    step) goes to the scheduler half with the step's finished_sending; the
+    scheduler half's `get_kv_connector_stats` (leases finished on every rank, by
+    how) goes to the client with the step's scheduler stats
+    (`actors.engine.vllm.leases`). `build_kv_connector_stats` lets vLLM's own
+    logging stat logger read the same payload; `build_prom_metrics` exports its
+    failed pulls by kind (`vllm:raypd_kv_pull_failures{reason}`; through Ray's
+    metrics agent, tagged with the engine: `actors.engine.vllm.metrics`).
+    """
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = ConnectorExtraConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)

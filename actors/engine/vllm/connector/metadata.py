@@ -1,26 +1,11 @@
 """Typed metadata between raypd's scheduler-side and worker-side connector halves.
 
-Scheduler -> worker, once per engine step (`RayNixlMetadata`):
-  recv     decode: requests whose prompt KV must be pulled now;
-  send     prefill: requests whose blocks are now held for remote readers;
-  abandon  decode: requests that will never pull (aborted before loading);
-           the worker tells their producers so they free at once;
-  release  prefill: held requests nobody will read; the worker drops their
-           leases in this step, so vLLM frees the blocks.
-
-Worker -> scheduler, with a step's results (`LeaseEnds`, vLLM's worker metadata:
-its aggregator unites the ranks'): the leases this rank let expire or dropped
-for the release list in the step. Every other lease a rank reports in
-finished_sending ended by its readers' notices. A decode rank adds the pulls
-that failed in the step, with why (`RankTransfer`'s reason: vLLM itself only
-hears of failed receives and invalid blocks).
-
-Scheduler -> the EngineActor, once per engine step (`LeaseEndStats`, vLLM's
-connector stats): the leases vLLM heard were finished sending on every rank, by
-how they ended, and the pulls that failed, with why (`PULL_FAILED`). vLLM
-carries them to the process that holds the AsyncLLM client in the step's
-`SchedulerStats.kv_connector_stats`, where the actor's stat logger reads them
-(`actors.engine.vllm.leases`), before the outputs of any later step.
+Three messages per engine step: scheduler -> worker (`RayNixlMetadata`: what to pull, hold,
+abandon and release), worker -> scheduler (`LeaseEnds`: leases a rank let expire or dropped, pulls
+that failed and why), and scheduler -> the EngineActor (`LeaseEndStats`, in vLLM's connector
+stats: how each lease ended, which pulls failed and why). Invariant: the EngineActor hears of a
+step's lease ends and failed pulls before the outputs of any later step. Each message's fields:
+`RayNixlMetadata`.
 """
 
 from __future__ import annotations
@@ -55,6 +40,29 @@ class SendSpec:
 
 @dataclass
 class RayNixlMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per engine step (`RayNixlMetadata`):
+      recv     decode: requests whose prompt KV must be pulled now;
+      send     prefill: requests whose blocks are now held for remote readers;
+      abandon  decode: requests that will never pull (aborted before loading);
+               the worker tells their producers so they free at once;
+      release  prefill: held requests nobody will read; the worker drops their
+               leases in this step, so vLLM frees the blocks.
+
+    Worker -> scheduler, with a step's results (`LeaseEnds`, vLLM's worker metadata:
+    its aggregator unites the ranks'): the leases this rank let expire or dropped
+    for the release list in the step. Every other lease a rank reports in
+    finished_sending ended by its readers' notices. A decode rank adds the pulls
+    that failed in the step, with why (`RankTransfer`'s reason: vLLM itself only
+    hears of failed receives and invalid blocks).
+
+    Scheduler -> the EngineActor, once per engine step (`LeaseEndStats`, vLLM's
+    connector stats): the leases vLLM heard were finished sending on every rank, by
+    how they ended, and the pulls that failed, with why (`PULL_FAILED`). vLLM
+    carries them to the process that holds the AsyncLLM client in the step's
+    `SchedulerStats.kv_connector_stats`, where the actor's stat logger reads them
+    (`actors.engine.vllm.leases`), before the outputs of any later step.
+    """
+
     recv: dict[str, RecvSpec] = field(default_factory=dict)
     send: dict[str, SendSpec] = field(default_factory=dict)
     abandon: dict[str, TransferParams] = field(default_factory=dict)

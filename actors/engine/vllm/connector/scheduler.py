@@ -1,46 +1,13 @@
 """Scheduler side of RayNixlConnector (runs in vLLM's EngineCore process).
 
-Life cycle of a request as this half sees it:
-
-  prefill engine (params has do_remote_decode)
-    request_finished     finished normally -> its blocks are held (delay free),
-                         the worker gets them under a lease, and the transfer
-                         params go back to the caller; aborted -> freed now;
-    release              nobody will read it (the router or the ledger let go):
-                         the EngineActor submits an aborted request through
-                         vLLM's rejection hook whose params name it
-                         (`RELEASE_KEY`); its request_finished puts the id on
-                         the next step's release list, the workers drop the
-                         lease in that step;
-    worker finished_sending   the readers notified, the lease expired or was
-                         released -> vLLM frees the blocks; once vLLM reports it
-                         finished on every rank, `update_connector_output`
-                         names how it ended (expired or released when a rank's
-                         `LeaseEnds` said so, else read: the readers' notices)
-                         and the step's connector stats (`lease_ends`) carry
-                         that to the EngineActor, whose held leases end then.
-  decode engine (params has do_remote_prefill)
-    get_num_new_matched_tokens   the remote prompt tokens count as external
-                         (never the last token: vLLM needs one token to
-                         compute); a pull of at most `sync_load_max_tokens`
-                         loads synchronously, a larger one asynchronously;
-    update_state_after_alloc     the local blocks to fill are known -> recv;
-    async: worker finished_recving   the request is scheduled; a failure comes
-                         with failed_recving + invalid blocks and vLLM applies
-                         kv_load_failure_policy (recompute or fail);
-    sync: scheduled at once; the workers pull before the step's forward (no
-                         scheduler step spent waiting); a failure comes as
-                         invalid blocks only (vLLM recomputes or fails the
-                         request), and `update_connector_output` marks its
-                         prefill stats as not pulled, so the first delta's
-                         `num_cached_tokens` tells the engine what happened;
-    either: failed       the ranks' reasons (their `LeaseEnds`) go to the
-                         EngineActor with the step's connector stats, once per
-                         request, before any output of a later step;
-    request_finished     aborted before loading -> abandon (producer freed).
-
-Malformed params never reach the worker: they are logged and the request is
-computed locally.
+It decides what the worker half does each step: the prefills whose blocks it holds under leases,
+the loads it starts (synchronous for pulls of at most `sync_load_max_tokens`, else asynchronous),
+the loads it abandons and the leases it releases, and it reports how each lease and each failed
+pull ended to the EngineActor through the step's connector stats. Invariants: the last prompt
+token is never counted as external (vLLM needs one token to compute); malformed params never reach
+the worker (the request is computed locally); a failed pull's reasons reach the EngineActor once,
+before any output of a later step. The life cycle of a request as this half sees it:
+`ConnectorScheduler`.
 """
 
 from __future__ import annotations
@@ -74,6 +41,49 @@ def _flat_block_ids(block_ids: Any) -> list[int]:
 
 
 class ConnectorScheduler:
+    """Life cycle of a request as this half sees it:
+
+      prefill engine (params has do_remote_decode)
+        request_finished     finished normally -> its blocks are held (delay free),
+                             the worker gets them under a lease, and the transfer
+                             params go back to the caller; aborted -> freed now;
+        release              nobody will read it (the router or the ledger let go):
+                             the EngineActor submits an aborted request through
+                             vLLM's rejection hook whose params name it
+                             (`RELEASE_KEY`); its request_finished puts the id on
+                             the next step's release list, the workers drop the
+                             lease in that step;
+        worker finished_sending   the readers notified, the lease expired or was
+                             released -> vLLM frees the blocks; once vLLM reports it
+                             finished on every rank, `update_connector_output`
+                             names how it ended (expired or released when a rank's
+                             `LeaseEnds` said so, else read: the readers' notices)
+                             and the step's connector stats (`lease_ends`) carry
+                             that to the EngineActor, whose held leases end then.
+      decode engine (params has do_remote_prefill)
+        get_num_new_matched_tokens   the remote prompt tokens count as external
+                             (never the last token: vLLM needs one token to
+                             compute); a pull of at most `sync_load_max_tokens`
+                             loads synchronously, a larger one asynchronously;
+        update_state_after_alloc     the local blocks to fill are known -> recv;
+        async: worker finished_recving   the request is scheduled; a failure comes
+                             with failed_recving + invalid blocks and vLLM applies
+                             kv_load_failure_policy (recompute or fail);
+        sync: scheduled at once; the workers pull before the step's forward (no
+                             scheduler step spent waiting); a failure comes as
+                             invalid blocks only (vLLM recomputes or fails the
+                             request), and `update_connector_output` marks its
+                             prefill stats as not pulled, so the first delta's
+                             `num_cached_tokens` tells the engine what happened;
+        either: failed       the ranks' reasons (their `LeaseEnds`) go to the
+                             EngineActor with the step's connector stats, once per
+                             request, before any output of a later step;
+        request_finished     aborted before loading -> abandon (producer freed).
+
+    Malformed params never reach the worker: they are logged and the request is
+    computed locally.
+    """
+
     def __init__(self, engine_id: str, tp_size: int, pp_size: int, dcp_size: int, block_size: int,
                  lease_ttl_s: float, clock=time.time, sync_load_max_tokens: int = 0):
         self.engine_id = engine_id

@@ -1,38 +1,12 @@
 """Worker side of RayNixlConnector: one per vLLM worker (rank), in its process.
 
-A thin adapter of vLLM's per-step hooks to `RankTransfer`, the same object
-the synthetic engine drives:
-
-  register_kv_caches   vLLM's cache tensors -> CacheGeometry (vLLM's CPU layout
-                       is (H, K/V, N, D) per block; flash-attention caches are
-                       split K and V planes in NHD; MLA caches are one latent
-                       row per token) -> NIXL registration; TP/PP/DCP sizes and
-                       MLA come from vLLM's parallel and model config
-                       (`check_supported` refused what raypd cannot map); the
-                       rank's handshake payload is written to the engine's
-                       handshake folder, where the EngineActor collects it for
-                       the coordinator (no Ray client in vLLM processes);
-  start_load_kv        metadata of this step: hold sent blocks under leases,
-                       start the pulls of new loads (`TransferParams.pull_request`),
-                       notify producers of abandoned loads, free the leases of
-                       the release list (prefills nobody will read); sync loads
-                       (vLLM calls this before the step's forward then) are
-                       waited for here, stepping `RankTransfer` until each one
-                       is done or failed (its own read timeout bounds it): a
-                       failed one's blocks go to `invalid_block_ids`, and a sync
-                       load is never reported finished or failed (vLLM asserts);
-  get_transfer_results one `RankTransfer.step()` (plus what the sync wait
-                       stepped): finished and failed pulls,
-                       released and expired leases. Peers' READs of this
-                       rank's KV do not wait for it: NIXL's progress thread
-                       (asleep on UCX's fd, `actors.kv.nixl_binding`) serves
-                       them while this process computes a step;
-  worker_meta          what the step says of how leases ended besides the
-                       readers' notices (`LeaseEnds`: expired, dropped for the
-                       release list) and of the pulls that failed (with
-                       `RankTransfer`'s reason: sync loads too), for the
-                       scheduler half, which tells the EngineActor (vLLM's
-                       `build_connector_worker_meta`).
+A thin adapter of vLLM's per-step hooks to `RankTransfer`, the same object the synthetic engine
+drives: the rank's caches become a `CacheGeometry` registered with NIXL, its handshake payload goes
+to the engine's handshake folder (no Ray client in vLLM processes), and each step's metadata holds
+leases, starts and abandons pulls and frees released leases. Invariants: a sync load is waited for
+before the step's forward and never reported finished or failed (vLLM asserts), a failed one's
+blocks go to `invalid_block_ids`; peers' READs of this rank never wait for its steps (NIXL's
+progress thread serves them). The hooks one by one: `ConnectorWorker`.
 """
 
 from __future__ import annotations
@@ -52,13 +26,14 @@ import torch
 
 from actors.engine.vllm.connector.metadata import LeaseEnds, RayNixlMetadata, RecvSpec
 from actors.engine.vllm.extra_config import ConnectorExtraConfig
-from actors.kv.errors import HandshakeError, LayoutError, TopologyError
+from actors.kv.transfer_errors import HandshakeError, LayoutError, TopologyError
 from actors.kv.faults import FaultPolicy
 from actors.kv.handshake import CompatInfo, decode_envelope
-from actors.kv.layout import CPU_HKND, MLA_ND, NHD, CacheGeometry
-from actors.kv.pull_types import StepResult
+from actors.kv.plan.layout import CPU_HKND, MLA_ND, NHD, CacheGeometry
+from actors.kv.plan.pull_types import StepResult
 from actors.kv.rank_transfer import RankIdentity, RankTransfer
-from actors.kv.transport import NixlTransport, PeerKey
+from actors.kv.nixl.nixl_transport import NixlTransport
+from actors.kv.transport import PeerKey
 from actors.transfer_params import TransferParams
 
 logger = logging.getLogger("raypd.connector")
@@ -191,6 +166,40 @@ class ParamsDirectory:
 
 
 class ConnectorWorker:
+    """vLLM's per-step hooks, one by one:
+
+      register_kv_caches   vLLM's cache tensors -> CacheGeometry (vLLM's CPU layout
+                           is (H, K/V, N, D) per block; flash-attention caches are
+                           split K and V planes in NHD; MLA caches are one latent
+                           row per token) -> NIXL registration; TP/PP/DCP sizes and
+                           MLA come from vLLM's parallel and model config
+                           (`check_supported` refused what raypd cannot map); the
+                           rank's handshake payload is written to the engine's
+                           handshake folder, where the EngineActor collects it for
+                           the coordinator (no Ray client in vLLM processes);
+      start_load_kv        metadata of this step: hold sent blocks under leases,
+                           start the pulls of new loads (`TransferParams.pull_request`),
+                           notify producers of abandoned loads, free the leases of
+                           the release list (prefills nobody will read); sync loads
+                           (vLLM calls this before the step's forward then) are
+                           waited for here, stepping `RankTransfer` until each one
+                           is done or failed (its own read timeout bounds it): a
+                           failed one's blocks go to `invalid_block_ids`, and a sync
+                           load is never reported finished or failed (vLLM asserts);
+      get_transfer_results one `RankTransfer.step()` (plus what the sync wait
+                           stepped): finished and failed pulls,
+                           released and expired leases. Peers' READs of this
+                           rank's KV do not wait for it: NIXL's progress thread
+                           (asleep on UCX's fd, `actors.kv.nixl.nixl_binding`) serves
+                           them while this process computes a step;
+      worker_meta          what the step says of how leases ended besides the
+                           readers' notices (`LeaseEnds`: expired, dropped for the
+                           release list) and of the pulls that failed (with
+                           `RankTransfer`'s reason: sync loads too), for the
+                           scheduler half, which tells the EngineActor (vLLM's
+                           `build_connector_worker_meta`).
+    """
+
     def __init__(self, vllm_config: Any, engine_id: str, settings: ConnectorExtraConfig):
         self.vllm_config = vllm_config
         self.engine_id = engine_id
