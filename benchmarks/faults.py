@@ -45,7 +45,8 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 from serving.bench.provenance import git_state  # noqa: E402
-from pdbench import fault_client, fault_inject, fault_outcomes, fault_report, faults, procs, setups  # noqa: E402
+from pdbench import fault_client, fault_inject, fault_outcomes, fault_report, fault_ties  # noqa: E402
+from pdbench import faults, procs, setups  # noqa: E402
 
 CHECK_FAILED = 3
 GROUP = {"b": "B", "e": "E", "c": "C"}
@@ -93,6 +94,12 @@ class Run:
         self.run_dir = Path(args.run_dir or f"/tmp/faultbench-{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         res["run_dir"] = str(self.run_dir)
+        self.started = time.monotonic()
+
+    def budget(self, what: str) -> None:
+        """Start nothing new once the run's time budget is spent (what did not run is said so)."""
+        if time.monotonic() - self.started > self.args.budget_s:
+            raise setups.SetupError(f"time budget ({self.args.budget_s:.0f} s) spent before {what}: not run")
 
     def start(self, setup: str) -> float:
         t = time.monotonic()
@@ -137,6 +144,7 @@ class Run:
 
     def one_setup(self, setup: str) -> None:
         a, model = self.args, self.settings["served_model_name"]
+        self.budget(f"starting {setup}")
         log(f"{setup}: starting")
         self.res["startup_s"][setup] = self.start(setup)
         url = next(iter(self.group.endpoints.values()))
@@ -156,7 +164,9 @@ class Run:
         engines = len(fault_inject.engine_cores(self.group))
         restart = False
         for name, role, action in PHASES:
+            self.budget(name)
             info: dict = {}
+            self.res["phase_info"].setdefault(setup, {})[name] = info
             if restart:  # (c): nothing restarts a killed server; a fresh set-up for the next fault
                 self.stop()
                 info["restarted_setup_s"] = self.start(setup)
@@ -177,8 +187,7 @@ class Run:
             until = inj.until_s if inj.until_s is not None else fault_s + a.kill_window_s
             end = max([s.end_s or 0.0 for s in streams] + [until])
             outs = [fault_outcomes.classify(s, self.res["references"][setup][s.idx]) for s in streams]
-            fig = fault_outcomes.aggregate(outs, fault_outcomes.Window(fault_s, until, end))
-            self.res["figures"].setdefault(setup, {})[name] = fig.to_json()
+            fig = fault_outcomes.aggregate(outs, fault_outcomes.Window(fault_s, until, end))  # the log's (no ties)
             self.res["streams"].setdefault(setup, {})[name] = [s.to_json() for s in streams]
             info["fault_s"], info["until_s"], info["end_s"] = fault_s, until, round(end, 2)
             if isinstance(self.group, setups.RaypdUp):
@@ -193,12 +202,10 @@ class Run:
                 self.read_faults(name)
                 if info["recovered_s"] is None:
                     log(f"{setup}: not recovered within {a.recover_s:.0f} s after {name}")
-                    self.res["phase_info"].setdefault(setup, {})[name] = info
                     raise setups.SetupError(f"not recovered within {a.recover_s:.0f} s after {name}")
             else:
                 info["at_rest"] = fault_inject.at_rest(self.group)
                 restart = action == "kill"
-            self.res["phase_info"].setdefault(setup, {})[name] = info
             log(f"{setup}: {name}: {fig.counts} goodput {fig.goodput_before}|{fig.goodput_during}|"
                 f"{fig.goodput_after} first good {fig.first_good_s} {info.get('at_rest')}")
 
@@ -207,10 +214,44 @@ def fault_counts(res: dict) -> dict:
     return {s: {e["phase"]: e["counts"] for e in entries} for s, entries in res.get("fault_trail", {}).items()}
 
 
+def judge_ties(res: dict, model_path: str, prompts: list[list[int]]) -> None:
+    """res["tie_gaps"][setup][phase][idx]: the top-two gap at the first differing token of every
+    complete answer whose text differs from its reference (pdbench/fault_ties.py)."""
+    from pdbench.fault_ties import TieJudge
+
+    judge: TieJudge | None = None
+    for setup, phases in res["streams"].items():
+        refs = res["references"][setup]
+        for phase, streams in phases.items():
+            for d in streams:
+                s = fault_outcomes.Stream(**d)
+                if fault_outcomes.complete(s) and s.text != refs[s.idx]:
+                    judge = judge or TieJudge(model_path)
+                    gap = judge.gap(prompts[s.idx], refs[s.idx], s.text)
+                    res["tie_gaps"].setdefault(setup, {}).setdefault(phase, {})[str(s.idx)] = gap
+
+
+def figures(res: dict) -> dict[str, dict[str, fault_outcomes.PhaseFigures]]:
+    out: dict[str, dict[str, fault_outcomes.PhaseFigures]] = {}
+    for setup, phases in res["streams"].items():
+        refs = res["references"][setup]
+        for phase, streams in phases.items():
+            gaps = res.get("tie_gaps", {}).get(setup, {}).get(phase, {})
+            info = res["phase_info"].get(setup, {}).get(phase, {})
+            if "end_s" not in info:
+                continue
+            outs = [fault_outcomes.classify(s, refs[s.idx], gaps.get(str(s.idx)), fault_ties.NEAR_TIE_NATS)
+                    for s in (fault_outcomes.Stream(**d) for d in streams)]
+            w = fault_outcomes.Window(info["fault_s"], info["until_s"], info["end_s"])
+            out.setdefault(setup, {})[phase] = fault_outcomes.aggregate(outs, w)
+    return out
+
+
 def finish(res: dict) -> list[str]:
-    """The summary fields of the table and the benchmark's check (raypd only)."""
+    """The per-phase figures, the table's summary fields and the benchmark's check (raypd only)."""
     res["fault_counts"] = fault_counts(res)
-    figs = {s: {p: fault_outcomes.PhaseFigures(**f) for p, f in ps.items()} for s, ps in res["figures"].items()}
+    figs = figures(res)
+    res["figures"] = {s: {p: f.to_json() for p, f in ps.items()} for s, ps in figs.items()}
     check = fault_outcomes.bad_of_raypd(figs, RAYPD)
     for s in RAYPD & set(res["setups"]):
         if s in res.get("setup_errors", {}):
@@ -244,6 +285,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limit-s", type=float, default=120.0, help="a request without an outcome by then is hung")
     p.add_argument("--recover-s", type=float, default=240.0, help="raypd: wait this long for a killed engine")
     p.add_argument("--start-timeout-s", type=float, default=420.0)
+    p.add_argument("--budget-s", type=float, default=1000.0, help="start no set-up or phase after this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--out", default="benchmarks/results/faults.json")
@@ -277,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.render:
         res = json.loads(Path(args.render).read_text())
+        finish(res)
         print(fault_report.header(res) + fault_report.table(res))
         return CHECK_FAILED if res.get("check") else 0
     started = time.monotonic()
@@ -288,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "before": procs.host_state()["loadavg"]},
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "plan", "render")},
         "setups": args.setups.split(","), "startup_s": {}, "references": {}, "reference_summary": {},
-        "figures": {}, "streams": {}, "phase_info": {}, "fault_trail": {}, "setup_errors": {},
+        "figures": {}, "streams": {}, "phase_info": {}, "fault_trail": {}, "setup_errors": {}, "tie_gaps": {},
         "seen_pids": [], "leftover_pids": [],
     }
     log(f"planned ~{plan_s(args) / 60:.0f} min")
@@ -304,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
         run.stop()
         res["leftover_pids"] = sorted({p for p in res["seen_pids"] + res["leftover_pids"] if procs.alive(p)})
     res["host"]["after"] = procs.host_state()["loadavg"]
+    try:
+        if res["streams"]:
+            judge_ties(res, run.model_path, run.prompts)
+    except Exception as exc:  # noqa: BLE001 - without the gaps every mismatch stays wrong
+        log(f"near-tie judging failed: {exc!r}")
+        res["tie_error"] = repr(exc)
     res["wall_s"] = round(time.monotonic() - started, 1)
     check = finish(res)
     write(res, args)

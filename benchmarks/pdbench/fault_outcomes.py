@@ -6,6 +6,8 @@ out; outcomes and the phase's fault times in, the phase's figures out.
 Outcomes (one per request):
   right  HTTP 200, the stream ended with [DONE], no error event, text == the reference
   wrong  HTTP 200, ended with [DONE], no error event, text != the reference
+  tie    the same, but the first differing token is at a near tie of the reference's top two
+         (<= 0.05 nats; pdbench/fault_ties.py): CPU kernels are not batch-invariant
   cut    the stream ended without [DONE] and without an error event, or the transport failed
          (before or after the response headers; `detail` says which)
   hung   no terminal outcome within the request limit (120 s)
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-RIGHT, WRONG, CUT, HUNG, ERROR = "right", "wrong", "cut", "hung", "error"
-OUTCOMES = (RIGHT, WRONG, CUT, HUNG, ERROR)
+RIGHT, WRONG, TIE, CUT, HUNG, ERROR = "right", "wrong", "tie", "cut", "hung", "error"
+OUTCOMES = (RIGHT, WRONG, TIE, CUT, HUNG, ERROR)
 
 
 @dataclass
@@ -47,7 +49,14 @@ class Outcome:
     detail: str = ""
 
 
-def classify(s: Stream, reference: str) -> Outcome:
+def complete(s: Stream) -> bool:
+    """A 200 answer that ended with [DONE] and no error event (right, wrong or a near tie)."""
+    return (not s.timed_out and s.status == 200 and s.error_event is None and s.transport_error is None
+            and s.done)
+
+
+def classify(s: Stream, reference: str, tie_gap: float | None = None, near_tie: float = 0.05) -> Outcome:
+    """`tie_gap`: the reference's top-two gap at the first differing token, where it was computed."""
     def out(kind: str, detail: str = "") -> Outcome:
         return Outcome(s.idx, kind, s.sent_s, s.end_s, detail)
 
@@ -64,7 +73,10 @@ def classify(s: Stream, reference: str) -> Outcome:
         return out(CUT, f"ended without [DONE] after {len(s.text)} chars")
     if s.text == reference:
         return out(RIGHT)
-    return out(WRONG, f"differs from char {first_difference(s.text, reference)}")
+    where = f"differs from char {first_difference(s.text, reference)}"
+    if tie_gap is not None and tie_gap <= near_tie:
+        return out(TIE, f"{where}, top-two gap {tie_gap} nats")
+    return out(WRONG, where + ("" if tie_gap is None else f", top-two gap {tie_gap} nats"))
 
 
 def first_difference(a: str, b: str) -> int:
@@ -88,8 +100,8 @@ class Window:
 class PhaseFigures:
     sent: int = 0
     counts: dict[str, int] = field(default_factory=lambda: {k: 0 for k in OUTCOMES})
-    wrong_rate: float = 0.0  # wrong / the 200 answers that ended with [DONE]
-    goodput_during: float = 0.0  # right answers completed in [fault, until] per second
+    wrong_rate: float = 0.0  # wrong / the 200 answers that ended with [DONE] (near ties not wrong)
+    goodput_during: float = 0.0  # right answers (near ties included) completed in [fault, until] per second
     goodput_after: float = 0.0  # right answers completed after `until` per second (to the phase end)
     goodput_before: float = 0.0  # right answers completed before the fault per second
     first_good_s: float | None = None  # fault -> first right answer of a request sent at/after the fault
@@ -109,9 +121,9 @@ def aggregate(outcomes: list[Outcome], w: Window, keep_details: int = 3) -> Phas
         f.counts[o.kind] += 1
         if o.detail and len(f.details.setdefault(o.kind, [])) < keep_details:
             f.details[o.kind].append(f"#{o.idx}: {o.detail}")
-    answered = f.counts[RIGHT] + f.counts[WRONG]
+    answered = f.counts[RIGHT] + f.counts[WRONG] + f.counts[TIE]
     f.wrong_rate = round(f.counts[WRONG] / answered, 4) if answered else 0.0
-    right = [o for o in outcomes if o.kind == RIGHT and o.end_s is not None]
+    right = [o for o in outcomes if o.kind in (RIGHT, TIE) and o.end_s is not None]  # the issue's near-tie rule
     f.goodput_before = _rate(sum(o.end_s < w.fault_s for o in right), w.fault_s)
     f.goodput_during = _rate(sum(w.fault_s <= o.end_s < w.until_s for o in right), w.until_s - w.fault_s)
     f.goodput_after = _rate(sum(o.end_s >= w.until_s for o in right), w.end_s - w.until_s)

@@ -16,12 +16,14 @@ NOTES = (
     "NOTES\n"
     "  right = HTTP 200, [DONE], no error event, text equal to the set-up's own batch-1 greedy reference\n"
     "  (computed on the healthy set-up before its fault phases); wrong = the same but a different text.\n"
-    "  CPU kernels are not batch-invariant: a mismatch at a near tie is possible under load. raypd refuses\n"
-    "  `logprobs`, so near ties are not told apart here: every mismatch is counted wrong.\n"
+    "  CPU kernels are not batch-invariant: a mismatch at a near tie is possible under load. tie = a\n"
+    "  mismatch whose first differing token is at a near tie (<= 0.05 nats between the reference's top\n"
+    "  two; raypd refuses `logprobs`, so the gap is computed after the run with the model in\n"
+    "  transformers, float32: an estimate, pdbench/fault_ties.py). Ties count in goodput, not in `right`.\n"
     "  cut = ended without [DONE] and without an error event, or the transport failed (before a response\n"
     "  included); hung = no outcome within the request limit; error = HTTP error status or error event.\n"
-    "  goodput = right answers completed per second: before the fault, during its window (SIGSTOP: until\n"
-    "  SIGCONT; SIGKILL: a fixed window after the kill), after it (to the phase's last outcome).\n"
+    "  goodput = right answers (near ties too) completed per second: before the fault, during its window\n"
+    "  (SIGSTOP: until SIGCONT; SIGKILL: a fixed window after the kill), after it (to the last outcome).\n"
     "  first good = fault -> first right answer of a request sent at or after the fault.\n"
     "  raypd: a killed engine is restarted by Ray/raypd (recovery = engine cores back + /health 200).\n"
     "  (c): nothing restarts a killed server (the set-up's own behaviour); the harness restarts the whole\n"
@@ -45,7 +47,7 @@ def _g(x: float | None) -> str:
 
 def table(res: dict) -> str:
     lines = ["UNDER FAULTS (goodput in right answers/s: before | during | after the fault window)",
-             f"  {'set-up':36} {'fault':24} {'sent':>4} {'right':>5} {'wrong':>5} {'cut':>4} {'hung':>4} "
+             f"  {'set-up':36} {'fault':24} {'sent':>4} {'right':>5} {'wrong':>5} {'tie':>3} {'cut':>4} {'hung':>4} "
              f"{'err':>4} {'wrong%':>6} {'goodput b|d|a':>17} {'1st good s':>10} {'kills':>5} {'misses':>6}"]
     for setup, phases in res.get("figures", {}).items():
         for phase, f in phases.items():
@@ -55,7 +57,8 @@ def table(res: dict) -> str:
             misses = "-" if not fc else f"{fc.get('deadline_misses', 0):.0f}"
             gp = f"{_g(f['goodput_before'])}|{_g(f['goodput_during'])}|{_g(f['goodput_after'])}"
             lines.append(f"  {NAMES.get(setup, setup):36} {phase:24} {f['sent']:>4} {c['right']:>5} {c['wrong']:>5} "
-                         f"{c['cut']:>4} {c['hung']:>4} {c['error']:>4} {100 * f['wrong_rate']:>5.0f}% {gp:>17} "
+                         f"{c.get('tie', 0):>3} {c['cut']:>4} {c['hung']:>4} {c['error']:>4} "
+                         f"{100 * f['wrong_rate']:>5.0f}% {gp:>17} "
                          f"{_g(f['first_good_s']):>10} {kills:>5} {misses:>6}")
             for kind, ds in f.get("details", {}).items():
                 if kind != "right":

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from benchmarks import faults as faults_bench  # noqa: F401 - puts benchmarks/ on sys.path (`pdbench`)
-from pdbench import fault_client, fault_outcomes
-from pdbench.fault_outcomes import CUT, ERROR, HUNG, RIGHT, WRONG, Outcome, Stream, Window, aggregate, classify
+from pdbench import fault_client, fault_outcomes, fault_ties
+from pdbench.fault_outcomes import CUT, ERROR, HUNG, RIGHT, TIE, WRONG, Outcome, Stream, Window, aggregate, classify
 
 
 def test_a_complete_answer_equal_to_the_reference_is_right():
@@ -47,7 +47,7 @@ def _phase() -> list[Outcome]:
 
 def test_aggregate_counts_each_outcome_once():
     f = aggregate(_phase(), Window(fault_s=5.0, until_s=35.0, end_s=45.0))
-    assert (f.sent, f.counts) == (6, {RIGHT: 4, WRONG: 1, CUT: 0, HUNG: 0, ERROR: 1})
+    assert (f.sent, f.counts) == (6, {RIGHT: 4, WRONG: 1, TIE: 0, CUT: 0, HUNG: 0, ERROR: 1})
 
 
 def test_wrong_rate_is_over_the_complete_200_answers():
@@ -77,3 +77,26 @@ def test_false_kills_skip_the_phases_that_stopped_an_engine():
 def test_prompts_and_arrivals_are_the_same_for_every_caller():
     assert (fault_client.prompts(0, 3, 8, 49152), fault_client.arrivals(0, 4, 0.3)) == \
            (fault_client.prompts(0, 3, 8, 49152), fault_client.arrivals(0, 4, 0.3))
+
+
+def test_a_mismatch_at_a_near_tie_is_a_tie_not_wrong():
+    s = Stream(0, 0.0, status=200, text="abd", done=True, end_s=1.0)
+    assert classify(s, "abc", tie_gap=0.03).kind == TIE
+
+
+def test_a_mismatch_past_the_near_tie_bound_is_wrong():
+    s = Stream(0, 0.0, status=200, text="abd", done=True, end_s=1.0)
+    assert classify(s, "abc", tie_gap=0.4).kind == WRONG
+
+
+def test_near_ties_count_in_goodput_and_not_in_the_wrong_rate():
+    f = aggregate([Outcome(0, TIE, 0.0, 10.0), Outcome(1, RIGHT, 0.0, 12.0)], Window(5.0, 15.0, 20.0))
+    assert (f.wrong_rate, f.goodput_during) == (0.0, 0.2)
+
+
+def test_divergence_token_is_the_first_reference_token_not_carried():
+    assert fault_ties.divergence_token([" the", " cat", " sat"], " the dog sat") == 1
+
+
+def test_no_divergence_token_when_every_reference_token_is_carried():
+    assert fault_ties.divergence_token([" the", " cat"], " the cat") is None
