@@ -3,7 +3,7 @@
 What exists at start-up (Ray, vLLM's modules, the router) lives as long as the process: it is
 frozen out of the collector's passes. What comes later and stays (the route table, the prefix
 index copy, open streams) is still scanned by every full pass, and a full pass stalls every
-request of the process for its length (~30-40 ms at 256 engines: benchmarks/control_plane.py).
+request of the process for its length (tens of ms at cluster size: docs/control_plane.md).
 CPython starts one after 10 passes of the middle generation once enough has piled up; raypd
 lets 100 pass, so a full pass comes 10x more rarely and fewer requests wait behind one.
 Refcounting frees everything that is dropped without a cycle, as before; cyclic garbage lives
