@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import ray
@@ -30,6 +31,7 @@ from actors.engine.synthetic.rank import FailedPull, PulledKV, RankConfig, RankP
 from actors.engine.synthetic.outcomes import TransferFailed, is_handshake_failure, ordered_checksums
 from actors.engine.synthetic.rank_actor import RANK_MAX_RESTARTS, RankActor
 from actors.engine.synthetic.rank_supervision import RankSupervision
+from actors.protocol.registration import EngineInfo
 from actors.transfer_params import TransferParams
 
 logger = logging.getLogger("raypd.synthetic")
@@ -125,7 +127,7 @@ class SyntheticEngine(RankSupervision):
     async def _register(self) -> Any:
         return await self.coordinator.register_engine.remote(
             self.engine_id, self.role, list(self.handshakes), self.ranks,
-            {"backend": "synthetic", "shape": asdict(self.shape)},
+            EngineInfo(backend="synthetic", pid=os.getpid()),
         )
 
     def blocks_for(self, num_tokens: int) -> int:
