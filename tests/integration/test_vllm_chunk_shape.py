@@ -51,7 +51,8 @@ def servers(coordinator, tmp_path_factory):
         base = load_config("configs/local.yaml").model_dump(mode="json")
         base.update(name=NAME, model=str(model), max_model_len=MAX_MODEL_LEN)
         base["http"]["served_model_name"] = "m"
-        base["both"].update(count=1, cpu_bind=["0"], num_cpus=0)
+        base["both"].update(count=1, num_cpus=0)
+        base["both"]["cpu"]["bind"] = ["0"]
         cfg = DeploymentConfig.from_dict(base)
         dep = launch(cfg)
         raypd_port = free_port()
