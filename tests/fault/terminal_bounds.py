@@ -12,7 +12,10 @@ One test per class asserts its bound:
   crash             tests/fault/test_vllm_faults.py::test_twenty_greedy_streams_survive_a_decode_engine_kill
   partition         tests/fault/test_transfer_faults.py::test_partition_ends_every_pulling_stream_with_an_error_event
   READ error        tests/fault/test_transfer_faults.py::test_read_error_ends_every_pulling_stream_with_an_error_event
-  coordinator loss  tests/fault/test_self_healing.py::test_coordinator_killed_under_load
+                    (`fail`); tests/fault/test_vllm_shipped_policy.py::test_read_errors_are_recomputed_into_the_fault_free_answer
+                    (`recompute`, vLLM through the Serve front)
+  coordinator loss  tests/fault/test_self_healing.py::test_coordinator_killed_under_load;
+                    tests/fault/test_vllm_shipped_policy.py::test_coordinator_loss_mid_stream_leaves_every_stream_whole
 """
 
 from __future__ import annotations
@@ -75,6 +78,16 @@ def read_error_bound_s(cfg: DeploymentConfig) -> float:
     pull's read_timeout_s bounds it should the error never be reported; the policy ends the request
     as for a partition."""
     return cfg.transfer.read_timeout_s + SLACK_S
+
+
+def read_error_recompute_bound_s(cfg: DeploymentConfig, local_prefill_s: float) -> float:
+    """A READ that ends in error under `recompute`, from the prefill engine's first token (the pull starts
+    once the prefill is out) to the decode engine's first one: the pull fails at the decode engine's next
+    poll (read_timeout_s should the error never be reported), then the prompt is prefilled on the decode
+    engine under its first-chunk deadline, deadline_floor_s + deadline_margin x its fault-free time
+    (`local_prefill_s`: the same prompt's prefill on an engine set up alike, measured)."""
+    r = cfg.router
+    return cfg.transfer.read_timeout_s + r.deadline_floor_s + r.deadline_margin * local_prefill_s + SLACK_S
 
 
 def coordinator_bound_s(cfg: DeploymentConfig, reference_s: float) -> float:
