@@ -31,6 +31,7 @@ from serving.cluster.engines import (
     startup_deadline,
     stop_engine,
 )
+from serving.cluster.node_loss import NodeLossWatch
 from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, ROLES, engine_id, engine_index, launcher_name
 from serving.config import DeploymentConfig
 from serving.placement_config import MeasuredRates
@@ -58,7 +59,8 @@ class Launcher:
                    (another replica, a restarted launcher) then attaches to the engines
                    serving now instead of creating `count` of them;
       3. recover   the launcher restarts (bounded) like the coordinator; its next launch
-                   finds the engines by name (`get_if_exists`);
+                   finds the engines by name (`get_if_exists`); an engine whose node died is
+                   started again as a new placement group (`serving.cluster.node_loss`);
       4. shutdown  `shutdown_deployment(name)` stops the loop, then the engines, their
                    placement groups, the launcher and, when no other deployment's engine
                    is registered, the coordinator.
@@ -71,6 +73,7 @@ class Launcher:
         self._failed_phases: list[StartPhase] = []  # start-up phases of engines whose start failed
         self.startup = startup_deadline(self.cfg)  # how long a start may take: follows the starts measured
         self.measured_start_s: float | None = None  # the longest start this launcher measured
+        self.node_loss = NodeLossWatch(self.cfg.name, self.start_engine)  # engines whose node died
 
     async def failed_phases(self) -> list[StartPhase]:
         """Start-up phases of engines whose start failed (their actors are gone)."""
@@ -102,6 +105,7 @@ class Launcher:
         if cfg.autoscaler.enabled and self.autoscaler is None:
             self.autoscaler = Autoscaler(cfg, self)
             self.autoscaler.start()
+        self.node_loss.run()
         return dep
 
     async def _start_all(self, coordinator: Any) -> Deployment:
@@ -161,6 +165,7 @@ class Launcher:
 
     async def stop(self) -> None:
         """Stop deciding (before the deployment is torn down); drains in progress are left to shutdown."""
+        self.node_loss.stop()
         if self.autoscaler is not None:
             self.autoscaler.stop()
 
