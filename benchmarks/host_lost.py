@@ -43,6 +43,24 @@ def health(rp: RaypdOnHosts) -> str:
         return type(exc).__name__
 
 
+def ray_cpu_s() -> dict[str, float]:
+    """CPU seconds used so far by Ray's GCS and metrics agents (every host's, by process name)."""
+    import psutil
+
+    used: dict[str, float] = {}
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or ())
+            kind = "gcs_server" if "gcs_server" in (p.info["name"] or "") else (
+                "dashboard_agent" if "dashboard/agent.py" in cmd or "DashboardAgent" in cmd else None)
+            if kind:
+                t = p.cpu_times()
+                used[kind] = used.get(kind, 0.0) + t.user + t.system
+        except (psutil.Error, OSError):
+            continue
+    return used
+
+
 def decisions(workdir: Path) -> list[str]:
     """What the router, the coordinator and Ray said they decided (their logs, in order of the files)."""
     lines = []
@@ -74,6 +92,7 @@ def run(seconds: float, every_s: float) -> dict:
             futures = [pool.submit(stream, c) for c in ("Lyon", "Oslo", "Vienna", "Prague")]
             time.sleep(3)
             t_loss = time.monotonic()
+            cpu0 = ray_cpu_s()
             net.lose(2)
             after = []
             k = 0
@@ -86,6 +105,9 @@ def run(seconds: float, every_s: float) -> dict:
                 k += 1
                 time.sleep(max(0.0, every_s - a.seconds))
             out["in_flight"] = [f.result() for f in futures]
+        cpu1 = ray_cpu_s()
+        out["ray_cpu_s_after_loss"] = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 1) for k in cpu1}
+        out["seconds_after_loss"] = round(time.monotonic() - t_loss, 1)
         out["after"] = after
         st = rp.status()
         out["engines_at_end"] = {n: {"registered": e.get("registered"), "healthy": e.get("healthy")}
@@ -108,6 +130,8 @@ def report(o: dict) -> str:
         lines.append(f"  sent {r['sent_after_loss_s']:>6} s after  {r['outcome']:<12} {r['seconds']:>6} s  "
                      f"/health {r['health']}" + (f"  {r['error']}" if r["error"] else ""))
     lines.append(f"  engines at the end: {o.get('engines_at_end')}")
+    lines.append(f"  CPU seconds of Ray's GCS and metrics agents in the {o.get('seconds_after_loss')} s after the loss "
+                 f"(2 cores): {o.get('ray_cpu_s_after_loss')}")
     lines.append("  what the router, the coordinator and Ray logged:")
     lines += [f"    {ln}" for ln in o.get("decisions", [])]
     lines.append(f"teardown leftovers: {o.get('teardown_leftovers')}")
