@@ -21,6 +21,7 @@ request at a time on engines with the same settings (batch 1 both sides) keep ex
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -120,3 +121,11 @@ async def divergence(answer: Sequence[int], reference: Sequence[int], reference_
             return None if len(answer) == total else f"lengths differ: {len(answer)} vs {total} tokens"
         ref, lps = await continuation([*prompt, *answer[:offset]], total - offset)
         ref = list(ref)
+
+
+async def alone(client, prompt_ids: Sequence[int], n: int) -> tuple[list[int], Logprobs]:
+    """The greedy answer of one request alone on the engine behind `client` (an `EngineClient`: batch 1),
+    with its top-2 logprobs: a reference, or a `Continuation` step."""
+    req = greedy_request(f"ref-{time.monotonic_ns()}", prompt_ids, n, ignore_eos=True)
+    chunks = [c async for c in client.generate(req)]
+    return [t for c in chunks for t in c.token_ids], logprobs_of(chunks)

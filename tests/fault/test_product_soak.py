@@ -39,7 +39,7 @@ from serving.cluster.names import NAMESPACE, actor_name_of
 from serving.config import load_config
 
 from chaos_helpers import deployment_placement_groups, freeze_tree, generation, kill_tree, wait_generation
-from greedy import divergence, greedy_request, logprobs_of
+from greedy import alone, divergence
 from service_helpers import default_app_config, free_port, run_serve_app
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.injects_faults]
@@ -133,10 +133,7 @@ async def recovered(client: httpx.AsyncClient, url: str, timeout_s: float = 240.
 
 
 async def _reference(engine_id: str, prompt_ids: list[int], n: int):
-    client = RayEngineClient(engine_id, engine(engine_id))
-    req = greedy_request(f"ref-{time.monotonic_ns()}", prompt_ids, n, ignore_eos=True)
-    chunks = [c async for c in client.generate(req)]
-    return [t for c in chunks for t in c.token_ids], logprobs_of(chunks)
+    return await alone(RayEngineClient(engine_id, engine(engine_id)), prompt_ids, n)
 
 
 async def _wrong(answer: Outcome, reference: list[int], logprobs, engine_id: str) -> str | None:

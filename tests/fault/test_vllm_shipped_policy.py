@@ -45,7 +45,7 @@ from serving.cluster.names import NAMESPACE, actor_name_of
 from serving.config import DeploymentConfig, load_config
 
 from chaos_helpers import pair_states
-from greedy import divergence, exact_divergence, greedy_request, logprobs_of
+from greedy import alone, divergence, exact_divergence
 from service_helpers import free_port, run_serve_app
 from terminal_bounds import coordinator_bound_s, late, read_error_recompute_bound_s
 
@@ -236,11 +236,7 @@ async def at_rest(coordinator, apps: Apps) -> dict[str, tuple]:
 
 
 async def reference(engine_id: str, prompt_ids: list[int], n: int):
-    """The greedy answer of one request alone on the engine (batch 1), with its top-2 logprobs."""
-    client = RayEngineClient(engine_id, engine(engine_id))
-    req = greedy_request(f"ref-{time.monotonic_ns()}", prompt_ids, n, ignore_eos=True)
-    chunks = [c async for c in client.generate(req)]
-    return [t for c in chunks for t in c.token_ids], logprobs_of(chunks)
+    return await alone(RayEngineClient(engine_id, engine(engine_id)), prompt_ids, n)
 
 
 def counters(engine_id: str) -> dict[str, int]:
