@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """The shape planner's predictions against measurement: each planned shape run with `raypd up`, side by side.
 
-  python benchmarks/plan_check.py [--profile P] [--shapes "2x1 both,1P(1)+1D(1)"] [--rates 0.25,0.5,1]
+  python benchmarks/plan_check.py [--profile P | --no-measure] [--shapes "2x1 both,1P(1)+1D(1)"] [--rates 0.25,0.5,1]
                                   [--requests N] [--prompt-tokens 512] [--output-tokens 64]
                                   [--slo-ttft-s 3] [--slo-tpot-s 0.1] [--budgets plan,own,512,...]
                                   [--out benchmarks/results/plan_check.txt]
 
-For every shape `raypd config --plan` considers on this box (or those named), in one run: the deployment
+The profile is the one `raypd config --plan` would use (this host's, measured on first use; the
+header names it). For every shape `raypd config --plan` considers on this box (or those named), in one run: the deployment
 the planner would write (serving/sizing/deployment.py) is started with `raypd up`, and the planner's
 workload is sent through its front (pdbench's open-loop client: Poisson arrivals, random token-id
 prompts of the given lengths, `ignore_eos`, streamed). The prediction simulates those very requests
@@ -42,11 +43,10 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 from pdbench import client, planned  # noqa: E402
 from serving.bench.provenance import git_state, header_line  # noqa: E402
-from serving.cli.plan import DEFAULT_PROFILE, parse_prompt_mix, parse_rates  # noqa: E402
+from serving.cli.plan import MEASURE_SECONDS, parse_prompt_mix, parse_rates, profile_for  # noqa: E402
 from serving.config import load_config  # noqa: E402
 from serving.sizing.deployment import deployment_yaml  # noqa: E402
 from serving.sizing.plan import plan  # noqa: E402
-from serving.sizing.profile import load_profile  # noqa: E402
 from serving.sizing.workload import Request, SloTargets, Workload  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
@@ -117,7 +117,10 @@ def run_shape(yaml_text: str, args: argparse.Namespace, workload: Workload, slo:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--profile", default=None, help="default: this host's, as `raypd config --plan` takes it "
+                                                   "(measured on first use)")
+    p.add_argument("--no-measure", action="store_true", help="without a profile of this host: the shipped one")
+    p.add_argument("--measure-seconds", type=float, default=MEASURE_SECONDS)
     p.add_argument("--config", default=str(ROOT / "configs" / "local.yaml"), help="the base deployment")
     p.add_argument("--shapes", default=None, help="comma-separated shape labels (default: every planned shape)")
     p.add_argument("--rates", default="0.25,0.5,1.0")
@@ -135,7 +138,8 @@ def main() -> int:
     args = p.parse_args()
 
     base = load_config(args.config)
-    profile = load_profile(args.profile)
+    chosen_profile = profile_for(args, base)
+    profile = chosen_profile.profile
     workload = Workload(prompt_mix=parse_prompt_mix(args.prompt_tokens), output_tokens=args.output_tokens,
                         rates=parse_rates(args.rates))
     slo = SloTargets(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s)
@@ -172,7 +176,8 @@ def main() -> int:
         header_line(git_state(ROOT)),
         f"# host: {os.cpu_count()} CPUs, {platform.platform()}; load average before {load_before[0]:.2f}, "
         f"wall {time.monotonic() - t0:.0f} s",
-        f"profile {args.profile}; prompt tokens {args.prompt_tokens}, {args.output_tokens} output tokens; "
+        f"profile: {chosen_profile.label}",
+        f"prompt tokens {args.prompt_tokens}, {args.output_tokens} output tokens; "
         f"SLO TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s; {args.requests} requests per rate, "
         "the same ones simulated (predicted) and sent through each shape's `raypd up` front (measured)",
         "  shape @budget         rate  predicted  measured  pred/meas  failed",

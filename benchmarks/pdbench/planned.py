@@ -18,10 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from serving.cli.plan import DEFAULT_PROFILE, parse_prompt_mix
+from serving.cli.plan import parse_prompt_mix
 from serving.config import load_config
+from serving.sizing.host_profile import HostKey, choose_profile, shipped
 from serving.sizing.plan import plan
-from serving.sizing.profile import load_profile
 from serving.sizing.workload import Request, SloTargets, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,8 @@ SLO = SloTargets(ttft_s=3.0, tpot_s=0.1)  # `raypd config --plan`'s defaults
 def write_config(base: Path, out: Path, rates: str, mix: str, output_tokens: int) -> str:
     """Runs the user's `raypd config --plan` into `out`; its predicted-goodput table (stderr)."""
     cmd = [sys.executable, "-m", "serving.cli", "config", "--config", str(base), "--plan", "--rates", rates,
-           "--prompt-tokens", mix, "--output-tokens", str(output_tokens), "--plan-out", str(out)]
+           "--prompt-tokens", mix, "--output-tokens", str(output_tokens), "--plan-out", str(out),
+           "--no-measure"]  # this host's profile if one was measured, else the shipped one: never a measurement mid-benchmark
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"raypd config --plan failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -44,8 +45,9 @@ def predicted(base: Path, streams: dict[tuple[int, float], list], mix: str, outp
     {"shape": label, "budget": max_num_batched_tokens, "per_rate": {str(rate): req/s}} (keys as the results JSON keeps them). `streams`: (round, rate) -> client.Request."""
     rates = sorted({rate for _, rate in streams})
     workload = Workload(prompt_mix=parse_prompt_mix(mix), output_tokens=output_tokens, rates=tuple(rates))
-    profile = load_profile(DEFAULT_PROFILE)
-    data = load_config(str(base)).model_dump(mode="json", exclude_defaults=True)
+    cfg = load_config(str(base))
+    profile = (choose_profile(None, HostKey.of(cfg.model)) or shipped()).profile  # the one `write_config` used
+    data = cfg.model_dump(mode="json", exclude_defaults=True)
     deployed = plan(profile, workload, SLO, data).chosen  # what `write_config`'s command writes: shape and budget
     sums: dict[float, list[float]] = {rate: [] for rate in rates}
     for rnd in sorted({r for r, _ in streams}):

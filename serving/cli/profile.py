@@ -6,8 +6,9 @@
    then of short prompts with long answers, `--batches` streams per engine (its step by batch size).
 2. Every engine's own rate fit is read back (`EngineActor.load()`) and averaged per engine size
    (CPU cores or GPUs), weighted by the engines' samples.
-3. The sizes measured replace theirs in `--out` (a `serving.sizing.profile` file), which
-   `raypd config --plan --profile` reads; the KV transfer rate is not measured (`router.slo`'s priors).
+3. The sizes measured replace theirs in `--out` (a `serving.sizing.profile` file; by default this
+   host's profile, keyed by CPU model, cores and model, which `raypd config --plan` reads without
+   `--profile`); the KV transfer rate is not measured (`router.slo`'s priors).
 Run it once per engine size you want the planner to consider.
 """
 
@@ -27,11 +28,13 @@ from actors.rates import EngineRates
 from serving.bench.samples import Sample, make_prompt
 from serving.bench.sse import stream_request
 from serving.config import DeploymentConfig
+from serving.sizing.host_profile import HostKey, host_profile_path
 from serving.sizing.profile import EngineProfile, ProfileError, load_profile, parse_profile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="profile.yaml", help="the profile file to write (measured sizes replace theirs)")
+    p.add_argument("--out", default=None, help="the profile file to write, measured sizes replacing theirs (default: "
+                   "this host's profile, which `raypd config --plan` reads: serving/sizing/host_profile.py)")
     p.add_argument("--prompt-words", type=int, default=600, help="words per long prompt (~1.2 tokens each)")
     p.add_argument("--seconds", type=float, default=None,
                    help="how long the load runs (default: four half-lives of the engines' rate fits)")
@@ -90,21 +93,21 @@ def _figure(x: float) -> float:
     return float(f"{x:.4g}")  # four significant digits: what a short measurement can tell
 
 
-async def _load(url: str, model: str, engines: int, seconds: float, args: argparse.Namespace) -> int:
-    """The load: rounds until `seconds` have passed, at least one per batch size; returns how many
-    requests failed."""
+async def _load(url: str, model: str, engines: int, seconds: float, args: argparse.Namespace) -> list[str]:
+    """The load: rounds until `seconds` have passed, at least one per batch size; returns the errors
+    of the requests that failed."""
     import httpx
 
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    failed = 0
+    failed: list[str] = []
     async with httpx.AsyncClient(timeout=args.timeout) as client:
         async def one(words: int, max_tokens: int) -> None:
-            nonlocal failed
             body = {"model": model, "prompt": make_prompt(words, rng), "max_tokens": max_tokens,
                     "stream": True, "temperature": 0, "ignore_eos": True}
             sample = await stream_request(client, url, body, headers, False, Sample(ok=False))
-            failed += not sample.ok
+            if not sample.ok:
+                failed.append(sample.error or "no error text")
 
         start, rounds = time.monotonic(), 0
         while rounds < len(args.batches) or time.monotonic() - start < seconds:
@@ -128,8 +131,8 @@ def run(args: argparse.Namespace, cfg: DeploymentConfig, url: str) -> int:
     print(f"raypd profile: {len(handles)} engine(s), a load of {seconds:.0f} s through {url}", flush=True)
     failed = asyncio.run(_load(url, cfg.served_model_name, len(handles), seconds, args))
     if failed:
-        print(f"raypd profile: {failed} request(s) failed; the profile would not be the engines' own",
-              file=sys.stderr)
+        print(f"raypd profile: {len(failed)} request(s) failed, the profile would not be the engines' own; "
+              f"the first: {failed[0]}", file=sys.stderr)
         return 1
     by_size: dict[int, list[EngineRates]] = {}
     for actor, handle in sorted(handles.items()):
@@ -144,8 +147,9 @@ def run(args: argparse.Namespace, cfg: DeploymentConfig, url: str) -> int:
     if not measured:
         return 1
     gpus = int(ray.cluster_resources().get("GPU", 0))
+    out = Path(args.out) if args.out else host_profile_path(HostKey.of(cfg.model))
     try:
-        old = load_profile(args.out) if Path(args.out).exists() else None
+        old = load_profile(out) if out.exists() else None
     except ProfileError as exc:
         print(f"raypd profile: {exc}", file=sys.stderr)
         return 2
@@ -158,11 +162,12 @@ def run(args: argparse.Namespace, cfg: DeploymentConfig, url: str) -> int:
             "transfer_overhead_s": old.transfer_overhead_s if old else slo.prior_transfer_overhead_s,
             "engines": [{"cores": e.cores, "step_s": _figure(e.step_s), "step_per_stream_s": _figure(e.step_per_stream_s),
                          "prefill_tokens_per_s": _figure(e.prefill_tokens_per_s)} for _, e in sorted(merged.items())]}
-    parse_profile(data, args.out)  # what is written reads back
-    Path(args.out).write_text(f"# raypd profile of {cfg.model} ({cfg.name})\n" + yaml.safe_dump(data, sort_keys=False))
+    parse_profile(data, str(out))  # what is written reads back
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# raypd profile of {cfg.model} ({cfg.name})\n" + yaml.safe_dump(data, sort_keys=False))
     for cores, rates in sorted(by_size.items()):
         e = merged[cores]
         print(f"{cores} {data['unit']} unit(s), {len(rates)} engine(s): step {e.step_s * 1e3:.1f} ms "
               f"+ {e.step_per_stream_s * 1e3:.2f} ms per stream, prefill {e.prefill_tokens_per_s:.0f} tokens/s")
-    print(f"raypd profile: wrote {args.out}")
+    print(f"raypd profile: wrote {out}")
     return 0

@@ -294,12 +294,14 @@ def test_core_ranges_and_the_step_limits_a_deployment_runs_with():
 
 
 # ------------------------------------------------------------------ the CLI
-def test_config_plan_prints_the_table_and_a_deployment(tmp_path, capsys):
+def test_config_plan_prints_the_table_and_a_deployment(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RAYPD_PROFILE_DIR", str(tmp_path / "profiles"))  # no profile of this host: the shipped one
     base = dict(LOCAL)
     del base["engine_kwargs"]  # nothing for vLLM to check: the test stays off vLLM's import
     path = tmp_path / "base.yaml"
     path.write_text(yaml.safe_dump(base))
-    argv = ["config", "--config", str(path), "--plan", "--rates", "0.25,0.5", "--prompt-tokens", "512:0.8,1024:0.2"]
+    argv = ["config", "--config", str(path), "--plan", "--rates", "0.25,0.5", "--prompt-tokens", "512:0.8,1024:0.2",
+            "--no-measure"]
     assert main(argv) == 0
     captured = capsys.readouterr()
     cfg = DeploymentConfig.from_dict(yaml.safe_load(captured.out))

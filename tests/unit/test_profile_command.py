@@ -48,14 +48,14 @@ def test_the_load_runs_a_round_per_batch_size_at_least_long_prompts_first(monkey
 
     async def fake_stream(client, url, body, headers, chat, sample):
         sent.append((len(body["prompt"].split()), body["max_tokens"]))
-        return Sample(ok=len(sent) != 5)  # one request fails: counted
+        return Sample(ok=True) if len(sent) != 5 else Sample(ok=False, error="HTTP 503")  # one fails: reported
 
     monkeypatch.setattr(profile_command, "stream_request", fake_stream)
     args = argparse.Namespace(seed=0, api_key=None, timeout=5.0, prompt_words=600, batches=(1, 2))
     failed = asyncio.run(profile_command._load("http://127.0.0.1:1", "m", 2, 0.0, args))
     long, short = (600, 16), (32, 64)
     assert sent == [long, long, short, short, long, long, *[short] * 4]
-    assert failed == 1
+    assert failed == ["HTTP 503"]
 
 
 def test_batch_sizes_must_be_positive_integers():
