@@ -29,13 +29,9 @@ import asyncio
 import datetime as dt
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -44,13 +40,13 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 from pdbench import client, planned  # noqa: E402
 from serving.bench.provenance import git_state, header_line  # noqa: E402
 from serving.cli.plan import MEASURE_SECONDS, parse_prompt_mix, parse_rates, profile_for  # noqa: E402
+from serving.cli.scratch_up import scratch_up  # noqa: E402
 from serving.config import load_config  # noqa: E402
 from serving.sizing.deployment import deployment_yaml  # noqa: E402
 from serving.sizing.plan import plan  # noqa: E402
 from serving.sizing.workload import Request, SloTargets, Workload  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
-RAYPD = [sys.executable, "-m", "serving.cli"]
 
 
 def measured_goodput(records: list[client.Record], count: int, rate: float, slo: SloTargets) -> tuple[float, int]:
@@ -80,39 +76,12 @@ def as_arrivals(sent: dict[float, list[client.Request]]) -> dict[float, tuple[Re
 def run_shape(yaml_text: str, args: argparse.Namespace, workload: Workload, slo: SloTargets,
               model: str, sent: dict[float, list[client.Request]]) -> list[tuple[float, int]]:
     """One shape up, its load at every rate, down; (goodput, failed) per rate."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "shape.yaml"
-        cfg.write_text(yaml_text)
-        temp_dir = f"/tmp/raypd-plan-check-{os.getpid()}"
-        log = open(Path(tmp) / "up.log", "w")
-        up = subprocess.Popen([*RAYPD, "up", "--config", str(cfg), "--port", str(args.port), "--temp-dir", temp_dir],
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{args.port}"
-        try:
-            deadline = time.monotonic() + 420
-            while True:
-                if up.poll() is not None:
-                    raise RuntimeError(f"raypd up exited with {up.returncode}: {(Path(tmp) / 'up.log').read_text()[-2000:]}")
-                try:
-                    if httpx.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("raypd up not healthy after 420 s")
-                time.sleep(1)
-            out = []
-            for rate in workload.rates:
-                records, _ = asyncio.run(client.poisson(url, model, sent[rate], 300.0, args.drain_s))
-                out.append(measured_goodput(records, args.requests, rate, slo))
-            return out
-        finally:
-            subprocess.run([*RAYPD, "down", "--temp-dir", temp_dir], cwd=ROOT, capture_output=True, timeout=180)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-            log.close()
+    with scratch_up(yaml_text, 420, port=args.port) as up:
+        out = []
+        for rate in workload.rates:
+            records, _ = asyncio.run(client.poisson(up.url, model, sent[rate], 300.0, args.drain_s))
+            out.append(measured_goodput(records, args.requests, rate, slo))
+        return out
 
 
 def main() -> int:

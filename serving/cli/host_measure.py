@@ -16,20 +16,16 @@ its sizes are GPUs and its engines take minutes to start; `raypd profile` measur
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from serving.cli.scratch_up import RAYPD, ROOT, ScratchUpError, scratch_up
 from serving.config import DeploymentConfig
 from serving.sizing.deployment import deployment_yaml
 from serving.sizing.shapes import Shape
 
 START_TIMEOUT_S = 600.0  # two vLLM engines start in about a minute on 2 cores; a cold model cache takes longer
-RAYPD = [sys.executable, "-m", "serving.cli"]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class MeasureError(RuntimeError):
@@ -55,48 +51,24 @@ def measurable(cfg: DeploymentConfig) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(base: DeploymentConfig, out: Path, seconds: float, log=sys.stderr) -> None:
     """Every size of `sizes_to_measure`, one `raypd up` at a time, into `out`; MeasureError on failure
     (`out` then holds the sizes measured before it, or nothing)."""
-    from serving.ops.health_probe import NotHealthy, wait_healthy
-
     cores = len(os.sched_getaffinity(0))
     base_data = base.model_dump(mode="json", exclude_defaults=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     for size in sizes_to_measure(cores):
         shape = Shape(colocated=(size,) * (cores // size))
-        work = Path(tempfile.mkdtemp(prefix="raypd-measure-"))
-        temp_dir, port = str(work / "ray"), _free_port()
-        (work / "shape.yaml").write_text(deployment_yaml(shape, base_data, "cpu"))
         print(f"raypd: measuring {shape.label} ({size}-core engines): start, {seconds:.0f} s of load, stop",
               file=log, flush=True)
-        with open(work / "up.log", "w") as up_log:
-            up = subprocess.Popen([*RAYPD, "up", "--config", str(work / "shape.yaml"), "--port", str(port),
-                                   "--temp-dir", temp_dir], cwd=ROOT, stdout=up_log, stderr=subprocess.STDOUT)
-            try:
-                try:
-                    wait_healthy(f"http://127.0.0.1:{port}", START_TIMEOUT_S, proc=up, interval_s=1.0)
-                except NotHealthy as exc:
-                    raise MeasureError(f"{shape.label} did not become healthy ({exc}); its log: "
-                                       f"{(work / 'up.log').read_text()[-1500:]}") from None
-                done = subprocess.run([*RAYPD, "profile", "--temp-dir", temp_dir, "--out", str(out),
+        try:
+            with scratch_up(deployment_yaml(shape, base_data, "cpu"), START_TIMEOUT_S) as up:
+                done = subprocess.run([*RAYPD, "profile", "--temp-dir", up.temp_dir, "--out", str(out),
                                        "--seconds", str(seconds)], cwd=ROOT, capture_output=True, text=True,
                                       timeout=seconds + 600)
-                if done.returncode != 0:
-                    raise MeasureError(f"raypd profile of {shape.label} failed ({done.returncode}): "
-                                       f"{(done.stdout + done.stderr)[-1500:]}")
-                print(done.stdout.strip().splitlines()[-2], file=log, flush=True)  # the size's fitted rates
-            finally:
-                subprocess.run([*RAYPD, "down", "--temp-dir", temp_dir], cwd=ROOT, capture_output=True, timeout=300)
-                try:
-                    up.wait(60)
-                except subprocess.TimeoutExpired:
-                    up.kill()
-                    up.wait(10)
-                shutil.rmtree(work, ignore_errors=True)
+        except ScratchUpError as exc:
+            raise MeasureError(f"{shape.label}: {exc}") from None
+        if done.returncode != 0:
+            raise MeasureError(f"raypd profile of {shape.label} failed ({done.returncode}): "
+                               f"{(done.stdout + done.stderr)[-1500:]}")
+        print(done.stdout.strip().splitlines()[-2], file=log, flush=True)  # the size's fitted rates
