@@ -1,21 +1,32 @@
 """A soak of the product: the embedded default (configs/local.yaml: two role-flexible `both` SmolLM2
-engines on vLLM, SLO placement) as the Serve app in its default mode, under faults, for SOAK_S.
+engines on vLLM) as the Serve app, with `router.placement: disaggregate` so that every request whose
+pair is usable is prefilled on one engine and decoded on the other (a KV pull), under faults, for at
+least SOAK_S (about 5 minutes).
 
 Load: LOAD_WORKERS clients, one request after another, streaming and non-streaming completions
-(greedy, `ignore_eos`, several lengths). Faults, one at a time on registered incarnations, in a loop:
-SIGKILL of an engine's process tree (the actor and vLLM's engine core), SIGSTOP of the other's for
-FREEZE_S then SIGCONT (the coordinator may kill it meanwhile: both ends are fine), clients that
-disconnect mid-stream, each fault once the front routes to both engines again (one engine serves
-while the other is down: two down at once is an outage, not a soak), and NIXL READ errors on every KV pull with probability FAULT_RATE throughout
-(`transfer.fault_rate`: a pull that fails is recomputed, the default `recompute` policy).
+(greedy, `ignore_eos`, several lengths) of 8 prompts of about 170 to 400 tokens. A pull reads the
+blocks the decode engine's prefix cache lacks: the whole prompt the first time, its last, partial
+block after that. Faults, the fixed schedule PLAN, one at a time, each once the front routes to both
+engines again (two down at once is an outage, not a soak): SIGKILL of an engine's process tree (the
+actor and vLLM's engine core), SIGSTOP of one for FREEZE_S then SIGCONT (the coordinator may kill it
+meanwhile: both ends are fine); after each, the load pauses, LEAVERS clients ask for LEAVE_TOKENS
+tokens and disconnect after 3; and NIXL READ errors on every KV pull with probability FAULT_RATE
+throughout (`transfer.fault_rate`; the default `recompute` policy computes a failed pull's prompt on
+the decode engine).
 
 Bound: no wrong answer (every completed answer is its greedy reference, token for token or split at
 near ties, each followed by the greedy continuation of the accepted branch: tests/greedy.py), no cut
 stream and no client timeout, clean errors (an HTTP error body or an SSE error event, each with its
-code) at most 2 % of the requests. At the end: every engine back and registered, each engine's blocks
-at its baseline, no held lease, no handoff in flight; after the deployment is shut down no actor,
-placement group or vLLM process of it is left. The synthetic chaos soak (test_chaos_soak.py) keeps
-covering topologies (TP, several pools).
+code) at most 2 % of the requests. Every fault of PLAN happened (a kill: a new incarnation
+registered; a freeze: every process of the tree seen stopped). Each disconnect is an abort: within
+RELEASE_S of it no request runs on either engine and both are back at rest (blocks at baseline, no
+lease, no handoff), while finishing the streams would take over a minute. KV pulls (the engines'
+counters, summed over every incarnation: tests/fault/soak_counts.py) at least the router's
+disaggregated requests, less those whose remote prefill failed (prefilled locally) and what the
+faults cut short (IN_FLIGHT each); READ errors injected (> 0); every failed pull recomputed (but for
+those the faults cut short). At the end: every engine back and registered, at rest; after the
+deployment is shut down no actor, placement group or vLLM process of it is left. The synthetic chaos
+soak (test_chaos_soak.py) keeps covering topologies (TP, several pools).
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from serving.config import load_config
 from chaos_helpers import deployment_placement_groups, freeze_tree, generation, kill_tree, wait_generation
 from greedy import alone, divergence
 from service_helpers import default_app_config, free_port, run_serve_app
+from soak_counts import PullCounts, metric_sum
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.injects_faults]
 
@@ -48,15 +60,24 @@ NAME = "product-soak"
 CONFIG = "configs/local.yaml"
 MODEL = load_config(CONFIG).served_model_name
 ENGINES = [f"{NAME}-both-0", f"{NAME}-both-1"]
-SOAK_S = 150.0  # a kill and a freeze at least (each waits for recovery); longer soaks: edit
+SOAK_S = 300.0  # the load runs this long, and until PLAN is through
+PLAN = (("kill", 0), ("freeze", 1), ("kill", 1), ("freeze", 0))  # (fault, index in ENGINES)
 LOAD_WORKERS = 3
 FREEZE_S = 15.0
 FAULT_RATE = 0.3
 MAX_ERROR_SHARE = 0.02
-PROMPTS = ["Tell me a story about a lighthouse keeper.", "Explain how a steam engine works.",
-           "Write a poem about the sea.", "List the planets of the solar system.",
-           "Describe a walk through a forest in autumn.", "How do bees make honey?",
-           "What is the capital of France? Explain its history.", "Why is the sky blue?"]
+LEAVERS = 2  # clients that disconnect mid-stream after each fault
+# A leaver's stream would take LEAVE_TOKENS x the ITL (50-70 ms here; >= 40 ms) >= 72 s to finish
+# (its prompt, <= 202 tokens, + LEAVE_TOKENS < max_model_len 2048): released within RELEASE_S is the
+# abort's doing (and well within the 30 s lease TTL, which would free a prefill's blocks anyway).
+LEAVE_TOKENS = 1800
+RELEASE_S = 10.0
+IN_FLIGHT = LOAD_WORKERS + LEAVERS  # the most requests one fault can cut short
+TOPICS = ["a lighthouse keeper", "a steam engine", "the sea", "the planets of the solar system",
+          "a forest in autumn", "bees and honey", "the history of Paris", "the blue sky"]
+PROMPTS = [f"Here are my notes about {t}. " + " ".join(f"Note {j}: {t} matters to me for reason {j}."
+                                                       for j in range(10 + 2 * i)) + f" Now write an essay about {t}."
+           for i, t in enumerate(TOPICS)]
 LENGTHS = (8, 24, 48)
 
 
@@ -66,7 +87,7 @@ class Outcome:
     prompt: str
     max_tokens: int
     stream: bool
-    outcome: str = "cut"  # completed | error (a clean one, with its code) | cut | timeout
+    outcome: str = "cut"  # completed | error (a clean one, with its code) | left | cut | timeout
     prompt_ids: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     code: str | None = None
@@ -132,6 +153,55 @@ async def recovered(client: httpx.AsyncClient, url: str, timeout_s: float = 240.
         await asyncio.sleep(0.5)
 
 
+async def at_rest(coordinator, baseline: dict[str, int]) -> dict | None:
+    """None when both engines are at rest (no request running, blocks at baseline, no held lease, no
+    handoff in flight); else what each has."""
+    rest = {}
+    for e in ENGINES:
+        s = await engine(e).stats.remote()
+        rest[e] = (s.running, s.free_blocks, s.held_leases, await coordinator.handoffs_in_flight.remote(e))
+    return None if rest == {e: (0, baseline[e], 0, 0) for e in ENGINES} else rest
+
+
+async def rested(coordinator, baseline: dict[str, int], timeout_s: float) -> dict | None:
+    """Polls `at_rest` until None or `timeout_s`; its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while (rest := await at_rest(coordinator, baseline)) is not None and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return rest
+
+
+async def released(coordinator, baseline: dict[str, int], timeout_s: float) -> tuple[float | None, float | None, list]:
+    """Seconds until no request runs on either engine and no handoff is open (the abort's doing), and
+    until both are wholly at rest (`at_rest`: their blocks and leases too); None: not within `timeout_s`.
+    And what was seen on the way (seconds, `at_rest`), once per change."""
+    t0, idle, seen = time.monotonic(), None, []
+    while (t := time.monotonic() - t0) < timeout_s:
+        rest = await at_rest(coordinator, baseline)
+        if not seen or seen[-1][1] != rest:
+            seen.append((round(t, 2), rest))
+        if idle is None and (rest is None or all(r[0] == r[3] == 0 for r in rest.values())):
+            idle = t
+        if rest is None:
+            return idle, t, seen
+        await asyncio.sleep(0.05)
+    return idle, None, seen
+
+
+async def stopped(pids: list[int], timeout_s: float = 2.0) -> bool:
+    """Whether every process of `pids` shows as stopped (SIGSTOP landed) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if pids and all(psutil.Process(p).status() == psutil.STATUS_STOPPED for p in pids):
+                return True
+        except psutil.Error:
+            return False
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+
+
 async def _reference(engine_id: str, prompt_ids: list[int], n: int):
     return await alone(RayEngineClient(engine_id, engine(engine_id)), prompt_ids, n)
 
@@ -150,11 +220,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def _tree(engine_id: str) -> list[int]:
-    stats = await engine(engine_id).stats.remote()
-    return [stats.pid, *stats.backend.child_pids]
-
-
 def test_the_default_serve_app_under_kills_freezes_read_errors_and_disconnects(coordinator):
     from ray import serve
 
@@ -162,7 +227,10 @@ def test_the_default_serve_app_under_kills_freezes_read_errors_and_disconnects(c
     url = f"http://127.0.0.1:{port}"
     base = default_app_config(NAME, CONFIG)
     base.setdefault("transfer", {})["fault_rate"] = FAULT_RATE
-    faults: list[str] = []
+    base.setdefault("router", {})["placement"] = "disaggregate"
+    faults: list[tuple[str, str, bool]] = []  # (fault, engine, seen: a new incarnation, or every process stopped)
+    releases: list[tuple] = []  # per fault: leavers' outcomes, `released` (seconds to idle, to rest, seen)
+    counts = PullCounts()
     seen_pids: set[int] = set()
     frozen: list[int] = []
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -173,41 +241,64 @@ def test_the_default_serve_app_under_kills_freezes_read_errors_and_disconnects(c
         async def go():
             rng = random.Random(25)
             answers: list[Outcome] = []
-            left: list[Outcome] = []
             until = time.monotonic() + SOAK_S
+            chaos_done = asyncio.Event()
+            gate = asyncio.Event()  # open: the workers send; closed: they wait (a disconnect is measured)
+            gate.set()
+            busy = [0]
 
             async def worker(i: int):
                 wrng = random.Random(i)
                 async with httpx.AsyncClient() as client:
-                    while time.monotonic() < until:
+                    while time.monotonic() < until or not chaos_done.is_set():
+                        await gate.wait()
+                        busy[0] += 1
                         answers.append(await send(client, url, wrng.choice(PROMPTS), wrng.choice(LENGTHS),
                                                   stream=wrng.random() < 0.7))
+                        busy[0] -= 1
+
+            async def disconnect(client: httpx.AsyncClient) -> None:
+                """The load paused and drained, LEAVERS streams that leave after 3 tokens: how long
+                until both engines are at rest again."""
+                gate.clear()
+                while busy[0]:
+                    await asyncio.sleep(0.1)
+                before = await rested(coordinator, baseline, 60)
+                assert before is None, f"not at rest before the disconnects: {before}"
+                left = await asyncio.gather(*(send(client, url, p, LEAVE_TOKENS, True, leave_after=3)
+                                              for p in PROMPTS[:LEAVERS]))
+                releases.append(([a.outcome for a in left], *await released(coordinator, baseline, 3 * RELEASE_S)))
+                gate.set()
 
             async def chaos():
+                try:
+                    await faults_in_turn()
+                finally:  # the workers stop at the end of the soak, whatever happened here
+                    chaos_done.set()
+                    gate.set()
+
+            async def faults_in_turn():
                 async with httpx.AsyncClient() as client:
-                    k = 0
-                    while time.monotonic() < until - 30:
+                    for fault, i in PLAN:
                         await asyncio.sleep(rng.uniform(5, 10))
-                        victim = ENGINES[k % 2]
+                        victim = ENGINES[i]
                         gen = await generation(coordinator, victim)
-                        tree = await _tree(victim)
+                        stats = await engine(victim).stats.remote()
+                        counts.sample(stats)  # its incarnation's last counts, if this fault ends it
+                        tree = [stats.pid, *stats.backend.child_pids]
                         seen_pids.update(tree)
-                        if k % 2 == 0:
+                        if fault == "kill":
                             kill_tree(tree)
-                            faults.append(f"SIGKILL {victim}")
+                            await wait_generation(coordinator, victim, gen, timeout_s=240)
+                            faults.append((fault, victim, True))
                         else:
                             frozen.extend(freeze_tree(tree))
-                            faults.append(f"SIGSTOP {victim} for {FREEZE_S:.0f} s")
+                            faults.append((fault, victim, await stopped(tree)))
                             await asyncio.sleep(FREEZE_S)
                             kill_tree(frozen, signal.SIGCONT)
                             frozen.clear()
-                        left.extend(await asyncio.gather(*(send(client, url, p, 200, True, leave_after=3)
-                                                           for p in PROMPTS[:2])))
-                        faults.append("2 clients left mid-stream")
-                        if k % 2 == 0:  # a kill: the incarnation comes back before the next fault
-                            await wait_generation(coordinator, victim, gen, timeout_s=240)
                         await recovered(client, url)  # one fault at a time: the other engine serves meanwhile
-                        k += 1
+                        await disconnect(client)
 
             await asyncio.gather(chaos(), *(worker(i) for i in range(LOAD_WORKERS)))
             # every engine registered (a frozen one the coordinator killed comes back too) and at rest
@@ -219,27 +310,24 @@ def test_the_default_serve_app_under_kills_freezes_read_errors_and_disconnects(c
                         break
                     assert time.monotonic() < deadline, f"{e} did not register again"
                     await asyncio.sleep(0.5)
-            settle = time.monotonic() + 60
-            while True:
-                stats = {e: await engine(e).stats.remote() for e in ENGINES}
-                inflight = {e: await coordinator.handoffs_in_flight.remote(e) for e in ENGINES}
-                rest = {e: (s.running, s.free_blocks, s.held_leases, inflight[e]) for e, s in stats.items()}
-                if rest == {e: (0, baseline[e], 0, 0) for e in ENGINES} or time.monotonic() > settle:
-                    break
-                await asyncio.sleep(0.2)
+            rest = await rested(coordinator, baseline, 60)
             for e in ENGINES:
-                seen_pids.update(await _tree(e))
+                stats = await engine(e).stats.remote()
+                counts.sample(stats)
+                seen_pids.update([stats.pid, *stats.backend.child_pids])
+            async with httpx.AsyncClient() as client:
+                metrics = (await client.get(url + "/metrics", timeout=10)).text
             survivor = ENGINES[0]
             refs = {}
             for a in answers:  # one reference per prompt, as long as the longest answer (greedy, ignore_eos)
                 key = tuple(a.prompt_ids)
                 if a.outcome == "completed" and key not in refs:
                     refs[key] = await _reference(survivor, a.prompt_ids, max(LENGTHS))
-            wrong = [(a.prompt, a.max_tokens, problem) for a in answers if a.outcome == "completed"
+            wrong = [(a.prompt[:40], a.max_tokens, problem) for a in answers if a.outcome == "completed"
                      and (problem := await _wrong(a, *refs[tuple(a.prompt_ids)], survivor)) is not None]
-            return answers, left, rest, wrong
+            return answers, rest, wrong, metrics
 
-        answers, left, rest, wrong = asyncio.run(go())
+        answers, rest, wrong, metrics = asyncio.run(go())
     finally:
         kill_tree(frozen, signal.SIGCONT)
         serve.shutdown()
@@ -247,15 +335,30 @@ def test_the_default_serve_app_under_kills_freezes_read_errors_and_disconnects(c
 
     outcomes = {k: sum(1 for a in answers if a.outcome == k) for k in ("completed", "error", "cut", "timeout")}
     errors = [(a.code, a.error) for a in answers if a.outcome == "error"]
-    print(f"faults: {faults}; {len(answers)} requests: {outcomes}; clean errors {errors}; "
-          f"clients that left: {[a.outcome for a in left]}; at rest {rest}")
+    remote = metric_sum(metrics, "raypd_disagg_decisions_total", decision="remote")
+    fallbacks = metric_sum(metrics, "raypd_fallbacks_total", reason="prefill_failed")  # of remote decisions
+    cut_short = IN_FLIGHT * len(PLAN)
+    print(f"faults: {faults}; disconnects (outcomes, seconds to idle, to rest, seen): {releases}; {len(answers)} "
+          f"requests: {outcomes}; clean errors {errors}; router: {remote:.0f} disaggregated, {fallbacks:.0f} of "
+          f"them prefilled locally after a failed prefill ({metric_sum(metrics, 'raypd_fallbacks_total'):.0f} "
+          f"fallbacks in all); "
+          f"engines: {counts.summary()}; at rest {rest}")
     assert outcomes["cut"] == outcomes["timeout"] == 0, [(a.outcome, a.error) for a in answers
                                                           if a.outcome in ("cut", "timeout")]
     assert wrong == [], wrong
     assert len(errors) <= MAX_ERROR_SHARE * len(answers), errors
     assert all(code for code, _ in errors), errors  # each clean error names its reason
-    assert [a.outcome for a in left] == ["left"] * len(left)
-    assert rest == {e: (0, baseline[e], 0, 0) for e in ENGINES}  # blocks, leases, handoffs: nothing stranded
+    # the schedule, each fault seen to happen
+    assert faults == [(fault, ENGINES[i], True) for fault, i in PLAN]
+    # each disconnect an abort: both engines at rest long before the streams could have finished
+    assert [(outcomes_, idle is not None and idle <= RELEASE_S, rest_s is not None and rest_s <= RELEASE_S)
+            for outcomes_, idle, rest_s, _ in releases] == [(["left"] * LEAVERS, True, True)] * len(PLAN), releases
+    # KV pulls happened: every disaggregated request pulled, but for those whose prefill failed (prefilled
+    # on their decode engine) and those the faults cut short
+    assert counts.pulls >= remote - fallbacks - cut_short > 0, (counts.summary(), remote, fallbacks)
+    assert counts.read_errors > 0  # the knob injected READ errors
+    assert counts.recomputed >= counts.failed_pulls - cut_short, counts.summary()  # and each was recomputed
+    assert rest is None, rest  # blocks, leases, handoffs: nothing stranded
     # shut down: nothing of the deployment is left
     deadline = time.monotonic() + 60
     while True:
