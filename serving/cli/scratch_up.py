@@ -9,7 +9,6 @@ registered) and the temp dir `raypd profile` / `raypd down` find it by.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from serving.bench.samples import free_port
 
 RAYPD = [sys.executable, "-m", "serving.cli"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,12 +31,6 @@ class ScratchUpError(RuntimeError):
 class ScratchUp:
     url: str
     temp_dir: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
