@@ -54,6 +54,9 @@ PREFILL_CAPABLE, DECODE_CAPABLE = ("prefill", "both"), ("decode", "both")
 # first come first served (vLLM would pack every queued prompt into one step, each prompt's first token
 # then waiting for the whole pack)
 PREFILL_DEFAULT_KWARGS: dict[str, Any] = {"max_num_seqs": 1}
+# a decode-capable CPU engine: a step where a stream is owed its second token carries no prefill
+# chunk (actors.engine.vllm.second_token; named, not imported: this module loads without vLLM)
+DECODE_DEFAULT_KWARGS: dict[str, Any] = {"scheduler_cls": "actors.engine.vllm.second_token.SecondTokenScheduler"}
 
 
 class ConfigError(ValueError):
@@ -210,8 +213,9 @@ class DeploymentConfig(StrictModel):
         # a GPU only a measured budget above `vllm serve`'s (whose defaults stand otherwise)
         cpu_defaults: dict[str, Any] = {}
         gpu_defaults: dict[str, Any] = {}
-        if role == "prefill" and self.backend == "vllm":
-            cpu_defaults.update({k: v for k, v in PREFILL_DEFAULT_KWARGS.items() if k not in kwargs})
+        if self.backend == "vllm":
+            role_defaults = PREFILL_DEFAULT_KWARGS if role == "prefill" else DECODE_DEFAULT_KWARGS
+            cpu_defaults.update({k: v for k, v in role_defaults.items() if k not in kwargs})
         if self.backend == "vllm" and group.tp_size * group.pp_size == 1 and "distributed_executor_backend" not in kwargs:
             cpu_defaults["distributed_executor_backend"] = "uni"  # the model in the core process (uniproc.py)
         budget = self.chunk_budget_of(role, measured)

@@ -63,6 +63,11 @@ def _pd_args(role: str, ecfg: EngineConfig) -> list[EngineArg]:
         args.append(EngineArg("distributed_executor_backend", ecfg.cpu_engine_defaults.get("distributed_executor_backend"),
                               None, "CPU host: one rank, the model runs in vLLM's engine-core process, no worker "
                               "process beside it (actors/engine/vllm/uniproc.py); GPU host: vLLM's default"))
+    if "scheduler_cls" in ecfg.cpu_engine_defaults:
+        args.append(EngineArg("scheduler_cls", ecfg.cpu_engine_defaults["scheduler_cls"], None,
+                              "CPU host: vLLM's scheduler, but a step where a stream is owed its second token "
+                              "carries no prefill chunk (actors/engine/vllm/second_token.py); GPU host: vLLM's "
+                              "async scheduler"))
     if "speculative_config" not in ecfg.engine_kwargs:
         args.append(EngineArg("logits_processors", "+ ResumedPenalties", None,
                               "CPU host: a decode engine continues a resumed request without replaying its first token"))

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.config import ConfigError, DeploymentConfig, load_config
+from serving.config import DECODE_DEFAULT_KWARGS, ConfigError, DeploymentConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -75,7 +75,8 @@ def test_engine_kwargs_reach_each_role_and_the_role_wins():
     assert on_cpu(cfg.engine_config("prefill")) == {"max_num_seqs": 64, "enable_prefix_caching": False, **uni}
     assert on_cpu(cfg.engine_config("decode")) == {"max_num_seqs": 8, "enable_prefix_caching": False,
                                                    "gpu_memory_utilization": 0.8, **uni,
-                                                   "max_num_batched_tokens": 128}  # raypd's chunk budget
+                                                   "max_num_batched_tokens": 128,  # raypd's chunk budget
+                                                   **DECODE_DEFAULT_KWARGS}
 
 
 def test_owned_engine_kwargs_move_into_raypds_fields():
@@ -95,8 +96,9 @@ def test_defaults_follow_vllm_but_decode_capable_engines_get_a_chunk_budget_with
     uni = {"distributed_executor_backend": "uni"}  # one rank: the model in the core process
     assert cfg.dtype == "auto" and on_cpu(cfg.engine_config("prefill")) == {"max_num_seqs": 1, **uni}  # FCFS prefills
     # a step with a local prefill chunk stays near the ITL target (prior rates; vLLM's floor: one block)
-    assert on_cpu(cfg.engine_config("decode")) == {"max_num_batched_tokens": 128, **uni}
-    assert on_cpu(DeploymentConfig.from_dict({"router": {"placement": "disaggregate"}}).engine_config("decode")) == uni
+    assert on_cpu(cfg.engine_config("decode")) == {"max_num_batched_tokens": 128, **uni, **DECODE_DEFAULT_KWARGS}
+    disagg = DeploymentConfig.from_dict({"router": {"placement": "disaggregate"}}).engine_config("decode")
+    assert on_cpu(disagg) == {**uni, **DECODE_DEFAULT_KWARGS}
 
 
 def test_both_alone_means_no_fixed_pools():

@@ -14,7 +14,7 @@ import yaml
 from actors.engine.vllm import serve_defaults
 from actors.engine.vllm.args import platform_defaults
 from actors.engine.vllm.serve_defaults import BatchDefaults, serve_batch_defaults, usage_context
-from serving.config import ROLES, DeploymentConfig, load_config
+from serving.config import DECODE_DEFAULT_KWARGS, ROLES, DeploymentConfig, load_config
 from serving.placement_config import MeasuredRates, vllm_default_budget
 
 from test_k8s_manifests import SERVICES, args_of
@@ -79,7 +79,7 @@ def test_on_a_cpu_host_the_default_gets_its_chunk_budget_and_fcfs_prefills():
     both = load_config(ROOT / "configs/local.yaml").engine_config("both")
     prefill = load_config(ROOT / "configs/local-pd.yaml").engine_config("prefill")
     assert (platform_defaults(both, is_cpu=True), platform_defaults(prefill, is_cpu=True)["max_num_seqs"]) == (
-        {"max_num_batched_tokens": 128, "distributed_executor_backend": "uni"}, 1)
+        {"max_num_batched_tokens": 128, "distributed_executor_backend": "uni", **DECODE_DEFAULT_KWARGS}, 1)
 
 
 def test_a_value_the_operator_wrote_wins_on_a_cpu_host_too():
