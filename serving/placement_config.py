@@ -49,7 +49,8 @@ class PlacementConfig(RatePriors, SloTargets):
     ttft_slowdown: float = Field(3.0, ge=0, description=(
         "a request's TTFT target is at least this x its prompt's prefill time on the fastest engine "
         "(0: `ttft_target_s` alone)"))
-    first_gap_target_s: float = Field(1.0, gt=0, description="a request's own first->second token gap target")
+    first_gap_target_s: float | None = Field(None, gt=0, description=(
+        "a request's own first->second token gap target (unset: `itl_target_s`)"))
     ttft_weight: float = Field(1.0, ge=0, description="the weight of one second of TTFT over its target")
     itl_weight: float = Field(1.0, ge=0, description=(
         "the weight of one stream-second of decode stall (against one second of TTFT excess)"))

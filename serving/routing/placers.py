@@ -73,7 +73,8 @@ class EngineEstimates:
         return pool.rates.estimate(engine_id, role, decode_streams=decode.requests if decode else 0,
                                    queued_prefill_tokens=prefill.tokens if prefill else 0,
                                    cached_tokens=cached_tokens, chunk_budget_tokens=budget,
-                                   prefill_busy=pool.prefill_busy(engine_id))
+                                   prefill_busy=pool.prefill_busy(engine_id),
+                                   fresh_streams=decode.fresh if decode else 0)
 
 
 class DisaggregatePlacer:

@@ -43,6 +43,7 @@ class EngineClient(Protocol):
 class Load:
     requests: int = 0
     tokens: int = 0
+    fresh: int = 0  # requests still owed their second token (a prefill chunk now would stall that gap)
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,17 @@ class GivenRate:
 
 class DecodeCharge:
     """The work a request owes its decode engine: charged on entry, paid back as tokens
-    arrive, and refunded in full on exit unless a stream took it over (`hand_over`)."""
+    arrive, and refunded in full on exit unless a stream took it over (`hand_over`). Until its
+    second token arrives the request counts as fresh on the engine (`Load.fresh`)."""
 
     def __init__(self, load: Load, tokens: int):
         self.load, self.owed = load, tokens
         self.open = True
         self.handed_over = False
+        self.streamed = 0
         load.requests += 1
         load.tokens += tokens
+        load.fresh += 1
 
     def __enter__(self) -> "DecodeCharge":
         return self
@@ -97,16 +101,25 @@ class DecodeCharge:
         return self
 
     def pay(self, tokens: int) -> None:
+        """`tokens` streamed: paid back (the second one ends the request's freshness)."""
+        if self.open and self.streamed < 2 <= self.streamed + tokens:
+            self.load.fresh = max(0, self.load.fresh - 1)
+        self.streamed += tokens
+        self._refund(tokens)
+
+    def _refund(self, tokens: int) -> None:
         paid = min(tokens, self.owed)
         self.owed -= paid
         self.load.tokens = max(0, self.load.tokens - paid)
 
     def settle(self) -> None:
-        """Refund what is still owed and the request slot (once)."""
+        """Refund what is still owed, the request slot and its freshness (once)."""
         if self.open:
             self.open = False
-            self.pay(self.owed)
+            self._refund(self.owed)
             self.load.requests = max(0, self.load.requests - 1)
+            if self.streamed < 2:
+                self.load.fresh = max(0, self.load.fresh - 1)
 
 
 class RouterCounter(StrEnum):

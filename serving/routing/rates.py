@@ -177,7 +177,7 @@ class RateEstimator:
     # ----------------------------------------------------------- estimates
     def estimate(self, engine_id: str, role: Role, *, decode_streams: int = 0, queued_prefill_tokens: int = 0,
                  cached_tokens: int = 0, chunk_budget_tokens: int | None = None,
-                 prefill_busy: float = 0.0) -> EngineEstimate:
+                 prefill_busy: float = 0.0, fresh_streams: int = 0) -> EngineEstimate:
         """What `placement.place` needs about one engine: its shared rates, the load of this router
         there or the engine's own (the larger), its budget (its own, else `chunk_budget_tokens`), the hop."""
         r = self.rates(engine_id)
@@ -185,4 +185,4 @@ class RateEstimator:
         return EngineEstimate(engine_id, role, r.prefill_tokens_per_s, r.decode_step_s(streams),
                               r.chunk_budget_tokens or chunk_budget_tokens or self.config.chunk_budget_fallback(),
                               r.step_per_stream_s, cached_tokens, max(queued_prefill_tokens, r.queued_prompt_tokens),
-                              streams, prefill_busy, self.hop_s(engine_id))
+                              streams, fresh_streams, prefill_busy, self.hop_s(engine_id))

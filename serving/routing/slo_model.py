@@ -41,12 +41,13 @@ class EngineEstimate:
     cached_tokens: int = 0  # prefix of this prompt whose KV the engine holds (prefix index)
     queued_prefill_tokens: int = 0  # prompt tokens waiting or being prefilled there
     decode_streams: int = 0  # streams decoding there now
+    fresh_streams: int = 0  # of those (or on their way), the ones still owed their second token
     prefill_busy: float = 0.0  # share of its recent time spent prefilling (0..1)
     hop_s: float = 0.0  # the caller's own delay to it beyond its compute (a router's local correction)
 
     def __post_init__(self) -> None:
         if (self.prefill_tokens_per_s <= 0 or self.decode_step_s < 0 or self.step_per_stream_s < 0
-                or self.chunk_budget_tokens < 1 or self.hop_s < 0):
+                or self.chunk_budget_tokens < 1 or self.hop_s < 0 or self.fresh_streams < 0):
             raise ValueError(f"engine {self.engine_id}: rates must be positive and the budget >= 1")
 
     def prefill_work_s(self, tokens: float) -> float:
@@ -178,9 +179,12 @@ def _prefill_side(e: EngineEstimate, prompt_tokens: int, config: PlacementConfig
     wait = min(done, q / r + (q // b) * s)
     done += e.hop_s
     streams, steps = e.decode_streams, math.ceil(u / b)
-    if not streams:
+    if not streams and not e.fresh_streams:
         return _PrefillSide(u, wait, done, 0, steps, 0.0, 0.0)
     chunk_s = min(q + u, b) / r
+    # a fresh stream's second token waits for the next step: a chunk there stretches that one gap,
+    # which no TPOT budget excuses (it is the gap a user sees first)
+    fresh_cost = e.fresh_streams * max(0.0, s + chunk_s - config.itl_target_s)
     # each stream's answer has a TPOT budget (answer tokens x the mean ITL target): the stall
     # (steps x chunk_s) costs the lesser of what it adds past that budget (after what E's own
     # prefill share already takes of it) and what it adds past the per-step target
@@ -188,7 +192,8 @@ def _prefill_side(e: EngineEstimate, prompt_tokens: int, config: PlacementConfig
     over_budget = answer * (_mean_gap(e, config) - _mean_itl_target(e, config))
     past_budget = max(0.0, over_budget + steps * chunk_s) - max(0.0, over_budget)
     past_gap = steps * max(0.0, s + chunk_s - config.itl_target_s)
-    return _PrefillSide(u, wait, done, streams, steps, s + chunk_s, streams * min(past_budget, past_gap))
+    return _PrefillSide(u, wait, done, streams, steps, s + chunk_s,
+                        streams * min(past_budget, past_gap) + fresh_cost)
 
 
 def _prefill_share(x: EngineEstimate, config: PlacementConfig) -> float:
@@ -236,7 +241,9 @@ def predict(opts: Sequence[Option], engines: dict[str, EngineEstimate], prompt_t
                    budget, max(0, over + ceil(u/B) * (stall gap - s)) - max(0, over), where
                    over = A * (s / (1 - rho_E) - mean target) (its steps, stretched by E's own prefill
                    share, against the mean ITL target; A: this request's answer tokens, standing in
-                   for theirs). A stall that stays within either costs nothing
+                   for theirs). A stall that stays within either costs nothing;
+                   plus, per fresh stream f (still owed its second token), max(0, stall gap - itl_target):
+                   its first->second gap, which no TPOT budget excuses
       first gap  colocated: s_X;  disaggregated: pull(Y->X, P - c_X) + s_X + min(q_X, B_X) / r_X
                    (pull = the pair's overhead + tokens / its rate; X's own prefill chunks share its steps)
       own ITL    = (s_X + what one more stream adds to X's step) / (1 - rho_X): rho_X is the share of
@@ -249,13 +256,13 @@ def predict(opts: Sequence[Option], engines: dict[str, EngineEstimate], prompt_t
     Targets: TTFT target = max(ttft_target_s, ttft_slowdown * P / fastest r) (a
     long prompt has a longer budget, as the benchmark's SLO gives it);
     `itl_target_s` per step; mean target = max(itl_target_mean_s, mean_itl_slowdown *
-    bare step) for a stream's mean ITL (TPOT); `first_gap_target_s` for the
+    bare step) for a stream's mean ITL (TPOT); `first_gap_target_s` (unset: `itl_target_s`) for the
     first->second token gap. `raypd config --plan` sets ttft_target_s and
     itl_target_mean_s to the user's targets.
     Violation (seconds, weighted):
 
       ttft_weight * max(0, TTFT - target)
-      + itl_weight * (n * stall cost                                     (the stream-seconds E's streams lose)
+      + itl_weight * (stall cost of E's n streams (f of them fresh)      (the stream-seconds they lose)
                       + max(0, first gap - first_gap_target)
                       + A * max(0, own ITL - mean target of X))
                       (A = the answer's tokens: the seconds its whole stream loses to a slow decode engine)
@@ -263,7 +270,7 @@ def predict(opts: Sequence[Option], engines: dict[str, EngineEstimate], prompt_t
     prefilling: dict[str, _PrefillSide] = {}
     decoding: dict[str, _DecodeSide] = {}
     pull_of = transfer or _prior_transfer(config)
-    overhead, gap_target = config.remote_first_token_overhead_s, config.first_gap_target_s
+    overhead, gap_target = config.remote_first_token_overhead_s, config.first_gap_target_s or config.itl_target_s
     ttft_w, itl_w = config.ttft_weight, config.itl_weight
     out = []
     for option in opts:

@@ -100,9 +100,11 @@ class _Engine:
         """This engine as the router's SLO model sees it now."""
         streams = self.streams()
         busy = self.given.per_s(now) * self.c if self.given is not None else 0.0
+        # owed their second token: KV here or on its way, and its own prompts queued here
+        fresh = len(self.arriving) + self.incoming + sum(r.decode_on is None for r in self.prompts)
         return EngineEstimate(str(self.index), "both", 1.0 / self.c, self.a + self.b * streams, self.budget,
                               self.b, queued_prefill_tokens=self.queued_tokens, decode_streams=streams,
-                              prefill_busy=busy)
+                              fresh_streams=fresh, prefill_busy=busy)
 
     def give(self, req: _Request, now: float, window_s: float) -> None:
         self.prompts.append(req)

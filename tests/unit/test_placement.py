@@ -178,3 +178,25 @@ def test_a_budget_under_the_target_is_what_placement_then_predicts():
     p = place(2048, pools(decode={"decode_streams": 1, "chunk_budget_tokens": budget}), cfg)
     local = next(pr for pr in p.predictions if pr.option == Option("d"))
     assert local.stall_gap_s <= 0.5 and math.isclose(local.itl_violation_s, 0.0, abs_tol=1e-9)
+
+
+# --------------------------------------------------- a stream's second token
+def _cpu_engine(engine_id: str, **kw) -> EngineEstimate:
+    """A one-core CPU engine as measured here: 281 prompt tokens/s, 60 ms steps, 128-token chunks."""
+    return EngineEstimate(engine_id, "both", 281.0, 0.06, 128, 0.002, **kw)
+
+
+def test_a_prompt_is_prefilled_away_from_a_stream_still_owed_its_second_token():
+    # one 128-token chunk takes 0.46 s here: queued behind a's fresh stream it would hold that
+    # stream's second token for a step of 0.52 s, past the 0.25 s ITL target
+    # (a first: without its fresh stream the caller's order would pick it, as below)
+    p = place(512, [_cpu_engine("a", decode_streams=1, fresh_streams=1), _cpu_engine("b", decode_streams=1)],
+              answer_tokens=64)
+    assert p.option == Option("b")
+
+
+def test_a_stream_past_its_second_token_does_not_steer_the_prompt():
+    # the same stall on a stream already streaming fits its TPOT budget: the caller's order decides
+    p = place(512, [_cpu_engine("a", decode_streams=1), _cpu_engine("b", decode_streams=1)], answer_tokens=64)
+    assert p.option == Option("a")
+
