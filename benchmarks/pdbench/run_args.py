@@ -17,6 +17,10 @@ PROFILES = {
     "stack": dict(_FULL, groups="A,E0,E", setups="a,a2,e0,e"),
     # issue 28: the shape `raypd config --plan` picks for this load (ep) against (a2) and (a')
     "plan": dict(_FULL, groups="A,AP,EP", setups="a,a2,ap,ep"),
+    # issue 55: the held-out comparison's workload (512-token prompts, 64-token answers, 0.25-1 req/s):
+    # raypd's default (e) against one vLLM on both cores (a'), with first->second token gaps
+    "second_token": dict(_FULL, lengths="512", rates="0.25,0.5,1.0", load_requests=24, mix="512:1",
+                         groups="AP,E", setups="ap,e"),
     "quick": dict(lengths="128,512", reps=2, rounds=1, low_max_tokens=8, rates="0.3,0.8",
                   load_requests=4, load_max_tokens=16, drain_s=30.0, idle_s=3.0, settle_s=2.0,
                   mix="128:0.6,512:0.4", groups="A,B,E,E0,AP", setups="a,a2,ap,b,e,e0",
@@ -29,6 +33,8 @@ OUTPUTS = {"full": dict(out="benchmarks/results/pd_vs_vllm.json", plot="benchmar
            "stack": dict(out="benchmarks/results/pd_vs_vllm_stack.json",
                          plot="benchmarks/results/pd_vs_vllm_stack.png"),
            "plan": dict(out="benchmarks/results/pd_vs_vllm_plan.json", plot="benchmarks/results/pd_vs_vllm_plan.png"),
+           "second_token": dict(out="benchmarks/results/pd_vs_vllm_second_token.json",
+                                plot="benchmarks/results/pd_vs_vllm_second_token.png"),
            "quick": dict(out="benchmarks/out/pd_vs_vllm_quick.json", plot="benchmarks/out/pd_vs_vllm_quick.png")}
 
 
@@ -37,7 +43,8 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="full",
                    help="full: groups A,B,E,E0,AP (issues 18, 19, 30; ~49 min); anchors: + C,DC,D in round 1; "
-                        "stack: A,E0,E (issue 30, ~30 min); plan: A,AP,EP (issue 28); quick")
+                        "stack: A,E0,E (issue 30, ~30 min); plan: A,AP,EP (issue 28); second_token: AP,E on issue 55's "
+                        "workload; quick")
     p.add_argument("--quick", action="store_true", help="= --profile quick (small sizes for development)")
     p.add_argument("--groups", default=None, help="set-up groups, in round-1 order (A, AP, B, E, E0, EP, C, DC, D)")
     p.add_argument("--setups", default=None,
