@@ -20,7 +20,7 @@ PROFILES = {
     # issue 55: the held-out comparison's workload (512-token prompts, 64-token answers, 0.25-1 req/s):
     # raypd's default (e) against one vLLM on both cores (a'), with first->second token gaps
     "second_token": dict(_FULL, lengths="512", rates="0.25,0.5,1.0", load_requests=24, mix="512:1",
-                         groups="AP,E", setups="ap,e"),
+                         groups="AP,E", setups="ap,e", slo_ttft_s=3.0, slo_tpot_s=0.1),
     "quick": dict(lengths="128,512", reps=2, rounds=1, low_max_tokens=8, rates="0.3,0.8",
                   load_requests=4, load_max_tokens=16, drain_s=30.0, idle_s=3.0, settle_s=2.0,
                   mix="128:0.6,512:0.4", groups="A,B,E,E0,AP", setups="a,a2,ap,b,e,e0",
@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
     p.add_argument("--drain-s", type=float, default=None, help="give up on requests this long after the last arrival")
     p.add_argument("--idle-s", type=float, default=None, help="idle CPU window per group and round")
     p.add_argument("--settle-s", type=float, default=None, help="pause after warm-up before the idle window")
+    p.add_argument("--slo-ttft-s", type=float, default=None, help=(
+        "a fixed goodput SLO (with --slo-tpot-s), as `vllm bench serve --goodput` takes it: TTFT and mean "
+        "ITL limits for every request; unset: derived from (a)'s low-load run"))
+    p.add_argument("--slo-tpot-s", type=float, default=None, help="the fixed SLO's mean ITL (TPOT) limit")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--start-timeout-s", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
@@ -77,6 +81,8 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
     for k, v in dict(PROFILES[args.profile], **OUTPUTS[args.profile]).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if (args.slo_ttft_s is None) != (args.slo_tpot_s is None):
+        p.error("--slo-ttft-s and --slo-tpot-s go together")
     lengths = {int(x) for x in args.lengths.split(",")}
     if not {int(kv.split(":")[0]) for kv in args.mix.split(",")} <= lengths:
         p.error(f"--mix lengths must be low-load lengths ({args.lengths}): the goodput SLO is per length")

@@ -116,6 +116,12 @@ def slo_reference(low_a: dict[int, list[dict]]) -> dict[int, dict]:
     return ref
 
 
+def fixed_slo(lengths: list[int], ttft_s: float, tpot_s: float) -> dict[int, dict]:
+    """The same limits for every prompt length, as `vllm bench serve --goodput ttft:.. tpot:..` applies
+    them (no limit on a single gap)."""
+    return {n: {"ttft_s": ttft_s, "mean_itl_s": tpot_s, "max_gap_s": math.inf} for n in lengths}
+
+
 def meets_slo(rec: dict, ref: dict[int, dict]) -> tuple[bool, str]:
     if not rec["ok"]:
         return False, "failed"

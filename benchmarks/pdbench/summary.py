@@ -52,7 +52,11 @@ def summarize(res: dict) -> dict:
         ratios[n] = {f"{num}/{den}": {q: stats.ratio(low[num][n][f"ttft_p{q}"], low[den][n][f"ttft_p{q}"])
                                       for q in (50, 90)}
                      for num, den in TTFT_RATIOS if num in low and den in low}
-    ref = stats.slo_reference({n: _low(res, "a", n) for n in lengths}) if "a" in low else {}
+    st = res["settings"]
+    if st.get("slo_ttft_s") is not None:
+        ref = stats.fixed_slo(lengths, st["slo_ttft_s"], st["slo_tpot_s"])
+    else:
+        ref = stats.slo_reference({n: _low(res, "a", n) for n in lengths}) if "a" in low else {}
     load = {s: {r: stats.load_stats(res["load"][s][str(r)], ref) for r in rates if str(r) in res["load"][s]}
             for s in ORDER if s in res.get("load", {})}
     sm = {"low": low, "same_text_as_a": same, "ttft_ratios": ratios, "slo_reference": ref, "load": load,

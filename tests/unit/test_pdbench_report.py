@@ -217,3 +217,20 @@ def test_the_planners_shape_is_compared_with_its_prediction_by_the_planners_own_
     assert math.isclose(meas, planned.measured(res["load"]["ep"]["0.3"], 0.3, 10)) and row["goodput"]["ep"] == meas
     better = max(planned.measured(res["load"][s]["0.3"], 0.3, 10) for s in ("a2", "ap"))
     assert math.isclose(row["ep/better"], meas / better) and "(ep)/better of (a2),(a')" in text
+
+
+def _timed_rec(ttft_s: float, gaps_s: list[float]) -> dict:
+    t = [ttft_s]
+    for g in gaps_s:
+        t.append(t[-1] + g)
+    return {"ok": True, "length": 512, "ttft_s": ttft_s, "token_times_s": t, "completion_tokens": len(t)}
+
+
+def test_a_fixed_slo_judges_ttft_and_mean_itl_as_vllm_bench_serve_does():
+    from pdbench.stats import fixed_slo, meets_slo
+
+    ref = fixed_slo([512], 3.0, 0.1)
+    # one 1.5 s gap among short ones: the mean stays under 100 ms, and no single gap is limited
+    assert meets_slo(_timed_rec(2.9, [0.05] * 40 + [1.5]), ref) == (True, "ok")
+    assert meets_slo(_timed_rec(3.1, [0.05] * 10), ref) == (False, "ttft")
+    assert meets_slo(_timed_rec(1.0, [0.12] * 10), ref) == (False, "mean_itl")
