@@ -77,8 +77,10 @@ def test_slo_placement_colocates_on_idle_engines_and_splits_prefill_from_busy_de
                         {"bx-X": RayEngineClient("bx-X", both["X"]), "bx-Y": RayEngineClient("bx-Y", both["Y"])},
                         RayDirectory(ray.get_actor(COORDINATOR_NAME, namespace="raypd")),
                         # the tiny model prefills in milliseconds: a per-step ITL target under any step
-                        # makes its stall count, however fast this machine runs it
-                        RouterConfig(policy="least_outstanding", slo=PlacementConfig(itl_target_s=0.001)))
+                        # makes its stall count, however fast this machine runs it; the request's own
+                        # first gap keeps a target a pull can meet (unset, it would follow the 1 ms)
+                        RouterConfig(policy="least_outstanding",
+                                     slo=PlacementConfig(itl_target_s=0.001, first_gap_target_s=1.0)))
         for _ in range(100):  # both registered and paired with each other
             routes = await router.routes(force=True)
             if {r.prefill_id for rs in routes.decodes.values() for r in rs} >= {"bx-X", "bx-Y"}:
