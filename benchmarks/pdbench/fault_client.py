@@ -75,22 +75,23 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, idx: int, 
     return s
 
 
-def _client(limit_s: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(limit_s + 5), limits=httpx.Limits(max_connections=256))
+def _client(limit_s: float, headers: dict[str, str] | None) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(limit_s + 5), limits=httpx.Limits(max_connections=256),
+                             headers=headers)
 
 
 async def reference(url: str, model: str, prompts_: list[list[int]], max_tokens: int,
-                    limit_s: float) -> list[Stream]:
+                    limit_s: float, headers: dict[str, str] | None = None) -> list[Stream]:
     """One request at a time (batch 1), on the healthy set-up."""
-    async with _client(limit_s) as c:
+    async with _client(limit_s, headers) as c:
         t0 = time.monotonic()
         return [await stream_one(c, url, model, i, p, max_tokens, limit_s, t0) for i, p in enumerate(prompts_)]
 
 
 async def open_loop(url: str, model: str, prompts_: list[list[int]], at_s: list[float], max_tokens: int,
-                    limit_s: float, t0: float) -> list[Stream]:
+                    limit_s: float, t0: float, headers: dict[str, str] | None = None) -> list[Stream]:
     """Send prompt i at t0 + at_s[i] (monotonic); every request ends within `limit_s` of its send."""
-    async with _client(limit_s) as c:
+    async with _client(limit_s, headers) as c:
         async def at(i: int) -> Stream:
             await asyncio.sleep(max(0.0, t0 + at_s[i] - time.monotonic()))
             return await stream_one(c, url, model, i, prompts_[i], max_tokens, limit_s, t0)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -54,6 +56,35 @@ def send(pids: list[int], sig: signal.Signals) -> list[int]:
     return done
 
 
+class Injector(threading.Thread):
+    """`begin()` at t0 + at_s (monotonic); `end()` `hold_s` later when given (SIGSTOP -> SIGCONT,
+    partition -> heal). `begin` returns what it hit (the pids signalled, the hosts cut)."""
+
+    def __init__(self, begin: Callable[[], list], end: Callable[[], object] | None, t0: float, at_s: float,
+                 hold_s: float):
+        super().__init__(daemon=True)
+        self.begin, self.end, self.t0, self.at_s, self.hold_s = begin, end, t0, at_s, hold_s
+        self.fault_s: float | None = None
+        self.until_s: float | None = None
+        self.hit: list = []
+
+    @classmethod
+    def signals(cls, pids: list[int], action: str, t0: float, at_s: float, stop_s: float) -> "Injector":
+        """SIGKILL the tree (action "kill"), or SIGSTOP it and SIGCONT after `stop_s` ("stop")."""
+        if action == "kill":
+            return cls(lambda: send(pids, signal.SIGKILL), None, t0, at_s, 0.0)
+        return cls(lambda: send(pids, signal.SIGSTOP), lambda: send(pids, signal.SIGCONT), t0, at_s, stop_s)
+
+    def run(self) -> None:
+        time.sleep(max(0.0, self.t0 + self.at_s - time.monotonic()))
+        self.fault_s = round(time.monotonic() - self.t0, 2)
+        self.hit = self.begin()
+        if self.end is not None:
+            time.sleep(self.hold_s)
+            self.end()
+            self.until_s = round(time.monotonic() - self.t0, 2)
+
+
 def wait_raypd_recovered(group: setups.RaypdUp, engines: int, gone: set[int], timeout_s: float) -> float | None:
     """Seconds until `engines` engine cores run again, none of them in `gone`, and the front's
     /health answers 200; None if not within `timeout_s`."""
@@ -62,7 +93,7 @@ def wait_raypd_recovered(group: setups.RaypdUp, engines: int, gone: set[int], ti
         cores = engine_cores(group)
         if len(cores) >= engines and not set(cores.values()) & gone:
             try:
-                if httpx.get(group.url + "/health", timeout=5).status_code == 200:
+                if httpx.get(group.url + "/health", headers=group.headers, timeout=5).status_code == 200:
                     return round(time.monotonic() - t0, 1)
             except httpx.HTTPError:
                 pass
@@ -74,6 +105,25 @@ AT_REST = ("raypd_engine_running_requests", "raypd_leases_held", "raypd_engine_f
            "raypd_engine_num_blocks", "raypd_engine_up", "raypd_prefill_queue_depth", "raypd_decode_queue_depth")
 
 
+def settled(rest: dict) -> bool:
+    """Nothing held: no lease, no running request, every block free."""
+    return (rest.get("leases_held") == 0 and rest.get("engine_running_requests") == 0
+            and rest.get("engine_free_blocks") == rest.get("engine_num_blocks"))
+
+
+def wait_at_rest(group: setups.Group, timeout_s: float) -> tuple[dict, float | None]:
+    """raypd's /metrics polled until nothing is held (a lease whose holder was cut off ends at its TTL);
+    what it shows then (or at the timeout) and the seconds it took (None: still held)."""
+    t0 = time.monotonic()
+    while True:
+        rest = at_rest(group)
+        if settled(rest):
+            return rest, round(time.monotonic() - t0, 1)
+        if time.monotonic() - t0 > timeout_s:
+            return rest, None
+        time.sleep(2.0)
+
+
 def at_rest(group: setups.Group) -> dict:
     """raypd: what its /metrics shows left at rest (summed over engines); others: n/a."""
     if not isinstance(group, setups.RaypdUp):
@@ -81,7 +131,7 @@ def at_rest(group: setups.Group) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(group.url + "/metrics", timeout=15).text
+        text = httpx.get(group.url + "/metrics", headers=group.headers, timeout=15).text
     except httpx.HTTPError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     out: dict = {}

@@ -9,9 +9,8 @@ NOT_MEASURED = (
     "NOT MEASURED\n"
     "  (d) Ray Serve LLM P/D: not run under faults. In benchmarks/results/pd_vs_vllm_anchors.txt it completed\n"
     "      1 of 20 requests at 0.3 req/s (after 63 s) and 0 of 20 at 0.6 and 0.9, healthy: there is no\n"
-    "      goodput to lose, so it is not measured under faults.\n"
-    "  P<->D partition: needs the multi-host harness; not run here. raypd's partition figures are in\n"
-    "      benchmarks/results/hosts_faults.txt; the anchors (c), (d) were not run across hosts.\n")
+    "      goodput to lose, so it is not measured under faults.\n")
+NO_PARTITION = ("  P<->D partition: not run (--partition-s 0, or not root: the hosts are network namespaces).\n")
 NOTES = (
     "NOTES\n"
     "  right = HTTP 200, [DONE], no error event, text equal to the set-up's own batch-1 greedy reference\n"
@@ -23,12 +22,17 @@ NOTES = (
     "  cut = ended without [DONE] and without an error event, or the transport failed (before a response\n"
     "  included); hung = no outcome within the request limit; error = HTTP error status or error event.\n"
     "  goodput = right answers (near ties too) completed per second: before the fault, during its window\n"
-    "  (SIGSTOP: until SIGCONT; SIGKILL: a fixed window after the kill), after it (to the last outcome).\n"
+    "  (SIGSTOP: until SIGCONT; SIGKILL: a fixed window after the kill; partition: until healed), after it\n"
+    "  (to the last outcome).\n"
     "  first good = fault -> first right answer of a request sent at or after the fault.\n"
     "  raypd: a killed engine is restarted by Ray/raypd (recovery = engine cores back + /health 200).\n"
     "  (c): nothing restarts a killed server (the set-up's own behaviour); the harness restarts the whole\n"
     "  set-up before its next phase. Same prompts (hence prefix-cache hits on the reference's blocks) in\n"
-    "  every phase and set-up.\n")
+    "  every phase and set-up.\n"
+    "  P<->D partition (hosts): the set-up started again on three network-namespace hosts of this machine\n"
+    "  (benchmarks/hostnet: a bridge, UCX on TCP over each host's link, same engine cores), its own batch-1\n"
+    "  references computed there, then the prefill host and the decode host cut from each other (the\n"
+    "  bridge drops their frames; both still reach the front's host); raypd's Ray nodes run on the hosts.\n")
 
 
 def header(res: dict) -> str:
@@ -73,19 +77,31 @@ def table(res: dict) -> str:
                  + ("; ".join(res.get("false_kills", [])) or "-"))
     lines.append("CHECK (raypd: no wrong answer, cut stream or hung request): "
                  + ("; ".join(res.get("check", [])) or "passed"))
-    return "\n".join(lines) + "\n\n" + NOT_MEASURED + "\n" + NOTES
+    partitioned = any("partition" in p for ps in res.get("figures", {}).values() for p in ps)
+    return "\n".join(lines) + "\n\n" + NOT_MEASURED + ("" if partitioned else NO_PARTITION) + "\n" + NOTES
 
 
 def info_line(info: dict) -> str:
-    parts = [f"signalled {info.get('signalled')}"]
+    if info.get("partition_s") is not None:
+        parts = [f"hosts 1 and 2 cut from each other for {info['partition_s']} s"]
+    else:
+        parts = [f"signalled {info.get('signalled')}"]
     if info.get("recovered_s") is not None or "recovered_s" in info:
         parts.append(f"recovered after {info.get('recovered_s')} s")
+    if info.get("hosts_startup_s") is not None:
+        parts.append(f"across hosts up in {info['hosts_startup_s']} s, references {info.get('references')} "
+                     f"(the decode host's link received {info.get('decode_host_rx_mb')} MB meanwhile)")
     if info.get("restarted_setup_s") is not None:
         parts.append(f"set-up restarted by the harness in {info['restarted_setup_s']} s")
     if info.get("placement"):
         parts.append(f"placement {info['placement']}")
     if info.get("at_rest"):
-        parts.append(f"at rest {info['at_rest']}")
+        if "at_rest_after_s" in info:
+            held = ("nothing held" if info["at_rest_after_s"] is not None else "STILL HELD") + \
+                f" {info['at_rest_after_s']} s after recovery"
+            parts.append(f"at rest ({held}) {info['at_rest']}")
+        else:
+            parts.append(f"at rest {info['at_rest']}")
     return ", ".join(parts)
 
 

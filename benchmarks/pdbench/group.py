@@ -65,12 +65,18 @@ class Group:
         self.s, self.model_path, self.run_dir = settings, model_path, run_dir
         self.procs: list[subprocess.Popen] = []
         self.endpoints: dict[str, str] = {}  # set-up key -> base URL (without /v1)
+        self.headers: dict[str, str] = {}  # on every request to the endpoints (an API key across hosts)
         self.pinned: list[dict] = []
         self.log_paths: list[Path] = []
         self._logged_binds: dict[int, str] = {}
 
     # ---------------------------------------------------------------- helpers
-    def spawn(self, name: str, cmd: list[str], env: dict | None = None, stdin: bool = False) -> subprocess.Popen:
+    def spawn(self, name: str, cmd: list[str], env: dict | None = None, stdin: bool = False,
+              netns: str | None = None) -> subprocess.Popen:
+        """`netns`: run it inside that network namespace (a host of benchmarks/hostnet; `ip netns exec`
+        execs the command, so the pid is the command's own)."""
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
         log = self.run_dir / f"{self.key}-{name}.log"
         self.log_paths.append(log)
         fh = open(log, "ab")
@@ -162,12 +168,16 @@ class Group:
         self.procs = []
         return sorted(pid for pid in seen if procs.alive(pid))
 
-    def vllm_server(self, name: str, core: str, port: int, nixl_side_port: int | None = None) -> subprocess.Popen:
+    def vllm_server(self, name: str, core: str, port: int, nixl_side_port: int | None = None,
+                    host: str = "127.0.0.1", netns: str | None = None,
+                    extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        """`host`/`netns`: listen (and publish the NIXL side channel) on a hostnet host's address."""
         s = self.s
         env = base_env()
-        env.update({"VLLM_CPU_OMP_THREADS_BIND": core, "VLLM_CPU_KVCACHE_SPACE": str(s["kv_cache_gib"])})
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": core, "VLLM_CPU_KVCACHE_SPACE": str(s["kv_cache_gib"]),
+                    **(extra_env or {})})
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
-               "--served-model-name", s["served_model_name"], "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", s["served_model_name"], "--host", host, "--port", str(port),
                "--dtype", s["dtype"], "--enforce-eager", "--max-model-len", str(s["max_model_len"]),
                "--block-size", str(s["block_size"]), "--max-num-seqs", str(s["max_num_seqs"]),
                "--max-num-batched-tokens", str(s["max_num_batched_tokens"]), "--seed", "0",
@@ -175,9 +185,11 @@ class Group:
                "--disable-uvicorn-access-log"]
         if nixl_side_port is not None:
             env.update({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_side_port),
-                        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+                        "VLLM_NIXL_SIDE_CHANNEL_HOST": host})
             cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})]
-        return self.spawn(name, cmd, env)
+        return self.spawn(name, cmd, env, netns=netns)
 
-    def proxy(self, port: int, mode_args: list[str]) -> subprocess.Popen:
-        return self.spawn("proxy", [sys.executable, str(HERE / "proxy.py"), "--port", str(port), *mode_args])
+    def proxy(self, port: int, mode_args: list[str], host: str = "127.0.0.1",
+              netns: str | None = None) -> subprocess.Popen:
+        return self.spawn("proxy", [sys.executable, str(HERE / "proxy.py"), "--host", host, "--port", str(port),
+                                    *mode_args], netns=netns)

@@ -68,14 +68,14 @@ class RaypdUp(Group):
         from serving.bench.chat_compare import decisions_of
 
         try:
-            return decisions_of(httpx.get(self.url + "/metrics", timeout=15).text)
+            return decisions_of(httpx.get(self.url + "/metrics", headers=self.headers, timeout=15).text)
         except httpx.HTTPError as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
     def fault_counters(self) -> faults.Snapshot:
         """This front's fault counters now (pdbench/faults.py: deadline misses, migrations, hang kills)."""
         try:
-            r = httpx.get(self.url + "/metrics", timeout=15)
+            r = httpx.get(self.url + "/metrics", headers=self.headers, timeout=15)
             if r.status_code != 200:
                 return faults.Snapshot(error=f"/metrics answered {r.status_code}")
             return faults.parse(r.text)
