@@ -106,28 +106,7 @@ def deployment_a(net: HostNet, rh: RayHosts, out: dict) -> None:
     out["A_capped"] = caps
 
     # the decode host cut off from everyone for longer than Ray's node health checks allow
-    gen0 = {n: e["stats"]["generation"] for n, e in rp.status()["engines"].items()}
-    net.cut(2)
-    t_cut = time.monotonic()
-    during = row("during-cut", rp.complete(prompt(CITIES[7])), None)
-    time.sleep(max(0.0, 45 - (time.monotonic() - t_cut)))
-    nodes_during = _alive_nodes(rh)
-    net.heal()
-    t_heal = time.monotonic()
-    first_good, after = None, []
-    while time.monotonic() - t_heal < 180:
-        a = rp.complete(prompt(CITIES[0]))
-        after.append(row("after-heal", a, refs[CITIES[0]]))
-        if a.outcome == "completed" and a.text == refs[CITIES[0]]:
-            first_good = round(time.monotonic() - t_heal, 1)
-            break
-        time.sleep(3)
-    engines_after = {n: {"healthy": e.get("healthy"), "generation": (e.get("stats") or {}).get("generation")}
-                     for n, e in rp.status()["engines"].items()}
-    out["A_host_cut"] = {"cut_s": 45, "request_during_cut": during, "ray_alive_nodes_during": nodes_during,
-                         "ray_alive_nodes_after": _alive_nodes(rh), "generations_before": gen0,
-                         "engines_after": engines_after, "first_good_answer_after_heal_s": first_good,
-                         "requests_after_heal": after[-5:]}
+    out["A_host_cut"] = host_cut(net, rh, rp, refs)
     rp.stop()
 
 
@@ -161,12 +140,68 @@ def deployment_b(net: HostNet, rh: RayHosts, out: dict) -> None:
     rp.stop()
 
 
-def _alive_nodes(rh: RayHosts) -> int | None:
-    out = rh.python(0, "import ray; ray.init(); print(sum(n['Alive'] for n in ray.nodes()))", timeout=60)
+def host_cut(net: HostNet, rh: RayHosts, rp: RaypdOnHosts, refs: dict[str, str], cut_s: float = 45) -> dict:
+    """Host 2 loses every link for `cut_s` (past Ray's node health checks: ~30 s), then is healed. What
+    Ray did (each node alive or dead, during and after), what happened to the processes of the host,
+    what a request saw; then, where Ray declared the node dead (its raylet exits once it can talk
+    again), the node is started again, as KubeRay restarts a pod, and the time to the first good answer
+    is measured. Every wait is bounded."""
+    gen0 = {n: e["stats"]["generation"] for n, e in rp.status()["engines"].items()}
+    net.cut(2)
+    t_cut = time.monotonic()
+    during = row("during-cut", rp.complete(prompt(CITIES[7])), None)
+    time.sleep(max(0.0, cut_s - (time.monotonic() - t_cut)))
+    nodes_during = _node_states(rh)
+    net.heal()
+    t_heal = time.monotonic()
+    time.sleep(15)  # a raylet that Ray declared dead exits when it next reaches the GCS
+    host2_after_heal = _processes(net, 2)
+    nodes_after_heal = _node_states(rh)
+    restarted_node_s = None
+    if nodes_after_heal.get(net.hosts[2].ip) is not True and not any(
+            "raylet" in p for p in host2_after_heal):
+        rh.restart_node(2)  # as KubeRay restarts the pod of a node Ray gave up on
+        restarted_node_s = round(time.monotonic() - t_heal, 1)
+    first_good, after = None, []
+    while time.monotonic() - t_heal < 240:
+        a = rp.complete(prompt(CITIES[0]))
+        after.append(row("after-heal", a, refs[CITIES[0]]))
+        if a.outcome == "completed" and a.text == refs[CITIES[0]]:
+            first_good = round(time.monotonic() - t_heal, 1)
+            break
+        time.sleep(3)
+    status = rp.status()
+    engines_after = {n: {"healthy": e.get("healthy"), "generation": (e.get("stats") or {}).get("generation")}
+                     for n, e in status["engines"].items()}
+    cores = {h: sum(p.startswith("VLLM::EngineCore") for p in _processes(net, h)) for h in (1, 2)}
+    return {"cut_s": cut_s, "request_during_cut": during, "ray_nodes_during": nodes_during,
+            "host2_processes_15s_after_heal": host2_after_heal, "ray_nodes_15s_after_heal": nodes_after_heal,
+            "node_restarted_after_heal_s": restarted_node_s, "ray_nodes_after": _node_states(rh),
+            "generations_before": gen0, "engines_after": engines_after, "engine_cores_per_host_after": cores,
+            "first_good_answer_after_heal_s": first_good, "requests_after_heal": after[-5:]}
+
+
+def _processes(net: HostNet, host: int) -> list[str]:
+    """The host's processes by name (Ray and vLLM titles; `raylet`, `gcs_server` by their command)."""
+    names = []
+    for pid in net.pids(host):
+        try:
+            first = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        names.append(first[:48] if first.startswith(("ray::", "VLLM::")) else Path(first).name[:48])
+    return sorted(names)
+
+
+def _node_states(rh: RayHosts) -> dict[str, bool]:
+    """Node address -> alive, in the head's view (the newest entry per address)."""
+    code = ("import json, ray; ray.init(); ns = sorted(ray.nodes(), key=lambda n: n.get('Alive'));"
+            "print(json.dumps({n['NodeManagerAddress']: n['Alive'] for n in ns}))")
+    out = rh.python(0, code, timeout=60)
     try:
-        return int(out.stdout.split()[-1])
+        return json.loads(out.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return None
+        return {}
 
 
 def main() -> int:
@@ -185,13 +220,15 @@ def main() -> int:
         if 2 in net.lost or not net.hosts:
             raise RuntimeError("host 2 gone before deployment B")
         deployment_b(net, rh, out)
+    except Exception as exc:  # noqa: BLE001 - what was measured is written, with why the rest was not
+        out["aborted"] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
     finally:
         net.down()
         out["teardown_leftovers"] = leftovers(net.run_id)
     Path(args.out).with_suffix(".json").write_text(json.dumps(out, indent=1))
     Path(args.out).write_text(report(out))
     print(report(out))
-    return 0
+    return 1 if out.get("aborted") else 0
 
 
 def report(o: dict) -> str:
@@ -211,10 +248,16 @@ def report(o: dict) -> str:
             lines.append(f"  link {cap:<9} {r['request']:<8} {r['outcome']:<10} TTFT {r['ttft_s']} s, "
                          f"first->second {r['first_to_second_s']} s, total {r['seconds']} s, right={r['right']}")
     c = o.get("A_host_cut", {})
-    lines.append(f"  decode host cut {c.get('cut_s')} s: request during the cut {c.get('request_during_cut')}; "
-                 f"Ray alive nodes during {c.get('ray_alive_nodes_during')}, after {c.get('ray_alive_nodes_after')}; "
-                 f"first good answer {c.get('first_good_answer_after_heal_s')} s after healing; "
-                 f"engines after {c.get('engines_after')} (generations before {c.get('generations_before')})")
+    if c:
+        lines.append(f"  decode host cut {c.get('cut_s')} s: request during the cut {c.get('request_during_cut')}")
+        lines.append(f"    Ray's nodes (address: alive) at the end of the cut {c.get('ray_nodes_during')}; 15 s after "
+                     f"healing {c.get('ray_nodes_15s_after_heal')}; host 2's processes then "
+                     f"{c.get('host2_processes_15s_after_heal')}")
+        lines.append(f"    host 2's Ray node started again {c.get('node_restarted_after_heal_s')} s after healing "
+                     f"(None: not needed); first good answer {c.get('first_good_answer_after_heal_s')} s after "
+                     f"healing; Ray's nodes after {c.get('ray_nodes_after')}")
+        lines.append(f"    engines after {c.get('engines_after')} (generations before {c.get('generations_before')}); "
+                     f"vLLM engine cores per host after {c.get('engine_cores_per_host_after')}")
     lines.append(f"B (2 both engines, SLO placement): up in {o.get('B_start_s')} s; host 2's link at 50 Mbit/s")
     for r in o.get("B_slow_link", {}).get("requests", []):
         lines.append(f"  {r['request']:<8} {r['decision']:<36} {r['outcome']:<10} TTFT {r['ttft_s']} s, "
@@ -225,6 +268,8 @@ def report(o: dict) -> str:
         lines.append(f"  host 2 lost: {r['request']:<12} {r['outcome']:<10} {r['seconds']} s")
     lines.append(f"  host 2 lost: last in-flight outcome {lost.get('loss_to_last_in_flight_outcome_s')} s after the "
                  f"loss; /health after: {(lost.get('health_after') or {}).get('code')}")
+    if o.get("aborted"):
+        lines.append(f"ABORTED: {o['aborted']}")
     lines.append(f"teardown leftovers: {o.get('teardown_leftovers')}")
     return "\n".join(lines) + "\n"
 
