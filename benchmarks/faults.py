@@ -188,8 +188,9 @@ class Run:
         """The set-up again with its engines on two hosts (pdbench/hosts_groups.py): references, then
         the open loop with hosts 1 and 2 cut from each other for --partition-s (both still reach host 0)."""
         a = self.args
-        if hosts_groups.needs_root():
-            log(f"{setup}: {PARTITION} not run: {hosts_groups.needs_root()}")
+        why_not = hosts_groups.needs_root()
+        if why_not:
+            log(f"{setup}: {PARTITION} not run: {why_not}")
             return
         self.budget(PARTITION)
         self.stop()

@@ -265,16 +265,17 @@ def report(o: dict) -> str:
                      f"healing; Ray's nodes after {c.get('ray_nodes_after')}")
         lines.append(f"    engines after {c.get('engines_after')} (generations before {c.get('generations_before')}); "
                      f"vLLM engine cores per host after {c.get('engine_cores_per_host_after')}")
-    lines.append(f"B (2 both engines, SLO placement): up in {o.get('B_start_s')} s; host 2's link at 50 Mbit/s")
-    for r in o.get("B_slow_link", {}).get("requests", []):
-        lines.append(f"  {r['request']:<8} {r['decision']:<36} {r['outcome']:<10} TTFT {r['ttft_s']} s, "
-                     f"first->second {r['first_to_second_s']} s, total {r['seconds']} s")
-    lines.append(f"  learned pull rates: {o.get('B_slow_link', {}).get('learned_pull_rates')}")
-    lost = o.get("B_host_lost", {})
-    for r in lost.get("in_flight", []) + lost.get("after", []):
-        lines.append(f"  host 2 lost: {r['request']:<12} {r['outcome']:<10} {r['seconds']} s")
-    lines.append(f"  host 2 lost: last in-flight outcome {lost.get('loss_to_last_in_flight_outcome_s')} s after the "
-                 f"loss; /health after: {(lost.get('health_after') or {}).get('code')}")
+    if "B_start_s" in o:  # deployment B ran (--deployments)
+        lines.append(f"B (2 both engines, SLO placement): up in {o.get('B_start_s')} s; host 2's link at 50 Mbit/s")
+        for r in o.get("B_slow_link", {}).get("requests", []):
+            lines.append(f"  {r['request']:<8} {r['decision']:<36} {r['outcome']:<10} TTFT {r['ttft_s']} s, "
+                         f"first->second {r['first_to_second_s']} s, total {r['seconds']} s")
+        lines.append(f"  learned pull rates: {o.get('B_slow_link', {}).get('learned_pull_rates')}")
+        lost = o.get("B_host_lost", {})
+        for r in lost.get("in_flight", []) + lost.get("after", []):
+            lines.append(f"  host 2 lost: {r['request']:<12} {r['outcome']:<10} {r['seconds']} s")
+        lines.append(f"  host 2 lost: last in-flight outcome {lost.get('loss_to_last_in_flight_outcome_s')} s after the "
+                     f"loss; /health after: {(lost.get('health_after') or {}).get('code')}")
     if o.get("aborted"):
         lines.append(f"ABORTED: {o['aborted']}")
     lines.append(f"teardown leftovers: {o.get('teardown_leftovers')}")
