@@ -129,7 +129,10 @@ def test_stop_strings_end_the_stream_where_one_engine_ends_it(engines, where):
             prompt = [random.Random(seed).randrange(1000, 40000) for _ in range(40)]
             chunks = await collect(engines["D"], req(f"t{seed}", prompt, temperature=0.0))
             texts = [c.text for c in chunks if c.token_ids]
-            if len(texts[i]) < 2 or len(texts[i + 1]) < 2:
+            # a texts entry is one token's only when no chunk carries more (vLLM merges the deltas of a
+            # slow consumer), and the answer may end (EOS) before token i + 1
+            one_each = all(len(c.token_ids) == 1 for c in chunks if c.token_ids)
+            if not one_each or len(texts) < i + 2 or len(texts[i]) < 2 or len(texts[i + 1]) < 2:
                 continue
             stop, at = texts[i][-2:] + texts[i + 1][:2], len("".join(texts[:i + 1])) - 2
             if "".join(texts).find(stop) == at:
