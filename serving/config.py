@@ -185,7 +185,7 @@ class DeploymentConfig(StrictModel):
         kwargs = {**self.engine_kwargs, **group.engine_kwargs}
         if "max_num_batched_tokens" in kwargs:
             return ChunkBudget(int(kwargs["max_num_batched_tokens"]), "operator")
-        if self.backend != "vllm" or role not in DECODE_CAPABLE or self.router.placement != "slo":
+        if self.backend != "vllm" or role not in DECODE_CAPABLE or self.router.placement == "disaggregate":
             return None
         block = group.block_size or 128  # vLLM's CPU default (GPU configs set their block size)
         return self.router.slo.chunk_budget(measured, int(kwargs.get("max_num_seqs", 128)), block)

@@ -34,9 +34,10 @@ class RouterConfig(StrictModel):
         "prefix of the prompt; `least_outstanding`: load alone, engines run without KV events"))
     cache_weight: float = Field(1.0, ge=0, description=(
         "what one uncached prompt token weighs against one token of queued work"))
-    placement: Literal["slo", "disaggregate"] = Field("slo", description=(
+    placement: Literal["slo", "disaggregate", "colocate"] = Field("slo", description=(
         "`slo`: per request, the SLO model picks colocated or disaggregated and where; `disaggregate`: "
-        "every request is prefilled on a prefill engine whenever one is usable"))
+        "every request is prefilled on a prefill engine whenever one is usable; `colocate`: the SLO "
+        "model's colocated options only, no KV is pulled (role-flexible engines, e.g. across a slow network)"))
     slo: PlacementConfig = PlacementConfig()
     index_refresh_s: float = Field(0.1, gt=0, description="how old the router's copy of the prefix index may get")
     no_prefill_fallback: Literal["decode_local", "reject"] = Field("decode_local", description=(

@@ -114,7 +114,7 @@ def _chosen(cfg: DeploymentConfig, ecfg: EngineConfig, key: str) -> EngineArg:
         return EngineArg(key, cpu, gpu, why)
     if cpu is None:
         return EngineArg(key, None, None, "vLLM's default (raypd sets a chunk budget on decode-capable engines "
-                                          "under router.placement slo only)")
+                                          "under router.placement slo or colocate only)")
     slo = cfg.router.slo
     why = (f"CPU host: raypd's chunk budget, a step with a prefill chunk within router.slo.itl_target_s "
            f"{slo.itl_target_s} s at the priors ({slo.prior_prefill_tokens_per_s:g} prompt tokens/s, "

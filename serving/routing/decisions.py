@@ -26,6 +26,8 @@ class DecisionReason(StrEnum):
     PREFILL_QUEUE = "prefill_queue"
     PREFIX_CACHED = "prefix_cached"
     TTFT = "ttft"
+    # placement `colocate`: the SLO model among colocated options only
+    COLOCATE = "colocate"
 
 
 class FallbackReason(StrEnum):

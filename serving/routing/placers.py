@@ -11,6 +11,8 @@ prefix caches hold); `placer_for` is the one place the placement is chosen, and 
   `DisaggregatePlacer`  placement "disaggregate": the engines' scores (`serving.routing.policy`)
                         pick the decode engine, and its prompt is prefilled remotely whenever a
                         prefill engine is usable with it.
+  `SloPlacer(local_only)` placement "colocate": the SLO model among the colocated options alone
+                        (no KV pulled; the baseline a slow link's pulls are measured against).
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ class SloPlacer:
     """Placement "slo": the SLO model's choice among the allowed (prefill engine or colocated, decode
     engine) options of a shortlist (`serving.routing.shortlist`: all of them in a deployment of a few engines)."""
 
-    def __init__(self, estimates: EngineEstimates, fallback_local: bool):
-        self.estimates, self.fallback_local = estimates, fallback_local
+    def __init__(self, estimates: EngineEstimates, fallback_local: bool, local_only: bool = False):
+        self.estimates, self.fallback_local, self.local_only = estimates, fallback_local, local_only
 
     def place(self, pool: EnginePool, req: EngineRequest, live: list[str], routes: RouteTable,
               cached: dict[str, int], turn: int) -> RoutePlan:
@@ -126,7 +128,7 @@ class SloPlacer:
                 return False
             if prefill_id is None:
                 return self.fallback_local or pool.role_of(decode_id) == "both"
-            return prefill_id in usable[decode_id]
+            return not self.local_only and prefill_id in usable[decode_id]
 
         chosen = place(max(1, req.num_prompt_tokens), engines, self.estimates.slo, pool.rates.transfer, allowed,
                        answer_tokens=req.max_tokens)
@@ -137,7 +139,8 @@ class SloPlacer:
         others = [p.option.prefill_id for p in chosen.predictions
                   if p.option.decode_id == d and p.option.prefill_id not in (None, chosen.option.prefill_id)]
         if chosen.option.prefill_id is None:
-            return RoutePlan(d, tuple(others), DisaggDecision(Decision.LOCAL, chosen.why), cached.get(d, 0), chosen)
+            why = DecisionReason.COLOCATE if self.local_only else chosen.why
+            return RoutePlan(d, tuple(others), DisaggDecision(Decision.LOCAL, why), cached.get(d, 0), chosen)
         return RoutePlan(d, (chosen.option.prefill_id, *others), DisaggDecision(Decision.REMOTE, chosen.why),
                          cached.get(d, 0),
                          chosen)
@@ -163,4 +166,6 @@ def placer_for(placement: str, settings: ScoreSettings, estimates: EngineEstimat
         return SloPlacer(estimates, fallback_local)
     if placement == "disaggregate":
         return DisaggregatePlacer(settings, fallback_local)
-    raise ValueError(f"unknown router.placement {placement!r} (slo or disaggregate)")
+    if placement == "colocate":
+        return SloPlacer(estimates, fallback_local, local_only=True)
+    raise ValueError(f"unknown router.placement {placement!r} (slo, disaggregate or colocate)")

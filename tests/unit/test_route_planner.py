@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from actors.control.prefix_index import PrefixIndex
 from actors.prefix_wire import BlocksStored, HashScheme, KVEventsBatch
 from actors.protocol.request import EngineRequest, SamplingSpec
@@ -86,6 +88,27 @@ def test_a_long_prompt_goes_to_the_prefill_engine_when_it_would_stall_decoding_s
     router, stream = asyncio.run(go())
     assert (stream.route.path, stream.prefill_id) == ("pd", "p0")
     assert decisions(router) == {("remote", "itl_protect"): 1}
+
+
+@pytest.mark.parametrize("placement, path", [("slo", "pd"), ("colocate", "local")])
+def test_placement_colocate_keeps_a_long_prompt_on_a_busy_engine_and_pulls_nothing(placement, path):
+    """A role-flexible engine with four streams and an idle one that may prefill for it: `slo`
+    protects their ITL with a pull, `colocate` prefills where the stream decodes."""
+    async def go():
+        both = {e: FakeEngine(e) for e in ("b0", "b1")}  # b1 prefills only for this router
+        s = RouterConfig(policy="cache_aware", placement=placement)
+        clock = FakeClock()
+        router = Router(both, {"b0": both["b0"]}, FakeDirectory({"b0": ["b1"]}, clock), s, clock=clock,
+                        planner=planner_for(s, PrefixCacheView(lambda cursor: None, refresh_s=0.0)))
+        router.pool.decode_load["b0"].requests = 4
+        stream = await router.open(req("r1", tokens=tuple(range(1000, 1400))))
+        await collect(stream)
+        return router, both, stream
+
+    router, both, stream = asyncio.run(go())
+    assert stream.route.path == path
+    assert sum(len(e.prefills) for e in both.values()) == (path == "pd")
+    assert list(decisions(router)) == [("remote", "itl_protect") if path == "pd" else ("local", "colocate")]
 
 
 def test_a_saturated_prefill_engine_makes_the_decode_engine_prefill():
