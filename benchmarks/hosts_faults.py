@@ -9,10 +9,15 @@ Deployment A (`configs/multihost-pd.yaml`: prefill on host 1, decode on host 2, 
   host cut     the decode host loses every link for longer than Ray's node-death timeout: what Ray and
                raypd did, and what a request sees during and after
 Deployment B (`configs/multihost-default.yaml`: two `both` engines, SLO placement):
-  slow link    50 Mbit/s on host 2: decisions, gaps and totals per request, the learned pull rates
+  slow link    50 Mbit/s on host 2, ~1.5k-token prompts 4 in flight, two rounds: decisions, the pull
+               rates learned, first->second token gaps and totals
   host lost    host 2's processes killed: the streams in flight, then colocated serving and /health
+Deployment C (B with `router.placement: colocate`, no KV pulled): the same two rounds on the same link,
+  the colocated baseline B's second round is compared with
 
     sudo .venv/bin/python benchmarks/hosts_faults.py [--out benchmarks/results/hosts_faults.txt]
+    # the slow link alone, B beside its colocated baseline:
+    sudo .venv/bin/python benchmarks/hosts_faults.py --deployments B,C --out benchmarks/results/hosts_slow_link.txt
     # a cut past Ray's node death detection, deployment A only:
     sudo .venv/bin/python benchmarks/hosts_faults.py --cut-s 120 --deployments A --out benchmarks/results/hosts_cut_long.txt
 """
@@ -31,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+import yaml  # noqa: E402
 
 from benchmarks.hostnet.netns import HostNet, leftovers  # noqa: E402
 from benchmarks.hostnet.ray_hosts import RayHosts  # noqa: E402
@@ -117,17 +123,7 @@ def deployment_b(net: HostNet, rh: RayHosts, out: dict) -> None:
     t0 = time.monotonic()
     rp.start()
     out["B_start_s"] = round(time.monotonic() - t0, 1)
-    net.cap(2, "50mbit")
-    rows = []
-    for i, city in enumerate(CITIES):
-        before = (rp.status()["serve"]["router"].get("planner") or {}).get("decisions", {})
-        a = rp.complete(prompt(city, LONG), max_tokens=32, timeout_s=180)
-        after = (rp.status()["serve"]["router"].get("planner") or {}).get("decisions", {})
-        decided = [k for k in after if after[k] > before.get(k, 0)]
-        rows.append({**row(city, a), "decision": decided[0] if decided else "?"})
-    status = rp.status()
-    out["B_slow_link"] = {"requests": rows, "learned_pull_rates": status["serve"]["router"].get("pull_rates")}
-    net.heal()
+    out["B_slow_link"] = slow_link_rounds(net, rp)
 
     with ThreadPoolExecutor(2) as pool:
         inflight = [pool.submit(rp.complete, prompt(c, SHORT), 64) for c in CITIES[:2]]
@@ -140,6 +136,46 @@ def deployment_b(net: HostNet, rh: RayHosts, out: dict) -> None:
                           "loss_to_last_in_flight_outcome_s": round(time.monotonic() - t_loss, 1),
                           "health_after": httpx.get(rp.url + "/health", timeout=10).json()}
     rp.stop()
+
+
+def deployment_c(net: HostNet, rh: RayHosts, out: dict) -> None:
+    """B's engines with placement `colocate`: the baseline of B's slow-link rounds."""
+    cfg = yaml.safe_load((ROOT / "configs" / "multihost-default.yaml").read_text())
+    cfg["name"], cfg["router"] = cfg["name"] + "-colocate", {**cfg.get("router", {}), "placement": "colocate"}
+    path = rh.workdir / "multihost-colocate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rp = RaypdOnHosts(rh, path)
+    t0 = time.monotonic()
+    rp.start()
+    out["C_start_s"] = round(time.monotonic() - t0, 1)
+    out["C_slow_link"] = slow_link_rounds(net, rp)
+    rp.stop()
+
+
+def slow_link_rounds(net: HostNet, rp: RaypdOnHosts, rounds: int = 2, per_round: int = 16,
+                     in_flight: int = 4) -> dict:
+    """Host 2's link at 50 Mbit/s; per round `per_round` fresh ~1.5k-token prompts (no shared prefix),
+    `in_flight` at a time: each request's outcome, TTFT, first->second gap and total, the round's
+    placement decisions and the pull rates the router learned by its end."""
+    net.cap(2, "50mbit")
+    out = []
+    try:
+        for r in range(rounds):
+            before = _decisions(rp)
+            names = [f"{CITIES[i % len(CITIES)]}-{r}-{i}" for i in range(per_round)]
+            with ThreadPoolExecutor(in_flight) as pool:
+                answers = list(pool.map(lambda n: rp.complete(prompt(n, LONG), max_tokens=32, timeout_s=240), names))
+            after = _decisions(rp)
+            out.append({"requests": [row(n, a) for n, a in zip(names, answers)],
+                        "decisions": {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)},
+                        "learned_pull_rates": rp.status()["serve"]["router"].get("pull_rates")})
+    finally:
+        net.heal()
+    return {"rounds": out}
+
+
+def _decisions(rp: RaypdOnHosts) -> dict[str, int]:
+    return dict((rp.status()["serve"]["router"].get("planner") or {}).get("decisions", {}))
 
 
 def host_cut(net: HostNet, rh: RayHosts, rp: RaypdOnHosts, refs: dict[str, str], cut_s: float = 45) -> dict:
@@ -210,7 +246,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hosts_faults.txt"))
     ap.add_argument("--cut-s", type=float, default=45, help="how long the decode host is cut off")
-    ap.add_argument("--deployments", default="A,B", help="A (1P+1D), B (the default's shape)")
+    ap.add_argument("--deployments", default="A,B,C", help="A (1P+1D), B (the default's shape), C (B colocated)")
     args = ap.parse_args()
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
@@ -223,6 +259,8 @@ def main() -> int:
         chosen = args.deployments.split(",")
         if "A" in chosen:
             deployment_a(net, rh, out, args.cut_s)
+        if "C" in chosen:  # before B, whose last phase loses host 2
+            deployment_c(net, rh, out)
         if "B" in chosen:
             if 2 in net.lost or not net.hosts:
                 raise RuntimeError("host 2 gone before deployment B")
@@ -267,19 +305,44 @@ def report(o: dict) -> str:
                      f"vLLM engine cores per host after {c.get('engine_cores_per_host_after')}")
     if "B_start_s" in o:  # deployment B ran (--deployments)
         lines.append(f"B (2 both engines, SLO placement): up in {o.get('B_start_s')} s; host 2's link at 50 Mbit/s")
-        for r in o.get("B_slow_link", {}).get("requests", []):
-            lines.append(f"  {r['request']:<8} {r['decision']:<36} {r['outcome']:<10} TTFT {r['ttft_s']} s, "
-                         f"first->second {r['first_to_second_s']} s, total {r['seconds']} s")
-        lines.append(f"  learned pull rates: {o.get('B_slow_link', {}).get('learned_pull_rates')}")
+        lines += slow_link_lines(o.get("B_slow_link", {}))
         lost = o.get("B_host_lost", {})
         for r in lost.get("in_flight", []) + lost.get("after", []):
             lines.append(f"  host 2 lost: {r['request']:<12} {r['outcome']:<10} {r['seconds']} s")
         lines.append(f"  host 2 lost: last in-flight outcome {lost.get('loss_to_last_in_flight_outcome_s')} s after the "
                      f"loss; /health after: {(lost.get('health_after') or {}).get('code')}")
+    if "C_start_s" in o:
+        lines.append(f"C (B with router.placement colocate): up in {o.get('C_start_s')} s; host 2's link at 50 Mbit/s")
+        lines += slow_link_lines(o.get("C_slow_link", {}))
+    b, c = (o.get(k, {}).get("rounds") for k in ("B_slow_link", "C_slow_link"))
+    if b and c:
+        ratios = {m: round(_mean(b[-1], m) / _mean(c[-1], m), 2) for m in ("first_to_second_s", "seconds")}
+        lines.append(f"B's last round against C's (mean over its requests): first->second {ratios['first_to_second_s']}x, "
+                     f"total {ratios['seconds']}x colocated")
     if o.get("aborted"):
         lines.append(f"ABORTED: {o['aborted']}")
     lines.append(f"teardown leftovers: {o.get('teardown_leftovers')}")
     return "\n".join(lines) + "\n"
+
+
+def slow_link_lines(link: dict) -> list[str]:
+    lines = []
+    for i, rnd in enumerate(link.get("rounds", [])):
+        done = [r for r in rnd["requests"] if r["outcome"] == "completed"]
+        lines.append(f"  round {i + 1}: {len(done)}/{len(rnd['requests'])} completed; mean TTFT {_mean(rnd, 'ttft_s')} s, "
+                     f"first->second {_mean(rnd, 'first_to_second_s')} s (max {_max(rnd, 'first_to_second_s')} s), "
+                     f"total {_mean(rnd, 'seconds')} s; decisions {rnd['decisions']}; learned pull rates "
+                     f"{rnd['learned_pull_rates']}")
+    return lines
+
+
+def _mean(rnd: dict, key: str) -> float:
+    vals = [r[key] for r in rnd["requests"] if r.get(key) is not None]
+    return round(sum(vals) / len(vals), 2) if vals else float("nan")
+
+
+def _max(rnd: dict, key: str) -> float | None:
+    return max((r[key] for r in rnd["requests"] if r.get(key) is not None), default=None)
 
 
 if __name__ == "__main__":
