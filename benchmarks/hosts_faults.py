@@ -9,10 +9,10 @@ Deployment A (`configs/multihost-pd.yaml`: prefill on host 1, decode on host 2, 
   host cut     the decode host loses every link for longer than Ray's node-death timeout: what Ray and
                raypd did, and what a request sees during and after
 Deployment B (`configs/multihost-default.yaml`: two `both` engines, SLO placement):
-  slow link    50 Mbit/s on host 2, ~1.5k-token prompts 4 in flight, two rounds: decisions, the pull
+  slow link    50 Mbit/s on host 2, ~1.5k-token prompts 4 in flight, three rounds: decisions, the pull
                rates learned, first->second token gaps and totals
   host lost    host 2's processes killed: the streams in flight, then colocated serving and /health
-Deployment C (B with `router.placement: colocate`, no KV pulled): the same two rounds on the same link,
+Deployment C (B with `router.placement: colocate`, no KV pulled): the same rounds on the same link,
   the colocated baseline B's second round is compared with
 
     sudo .venv/bin/python benchmarks/hosts_faults.py [--out benchmarks/results/hosts_faults.txt]
@@ -152,7 +152,7 @@ def deployment_c(net: HostNet, rh: RayHosts, out: dict) -> None:
     rp.stop()
 
 
-def slow_link_rounds(net: HostNet, rp: RaypdOnHosts, rounds: int = 2, per_round: int = 16,
+def slow_link_rounds(net: HostNet, rp: RaypdOnHosts, rounds: int = 3, per_round: int = 16,
                      in_flight: int = 4) -> dict:
     """Host 2's link at 50 Mbit/s; per round `per_round` fresh ~1.5k-token prompts (no shared prefix),
     `in_flight` at a time: each request's outcome, TTFT, first->second gap and total, the round's
@@ -161,17 +161,24 @@ def slow_link_rounds(net: HostNet, rp: RaypdOnHosts, rounds: int = 2, per_round:
     out = []
     try:
         for r in range(rounds):
-            before = _decisions(rp)
+            before, pulls0 = _decisions(rp), _pulls(rp)
             names = [f"{CITIES[i % len(CITIES)]}-{r}-{i}" for i in range(per_round)]
             with ThreadPoolExecutor(in_flight) as pool:
                 answers = list(pool.map(lambda n: rp.complete(prompt(n, LONG), max_tokens=32, timeout_s=240), names))
-            after = _decisions(rp)
+            after, pulls = _decisions(rp), _pulls(rp)
             out.append({"requests": [row(n, a) for n, a in zip(names, answers)],
                         "decisions": {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)},
+                        "pulls": {k: pulls[k] - pulls0[k] for k in pulls},
                         "learned_pull_rates": rp.status()["serve"]["router"].get("pull_rates")})
     finally:
         net.heal()
     return {"rounds": out}
+
+
+def _pulls(rp: RaypdOnHosts) -> dict[str, int]:
+    """KV pulls and recomputed (failed) pulls, summed over the engines."""
+    found = [e["stats"]["backend"]["counters"] for e in rp.status()["engines"].values() if e.get("stats")]
+    return {k: sum(c.get(k, 0) for c in found) for k in ("kv_pulls", "recomputed")}
 
 
 def _decisions(rp: RaypdOnHosts) -> dict[str, int]:
@@ -279,15 +286,18 @@ def main() -> int:
 def report(o: dict) -> str:
     lines = [f"# hosts_faults.py  commit {o['commit'][:12]}{' (dirty)' if o['dirty'] else ''}  {o['date']}",
              "# 3 network-namespace hosts on one 2-core machine; SmolLM2 on vLLM (CPU); UCX over TCP on the hosts' links",
-             f"A (1 prefill on host 1 + 1 decode on host 2): up in {o.get('A_start_s')} s"]
+             ]
+    if "A_start_s" in o:  # deployment A ran (--deployments)
+        lines.append(f"A (1 prefill on host 1 + 1 decode on host 2): up in {o.get('A_start_s')} s")
     for r in o.get("A_healthy", []):
         lines.append(f"  healthy {r['request']:<8} {r['outcome']:<10} {r['seconds']:>6} s  KV pulled "
                      f"{r['kv_bytes_pulled'] / 1e6:.1f} MB, decode link received {r['link_bytes_received'] / 1e6:.1f} MB")
     p = o.get("A_partition", {})
     for r in p.get("requests", []):
         lines.append(f"  partition {r['request']:<8} {r['outcome']:<10} right={r['right']} {r['seconds']:>6} s")
-    lines.append(f"  partition: breaker {p.get('breaker_during')}, /health {p.get('health_during')}, "
-                 f"P/D again {p.get('pd_resumed_after_heal_s')} s after healing")
+    if p:
+        lines.append(f"  partition: breaker {p.get('breaker_during')}, /health {p.get('health_during')}, "
+                     f"P/D again {p.get('pd_resumed_after_heal_s')} s after healing")
     for cap, rows in o.get("A_capped", {}).items():
         for r in rows:
             lines.append(f"  link {cap:<9} {r['request']:<8} {r['outcome']:<10} TTFT {r['ttft_s']} s, "
@@ -331,7 +341,8 @@ def slow_link_lines(link: dict) -> list[str]:
         done = [r for r in rnd["requests"] if r["outcome"] == "completed"]
         lines.append(f"  round {i + 1}: {len(done)}/{len(rnd['requests'])} completed; mean TTFT {_mean(rnd, 'ttft_s')} s, "
                      f"first->second {_mean(rnd, 'first_to_second_s')} s (max {_max(rnd, 'first_to_second_s')} s), "
-                     f"total {_mean(rnd, 'seconds')} s; decisions {rnd['decisions']}; learned pull rates "
+                     f"total {_mean(rnd, 'seconds')} s; decisions {rnd['decisions']}; pulls {rnd.get('pulls')}; "
+                     f"learned pull rates "
                      f"{rnd['learned_pull_rates']}")
     return lines
 

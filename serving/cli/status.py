@@ -167,7 +167,9 @@ def print_status(status: dict, url: str | None) -> None:
         last = f"  last: {b['last_reason']}" if b.get("last_reason") else ""
         print(f"  {pair:<50} {b['state']:<9} failures={b.get('failures', 0)} opened={b['opened_count']}{last}")
     for pair, rate in sorted((router.get("pull_rates") or {}).items()):
-        print(f"  learned pull {pair:<44} {rate['tokens_per_s']:.0f} tokens/s + {rate['overhead_s'] * 1e3:.0f} ms")
+        failed = rate.get("failure_penalty_s") or 0.0
+        print(f"  learned pull {pair:<44} {rate['tokens_per_s']:.0f} tokens/s + {rate['overhead_s'] * 1e3:.0f} ms"
+              + (f" (of which {failed * 1e3:.0f} ms left of a failed pull's cost)" if failed else ""))
     if router.get("counters"):
         print("router: " + " ".join(f"{k}={v}" for k, v in sorted(router["counters"].items()))
               + "".join(f" fallback[{k}]={v}" for k, v in sorted((router.get("fallbacks") or {}).items()))

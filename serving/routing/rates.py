@@ -58,7 +58,11 @@ class RateEstimator:
 
     KV pulls per pair (`transfer`): seconds = overhead + tokens / rate, fitted by this router from the
     first->second token gaps of its own streams (`observe_transfer`; a `RidgeFit` per pair, pooled
-    over pairs as their prior).
+    over pairs as their prior). A pull that failed and was recomputed teaches no rate, but the first
+    gap it cost (the failed wait plus the recompute: a slow link past the sync wait, a partition)
+    is added to the pair's overhead (`observe_failed_transfer`), halving every
+    `transfer_half_life_s` and cleared by the pair's next good pull: placement stops paying for a
+    pair whose pulls fail, and tries it again once the penalty faded.
     """
 
     def __init__(self, config: PlacementConfig | None = None, clock: Callable[[], float] = time.monotonic):
@@ -68,6 +72,7 @@ class RateEstimator:
         self._pair_prior = (c.prior_transfer_overhead_s, 1.0 / c.prior_transfer_tokens_per_s)
         self._pooled_pair = self._pair_fit()
         self._pairs: dict[tuple[str, str], RidgeFit] = {}
+        self._failed: dict[tuple[str, str], tuple[float, float]] = {}  # pair -> (a failed pull's cost, when)
         self._pooled_transfer: tuple[tuple[float, ...] | None, TransferEstimate | None] = (None, None)
         self.published: Mapping[str, EngineRates] = {}  # the engines' own, as the last table had them
         self._pooled: EngineRates | None = None
@@ -151,9 +156,38 @@ class RateEstimator:
         now = self.clock()
         self._pooled_pair.add((1.0, float(tokens)), seconds, now)
         self._pairs.setdefault((prefill_id, decode_id), self._pair_fit()).add((1.0, float(tokens)), seconds, now)
+        self._failed.pop((prefill_id, decode_id), None)  # the pair pulls again
+
+    def observe_failed_transfer(self, prefill_id: str, decode_id: str, seconds: float) -> None:
+        """A pull from prefill_id to decode_id failed and its prompt was recomputed: the first gap it
+        cost (params in -> first decode token) becomes the pair's penalty (the larger of it and what
+        is left of the last one)."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        pair = (prefill_id, decode_id)
+        self._failed[pair] = (max(seconds, self.failure_penalty_s(*pair)), self.clock())
+
+    def failure_penalty_s(self, prefill_id: str, decode_id: str) -> float:
+        """What is left of the pair's last failed pull's cost (0 once below 10 ms)."""
+        found = self._failed.get((prefill_id, decode_id))
+        if found is None:
+            return 0.0
+        left = found[0] * 0.5 ** ((self.clock() - found[1]) / self.config.transfer_half_life_s)
+        if left < 0.01:
+            del self._failed[(prefill_id, decode_id)]
+            return 0.0
+        return left
 
     def transfer(self, prefill_id: str, decode_id: str) -> TransferEstimate:
-        """The pair's pull estimate (a `slo_model.TransferOf`)."""
+        """The pair's pull estimate (a `slo_model.TransferOf`), its failure penalty included."""
+        estimate = self._fitted_transfer(prefill_id, decode_id)
+        if self._failed:
+            penalty = self.failure_penalty_s(prefill_id, decode_id)
+            if penalty:
+                return TransferEstimate(estimate.tokens_per_s, estimate.overhead_s + penalty)
+        return estimate
+
+    def _fitted_transfer(self, prefill_id: str, decode_id: str) -> TransferEstimate:
         now = self.clock()
         pooled = self._pooled_pair.solve(self._pair_prior, now)
         fit = self._pairs.get((prefill_id, decode_id))
@@ -165,14 +199,16 @@ class RateEstimator:
         return self._pooled_transfer[1]
 
     def pairs(self) -> dict[tuple[str, str], TransferEstimate]:
-        """Every pair this router measured a pull of, with its estimate."""
-        return {p: self.transfer(*p) for p in self._pairs}
+        """Every pair this router measured a pull of, or saw a pull of fail, with its estimate."""
+        return {p: self.transfer(*p) for p in sorted({*self._pairs, *self._failed})}
 
     def forget(self, engine_id: str) -> None:
         """The engine left the pool: drop this router's hop to it and its pairs (the pooled fit keeps them)."""
         self._hops.pop(engine_id, None)
         for pair in [p for p in self._pairs if engine_id in p]:
             del self._pairs[pair]
+        for pair in [p for p in self._failed if engine_id in p]:
+            del self._failed[pair]
 
     # ----------------------------------------------------------- estimates
     def estimate(self, engine_id: str, role: Role, *, decode_streams: int = 0, queued_prefill_tokens: int = 0,

@@ -85,10 +85,12 @@ class Readiness:
 
 @dataclass(frozen=True)
 class PullRate:
-    """A pair's KV pull as a router learned it: seconds = overhead_s + tokens / tokens_per_s."""
+    """A pair's KV pull as a router learned it: seconds = overhead_s + tokens / tokens_per_s, where
+    overhead_s includes `failure_penalty_s`, what is left of a failed pull's cost."""
 
     tokens_per_s: float
     overhead_s: float
+    failure_penalty_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,8 @@ class RouterSnapshot:
             planner=planner, pools=pools, engines=dict(pool.engine_stats), readiness=readiness,
             deadline_misses=dict(pool.deadlines.misses), deadline_extensions=dict(pool.deadlines.extended),
             hangs=dict(routes.hangs),
-            pull_rates={pair: PullRate(round(t.tokens_per_s, 1), round(t.overhead_s, 4))
+            pull_rates={pair: PullRate(round(t.tokens_per_s, 1), round(t.overhead_s, 4),
+                                       round(pool.rates.failure_penalty_s(*pair), 4))
                         for pair, t in pool.rates.pairs().items()},
         )
 

@@ -160,16 +160,20 @@ class RoutedStream:
 
     def _learn(self, chunk: TokenChunk) -> None:
         """What this chunk's wait says that only this router sees: the first decode chunk after a
-        prefill is the pair's pull plus one step (the decode engine measures its steps itself)."""
+        prefill is the pair's pull plus one step (the decode engine measures its steps itself); after
+        a failed pull, the failed wait plus the recompute: what choosing the pair cost."""
         now, last, self._last_at = self.pool.rates.clock(), self._last_at, self.pool.rates.clock()
         d = self.decode_id
         if last is None or not chunk.token_ids or chunk.failed or not self._awaiting_transfer:
             return
-        if self.prefill_id is not None and not chunk.recomputed:
+        if self.prefill_id is not None:
             rates = self.pool.rates
             batch = self.pool.decode_load[d].requests if d in self.pool.decode_load else 1
             step = rates.rates(d).decode_step_s(max(batch, rates.rates(d).decode_streams))
-            rates.observe_transfer(self.prefill_id, d, self.num_prompt_tokens, now - last - step)
+            if chunk.recomputed:
+                rates.observe_failed_transfer(self.prefill_id, d, now - last - step)
+            else:
+                rates.observe_transfer(self.prefill_id, d, self.num_prompt_tokens, now - last - step)
 
     def _transfer_verdict(self, chunk: TokenChunk) -> None:
         """The first decode chunk after a prefill: counted as the router saw it (the ledger

@@ -173,9 +173,43 @@ def test_transfer_rates_are_learned_per_pair_and_pooled_for_new_pairs():
         pytest.approx(50000, rel=0.05), pytest.approx(0.01, rel=0.1), pytest.approx(50000, rel=0.2))
 
 
+def test_a_failed_pulls_cost_prices_the_pair_halves_with_time_and_a_good_pull_clears_it():
+    clock = Clock()
+    est = RateEstimator(clock=clock)  # transfer_half_life_s 120
+    base = est.transfer("p", "d")
+    est.observe_failed_transfer("p", "d", 8.0)  # a sync wait that failed, then the recompute
+    assert est.transfer("p", "d").overhead_s == pytest.approx(base.overhead_s + 8.0)
+    assert est.transfer("p", "d2") == base  # only that pair
+    assert est.pairs()[("p", "d")].overhead_s == pytest.approx(base.overhead_s + 8.0)
+    clock.t += 120
+    assert est.failure_penalty_s("p", "d") == pytest.approx(4.0)
+    est.observe_failed_transfer("p", "d", 1.0)  # a cheaper failure keeps what is left of the dearer one
+    assert est.failure_penalty_s("p", "d") == pytest.approx(4.0)
+    est.observe_transfer("p", "d", 1000, 0.2)
+    assert est.failure_penalty_s("p", "d") == 0.0
+
+
+def test_a_pair_priced_by_its_failed_pulls_loses_the_placement_it_won():
+    """Two both engines, the decode one streaming two answers: a long prompt is pulled from the idle one
+    (itl_protect) until a failed pull's cost prices the pair; then it is prefilled where it decodes."""
+    clock = Clock()
+    est = RateEstimator(clock=clock)
+    est.adopt({"d": EngineRates(A, B, C, decode_streams=2, samples=100, prefill_samples=50),
+               "p": EngineRates(A, B, C, samples=100, prefill_samples=50)})
+
+    def chosen():
+        engines = [est.estimate(e, "both", decode_streams=2 if e == "d" else 0) for e in ("d", "p")]
+        return place(1500, engines, est.config, est.transfer, lambda p, d: d == "d").option.prefill_id
+
+    assert chosen() == "p"
+    est.observe_failed_transfer("p", "d", 8.0)
+    assert chosen() is None
+
+
 def test_forget_drops_an_engines_pairs_and_hop():
     est = RateEstimator(clock=Clock())
     est.observe_transfer("p", "e", 100, 0.05)
+    est.observe_failed_transfer("q", "e", 3.0)
     est.observe_hop("e", 0.2)
     est.forget("e")
     assert (est.pairs(), est.hop_s("e")) == ({}, 0.0)

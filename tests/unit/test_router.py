@@ -337,6 +337,25 @@ def test_recompute_policy_answer_is_delivered_but_counts_as_a_transfer_failure()
     run(go())
 
 
+def test_a_recomputed_pull_prices_its_pair_by_what_it_cost_and_a_good_pull_clears_it():
+    class Ticking(FakeClock):
+        def __call__(self):  # every reading a second later: every wait costs something
+            self.t += 1.0
+            return self.t
+
+    async def go():
+        router, _, ds, _ = make(clock=Ticking())
+        ds["d0"].recomputed = True
+        await collect(await router.open(req()))
+        failed = router.pool.rates.failure_penalty_s("p0", "d0")
+        ds["d0"].recomputed = False
+        await collect(await router.open(req("r2")))
+        return failed, router.pool.rates.failure_penalty_s("p0", "d0")
+
+    failed, after_good = run(go())
+    assert failed > 0 and after_good == 0.0
+
+
 # ------------------------------------------------------------------ fallback
 def test_no_compatible_prefill_falls_back_to_decode_local():
     async def go():
