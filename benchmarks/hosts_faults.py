@@ -28,6 +28,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -207,14 +208,21 @@ def host_cut(net: HostNet, rh: RayHosts, rp: RaypdOnHosts, refs: dict[str, str],
             "raylet" in p for p in host2_after_heal):
         rh.restart_node(2)  # as KubeRay restarts the pod of a node Ray gave up on
         restarted_node_s = round(time.monotonic() - t_heal, 1)
-    first_good, after = None, []
-    while time.monotonic() - t_heal < 240:
-        a = rp.complete(prompt(CITIES[0]))
-        after.append(row("after-heal", a, refs[CITIES[0]]))
-        if a.outcome == "completed" and a.text == refs[CITIES[0]]:
-            first_good = round(time.monotonic() - t_heal, 1)
-            break
-        time.sleep(3)
+    first_good, after, timeline, stop = None, [], [], threading.Event()
+    watch = threading.Thread(target=_ray_timeline, args=(rh, stop, t_heal, timeline), daemon=True)
+    watch.start()
+    try:
+        while time.monotonic() - t_heal < 240:
+            a = rp.complete(prompt(CITIES[0]))
+            after.append({**row("after-heal", a, refs[CITIES[0]]), "sent_after_heal_s": round(
+                time.monotonic() - t_heal - a.seconds, 1)})
+            if a.outcome == "completed" and a.text == refs[CITIES[0]]:
+                first_good = round(time.monotonic() - t_heal, 1)
+                break
+            time.sleep(3)
+    finally:
+        stop.set()
+        watch.join(timeout=90)
     status = rp.status()
     engines_after = {n: {"healthy": e.get("healthy"), "generation": (e.get("stats") or {}).get("generation")}
                      for n, e in status["engines"].items()}
@@ -223,7 +231,28 @@ def host_cut(net: HostNet, rh: RayHosts, rp: RaypdOnHosts, refs: dict[str, str],
             "host2_processes_15s_after_heal": host2_after_heal, "ray_nodes_15s_after_heal": nodes_after_heal,
             "node_restarted_after_heal_s": restarted_node_s, "ray_nodes_after": _node_states(rh),
             "generations_before": gen0, "engines_after": engines_after, "engine_cores_per_host_after": cores,
-            "first_good_answer_after_heal_s": first_good, "requests_after_heal": after[-5:]}
+            "first_good_answer_after_heal_s": first_good, "requests_after_heal": after[-5:],
+            "ray_timeline_after_heal": timeline}
+
+
+def _ray_timeline(rh: RayHosts, stop: threading.Event, t0: float, out: list) -> None:
+    """Every ~5 s until `stop`: the nodes' liveness and the engines' placement groups as the head sees
+    them, kept where they changed (seconds since `t0`): where an engine's return spends its time."""
+    code = ("import json, ray; ray.init(); pgs = ray.util.placement_group_table();"
+            "print(json.dumps({'nodes': {n['NodeManagerAddress']: n['Alive'] for n in "
+            "sorted(ray.nodes(), key=lambda n: n.get('Alive'))}, 'groups': {v.get('name'): v.get('state') "
+            "for v in pgs.values() if v.get('name')}}))")
+    last = None
+    while not stop.is_set():
+        r = rh.python(0, code, timeout=60)
+        try:
+            snap = json.loads(r.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            snap = {"error": (r.stderr or "")[-200:]}
+        if snap != last:
+            out.append({"t": round(time.monotonic() - t0, 1), **snap})
+            last = snap
+        stop.wait(5)
 
 
 def _processes(net: HostNet, host: int) -> list[str]:
@@ -313,6 +342,11 @@ def report(o: dict) -> str:
                      f"healing; Ray's nodes after {c.get('ray_nodes_after')}")
         lines.append(f"    engines after {c.get('engines_after')} (generations before {c.get('generations_before')}); "
                      f"vLLM engine cores per host after {c.get('engine_cores_per_host_after')}")
+        for r in c.get("requests_after_heal", []):
+            lines.append(f"    after healing: sent at {r.get('sent_after_heal_s')} s: {r['outcome']} in {r['seconds']} s "
+                         f"right={r['right']}")
+        for snap in c.get("ray_timeline_after_heal", []):
+            lines.append(f"    Ray at {snap['t']} s after healing: {({k: v for k, v in snap.items() if k != 't'})}")
     if "B_start_s" in o:  # deployment B ran (--deployments)
         lines.append(f"B (2 both engines, SLO placement): up in {o.get('B_start_s')} s; host 2's link at 50 Mbit/s")
         lines += slow_link_lines(o.get("B_slow_link", {}))
