@@ -40,6 +40,7 @@ import httpx  # noqa: E402
 import yaml  # noqa: E402
 
 from benchmarks.hostnet.netns import HostNet, leftovers  # noqa: E402
+from benchmarks.hostnet.observe import control_events, host_processes, node_states, ray_timeline  # noqa: E402
 from benchmarks.hostnet.ray_hosts import RayHosts  # noqa: E402
 from benchmarks.hostnet.raypd_hosts import API_KEY, Answer, RaypdOnHosts  # noqa: E402
 
@@ -197,19 +198,19 @@ def host_cut(net: HostNet, rh: RayHosts, rp: RaypdOnHosts, refs: dict[str, str],
     t_cut = time.monotonic()
     during = row("during-cut", rp.complete(prompt(CITIES[7])), None)
     time.sleep(max(0.0, cut_s - (time.monotonic() - t_cut)))
-    nodes_during = _node_states(rh)
+    nodes_during = node_states(rh)
     net.heal()
-    t_heal = time.monotonic()
+    t_heal, wall_heal = time.monotonic(), time.time()
     time.sleep(15)  # a raylet that Ray declared dead exits when it next reaches the GCS
-    host2_after_heal = _processes(net, 2)
-    nodes_after_heal = _node_states(rh)
+    host2_after_heal = host_processes(net, 2)
+    nodes_after_heal = node_states(rh)
     restarted_node_s = None
     if nodes_after_heal.get(net.hosts[2].ip) is not True and not any(
             "raylet" in p for p in host2_after_heal):
         rh.restart_node(2)  # as KubeRay restarts the pod of a node Ray gave up on
         restarted_node_s = round(time.monotonic() - t_heal, 1)
     first_good, after, timeline, stop = None, [], [], threading.Event()
-    watch = threading.Thread(target=_ray_timeline, args=(rh, stop, t_heal, timeline), daemon=True)
+    watch = threading.Thread(target=ray_timeline, args=(rh, stop, t_heal, timeline), daemon=True)
     watch.start()
     try:
         while time.monotonic() - t_heal < 240:
@@ -226,56 +227,22 @@ def host_cut(net: HostNet, rh: RayHosts, rp: RaypdOnHosts, refs: dict[str, str],
     status = rp.status()
     engines_after = {n: {"healthy": e.get("healthy"), "generation": (e.get("stats") or {}).get("generation")}
                      for n, e in status["engines"].items()}
-    cores = {h: sum(p.startswith("VLLM::EngineCore") for p in _processes(net, h)) for h in (1, 2)}
+    cores = {h: sum(p.startswith("VLLM::EngineCore") for p in host_processes(net, h)) for h in (1, 2)}
     return {"cut_s": cut_s, "request_during_cut": during, "ray_nodes_during": nodes_during,
             "host2_processes_15s_after_heal": host2_after_heal, "ray_nodes_15s_after_heal": nodes_after_heal,
-            "node_restarted_after_heal_s": restarted_node_s, "ray_nodes_after": _node_states(rh),
+            "node_restarted_after_heal_s": restarted_node_s, "ray_nodes_after": node_states(rh),
             "generations_before": gen0, "engines_after": engines_after, "engine_cores_per_host_after": cores,
             "first_good_answer_after_heal_s": first_good, "requests_after_heal": after[-5:],
-            "ray_timeline_after_heal": timeline}
+            "ray_timeline_after_heal": timeline,
+            "control_events": control_events(rh, rp, wall_heal - cut_s - 5, wall_heal)}
 
 
-def _ray_timeline(rh: RayHosts, stop: threading.Event, t0: float, out: list) -> None:
-    """Every ~5 s until `stop`: the nodes' liveness and the engines' placement groups as the head sees
-    them, kept where they changed (seconds since `t0`): where an engine's return spends its time."""
-    code = ("import json, ray; ray.init(); pgs = ray.util.placement_group_table();"
-            "print(json.dumps({'nodes': {n['NodeManagerAddress']: n['Alive'] for n in "
-            "sorted(ray.nodes(), key=lambda n: n.get('Alive'))}, 'groups': {v.get('name'): v.get('state') "
-            "for v in pgs.values() if v.get('name')}}))")
-    last = None
-    while not stop.is_set():
-        r = rh.python(0, code, timeout=60)
-        try:
-            snap = json.loads(r.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            snap = {"error": (r.stderr or "")[-200:]}
-        if snap != last:
-            out.append({"t": round(time.monotonic() - t0, 1), **snap})
-            last = snap
-        stop.wait(5)
 
 
-def _processes(net: HostNet, host: int) -> list[str]:
-    """The host's processes by name (Ray and vLLM titles; `raylet`, `gcs_server` by their command)."""
-    names = []
-    for pid in net.pids(host):
-        try:
-            first = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue  # gone meanwhile
-        names.append(first[:48] if first.startswith(("ray::", "VLLM::")) else Path(first).name[:48])
-    return sorted(names)
 
 
-def _node_states(rh: RayHosts) -> dict[str, bool]:
-    """Node address -> alive, in the head's view (the newest entry per address)."""
-    code = ("import json, ray; ray.init(); ns = sorted(ray.nodes(), key=lambda n: n.get('Alive'));"
-            "print(json.dumps({n['NodeManagerAddress']: n['Alive'] for n in ns}))")
-    out = rh.python(0, code, timeout=60)
-    try:
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {}
+
+
 
 
 def main() -> int:
@@ -347,6 +314,8 @@ def report(o: dict) -> str:
                          f"right={r['right']}")
         for snap in c.get("ray_timeline_after_heal", []):
             lines.append(f"    Ray at {snap['t']} s after healing: {({k: v for k, v in snap.items() if k != 't'})}")
+        for e in c.get("control_events", []):
+            lines.append(f"    {e['source']} at {e['t']} s from healing: {e.get('engine')} {e.get('step')} {e.get('detail', '')}")
     if "B_start_s" in o:  # deployment B ran (--deployments)
         lines.append(f"B (2 both engines, SLO placement): up in {o.get('B_start_s')} s; host 2's link at 50 Mbit/s")
         lines += slow_link_lines(o.get("B_slow_link", {}))

@@ -31,7 +31,7 @@ from serving.cluster.engines import (
     startup_deadline,
     stop_engine,
 )
-from serving.cluster.node_loss import NodeLossWatch
+from serving.cluster.node_loss import NodeLossEvent, NodeLossWatch
 from serving.cluster.names import COORDINATOR_NAME, NAMESPACE, ROLES, engine_id, engine_index, launcher_name
 from serving.config import DeploymentConfig
 from serving.placement_config import MeasuredRates
@@ -157,6 +157,10 @@ class Launcher:
         await stop_engine(engine, handle_of(engine))
 
     # ---------------------------------------------------------------- status
+    async def node_loss_events(self) -> list[NodeLossEvent]:
+        """The last steps of replacing engines whose node died (`serving.cluster.node_loss`)."""
+        return list(self.node_loss.events)
+
     async def autoscaling(self) -> bool:
         return self.autoscaler is not None
 

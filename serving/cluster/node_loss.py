@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from serving.cluster.names import ROLES, actor_name_of, engine_id, engine_index, placement_group_name
@@ -29,6 +31,16 @@ from serving.cluster.names import ROLES, actor_name_of, engine_id, engine_index,
 logger = logging.getLogger("raypd.launcher")
 
 RESCHEDULING = "RESCHEDULING"
+
+
+@dataclass(frozen=True)
+class NodeLossEvent:
+    """One step of an engine's replacement: replaced, starting, started or start_failed (why)."""
+
+    t: float  # wall clock (time.time())
+    engine: str
+    step: str
+    detail: str = ""
 
 
 def engines_to_replace(table: Mapping[str, Mapping[str, Any]], deployment: str) -> list[tuple[str, int]]:
@@ -64,7 +76,12 @@ class NodeLossWatch:
         self.replacing: dict[tuple[str, int], asyncio.Task] = {}
         self.replaced = 0  # groups removed because their node died
         self.restarted = 0  # engines started again after that
+        self.events: list[NodeLossEvent] = []  # the last 100 steps of replacements, for status and benchmarks
         self._task: asyncio.Task | None = None
+
+    def _note(self, engine: str, step: str, detail: str = "") -> None:
+        self.events.append(NodeLossEvent(time.time(), engine, step, detail))
+        del self.events[:-100]
 
     def run(self) -> None:
         if self._task is None:
@@ -101,15 +118,19 @@ class NodeLossWatch:
                            "starting the engine again as a new one", engine)
             await asyncio.to_thread(self.remove, placement_group_name(engine))
             self.replaced += 1
+            self._note(engine, "replaced")
             while True:
                 try:
+                    self._note(engine, "starting")
                     await self.start(role, index)
                     self.restarted += 1
+                    self._note(engine, "started")
                     logger.info("engine %s started again after its node died", engine)
                     return
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - no node offers it yet: later
+                    self._note(engine, "start_failed", f"{type(exc).__name__}: {str(exc)[:200]}")
                     logger.warning("engine %s not started again (%s); next try in %.0f s", engine, exc, self.retry_s)
                     await asyncio.sleep(self.retry_s)
         finally:

@@ -37,6 +37,10 @@ def test_a_lost_engine_is_removed_once_and_started_again_until_a_node_offers_it(
         assert removed == [placement_group_name("dep-decode-0")]
         assert starts == [("decode", 0)] * 3
         assert (watch.replaced, watch.restarted, watch.replacing) == (1, 1, {})
+        assert [(e.engine, e.step, e.detail) for e in watch.events] == [
+            ("dep-decode-0", "replaced", ""),
+            *[("dep-decode-0", "starting", ""), ("dep-decode-0", "start_failed", "RuntimeError: no node offers the bundle")] * 2,
+            ("dep-decode-0", "starting", ""), ("dep-decode-0", "started", "")]
         watch.stop()
 
     asyncio.run(go())
