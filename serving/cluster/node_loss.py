@@ -7,8 +7,11 @@ which then starves its health checks and RPCs, and floods the head's metrics age
 cannot be placed waits PENDING with back-off instead. So the launcher watches its engines' groups:
 
   1. watch     every `interval_s`, the deployment's groups in Ray's placement group table;
-  2. replace   a RESCHEDULING group is removed (its actor goes with it: its node is gone, so is
-               everything the incarnation held there);
+  2. replace   a RESCHEDULING group is removed, and the engine's actor killed for good: Ray keeps an
+               actor it is restarting (RESTARTING) after its group went, bound to that group, and
+               the start below would get it back by name (`get_if_exists`) and wait on it until
+               its start-up deadline (measured: 120 s of a 120 s host cut's recovery). Its node is
+               gone, so is everything the incarnation held there;
   3. restart   the engine is started again as a new group and actor (`start`: the launcher's own
                start, bounded by its start-up deadline), tried again every `retry_s` while no
                node offers it, until it starts or the watch stops.
@@ -26,7 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from serving.cluster.names import ROLES, actor_name_of, engine_id, engine_index, placement_group_name
+from serving.cluster.names import NAMESPACE, ROLES, actor_name_of, engine_id, engine_index, placement_group_name
 
 logger = logging.getLogger("raypd.launcher")
 
@@ -67,11 +70,13 @@ class NodeLossWatch:
 
     def __init__(self, deployment: str, start: Callable[[str, int], Awaitable[Any]],
                  table: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
-                 remove: Callable[[str], None] | None = None, interval_s: float = 5.0, retry_s: float = 30.0):
+                 remove: Callable[[str], None] | None = None, kill: Callable[[str], None] | None = None,
+                 interval_s: float = 5.0, retry_s: float = 30.0):
         self.deployment = deployment
         self.start = start
         self.table = table or _ray_table
         self.remove = remove or _remove_group
+        self.kill = kill or _kill_actor
         self.interval_s, self.retry_s = interval_s, retry_s
         self.replacing: dict[tuple[str, int], asyncio.Task] = {}
         self.replaced = 0  # groups removed because their node died
@@ -117,6 +122,7 @@ class NodeLossWatch:
             logger.warning("engine %s: its node died (placement group rescheduling); removing the group and "
                            "starting the engine again as a new one", engine)
             await asyncio.to_thread(self.remove, placement_group_name(engine))
+            await asyncio.to_thread(self.kill, actor_name_of(engine))
             self.replaced += 1
             self._note(engine, "replaced")
             while True:
@@ -148,5 +154,14 @@ def _remove_group(name: str) -> None:
 
     try:
         remove_placement_group(get_placement_group(name))
+    except ValueError:
+        pass  # gone already
+
+
+def _kill_actor(name: str) -> None:
+    import ray
+
+    try:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
     except ValueError:
         pass  # gone already
