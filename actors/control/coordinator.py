@@ -1,12 +1,11 @@
 """The coordinator: one named Ray actor per cluster that engines register with.
 
-It owns the directory (registered engine incarnations, their judged pairs, the route table routers
-poll), the transfer ledger and its pair breakers, liveness (deaths are events of pending `watch()`
-calls, hangs are found by probes) and the prefix index. Invariants: every registration is a new
-incarnation (`generation`); an evicted incarnation's pairs, handoffs and peers' agents go with it
-and the engine registers again; nothing here is on a request's path to its first token (a router
-awaits only `admit_probe`, for a half-open pair). The life cycle of an engine incarnation as it
-sees it: `Coordinator`.
+It owns the directory (registered engine incarnations, their judged pairs, the route table routers poll), the
+transfer ledger and its pair breakers, liveness (deaths are events of pending `watch()` calls, hangs are found
+by probes) and the prefix index. Invariants: every registration is a new incarnation (`generation`); an evicted
+incarnation's pairs, handoffs and peers' agents go with it and the engine registers again; nothing here is on a
+request's path to its first token (a router awaits only `admit_probe`, for a half-open pair). The life cycle of
+an engine incarnation as it sees it: `Coordinator`.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from actors.kv.aggregator import KVConnectorOutput
 from actors.control.handoff_desk import HandoffDesk
 from actors.control.breaker_config import BreakerConfig
 from actors.control.ledger import LedgerSnapshot, TransferLedger, Verdict
+from actors.control.fence import DeadIncarnations
 from actors.control.liveness import Liveness
 from actors.control.startup_watch import StartupDeadline, StartupWatch
 from actors.control.route_book import RouteBook
@@ -50,29 +50,29 @@ class Coordinator:
                           Hangs are found by probing (`actors.control.liveness`): a sweep every
                           `hang_check_s`, and at once when a router reports a missed deadline
                           (`engine_hung`); a hung incarnation is evicted and killed for restart (`kills`);
-      evict               a dead or hung incarnation is removed: its pairs' breakers open, its handoffs end
-                          (the prefill side is told to let go), every decode engine drops its NIXL agents,
-                          and the engine's `watch_registration` call returns so it re-registers once it can
-                          (a restarted engine always meets a fresh handshake);
-      start-up deadline   an evicted engine (not draining) must register again within its start-up deadline
-                          (fixed, or a multiple of the measured start); a restart that hangs before it
-                          registers is killed for restart again past it, counted (`startup_timeouts`) and
-                          awaited anew; unregistering or a dead-for-good actor ends it; a restarted
-                          coordinator awaits the engine actors that do not register again (`startup_watch`);
+      evict               a dead or hung incarnation is removed: its pairs' breakers open, its handoffs end (the
+                          prefill side is told to let go), every decode engine drops its NIXL agents, and the
+                          engine's `watch_registration` call returns so it re-registers once it can (a restarted
+                          engine always meets a fresh handshake);
+      start-up deadline   an evicted engine (not draining) must register again within its start-up deadline (fixed,
+                          or a multiple of the measured start); a restart that hangs before it registers is killed
+                          for restart again past it, counted (`startup_timeouts`) and awaited anew; unregistering or
+                          a dead-for-good actor ends it; a restarted coordinator awaits the engine actors that do
+                          not register again (`startup_watch`);
       handshake_payloads  decode ranks fetch exactly the payloads they need;
       routes              routers fetch live decode engines -> usable prefill engines with every pair's
                           breaker (the ledger's); the table is built once per change (`RouteBook`) and
                           `routes_if_changed` answers a router whose copy is current with nothing.
 
-    Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the records an engine
-    coalesced since its last batch, applied in its order, one batch in flight per engine
-    (`actors.engine.ledger_reporter`). The single-record methods (`open_handoff`, `report_outcomes`...)
-    remain for tools and tests; engines and routers send all of these fire-and-forget.
+    Ledger traffic from decode engines arrives as `report_batch(LedgerBatch)`: the records an engine coalesced
+    since its last batch, applied in its order, one batch in flight per engine (`actors.engine.ledger_reporter`).
+    The single-record methods (`open_handoff`, `report_outcomes`...) remain for tools and tests; engines and
+    routers send all of these fire-and-forget. An incarnation Ray declared dead is refused (`fence`).
 
-    Routing state it owns besides the directory: `kv_events` (a registered engine's relayed KV cache
-    events feed the prefix index; routers replicate it with `prefix_index_updates`) and `set_draining`
-    (routers stop choosing the engine; the autoscaler stops it once idle). If the coordinator itself
-    restarts, engines see their `watch_registration` call fail and register again.
+    Routing state it owns besides the directory: `kv_events` (a registered engine's relayed KV cache events feed
+    the prefix index; routers replicate it with `prefix_index_updates`) and `set_draining` (routers stop
+    choosing the engine; the autoscaler stops it once idle). If the coordinator itself restarts, engines see
+    their `watch_registration` call fail and register again.
     """
 
     def __init__(self, hang_check_s: float = 10.0, ping_timeout_s: float = 10.0,
@@ -85,6 +85,7 @@ class Coordinator:
         self._engines: dict[str, EngineEntry] = {}
         self.startups = StartupWatch(startup_deadline_s, on_event=self._event, policy=startup, registered=self._engines)
         self._model_hash: dict[str, str] = {}
+        self.dead = DeadIncarnations()  # fenced: never registered again (actors/control/fence.py)
         self.book = RouteBook(self.ledger)  # the pairs and the routers' table
         self._generation = 0
         self._timers: list[asyncio.Task] = []
@@ -92,9 +93,8 @@ class Coordinator:
         self.counters = dict.fromkeys(("kv_calls", "kv_events", "kv_blocks", "route_calls", "route_unchanged"), 0)
         self.events: list[dict[str, Any]] = []
         self.prefix_index = PrefixIndex()
-        # a restarted coordinator starts empty; engines register again within ~1 s of its return
         self._started_at = time.monotonic()
-        self._restarted = reconstructed()
+        self._restarted = reconstructed()  # a restarted coordinator starts empty: engines register again in ~1 s
         self.settle_s = 10.0
 
     async def configure(self, breaker: dict | None = None, handoff_deadline_s: float | None = None,
@@ -136,9 +136,9 @@ class Coordinator:
                 f"engine {engine_id!r}: model {model!r} is already served with compatibility hash "
                 f"{known}, this engine has {chash} (different dtype, layout or shapes)"
             )
+        self.dead.check(engine_id, info)  # refuses an incarnation Ray declared dead (a healed host's process)
         old = self._engines.get(engine_id)
-        if old is not None and old.raw == raw and old.role == role:
-            # the same incarnation registering again (a retried call): nothing changes
+        if old is not None and old.raw == raw and old.role == role:  # the same incarnation again (a retried call)
             return Registration(old.generation, self.book.summary(engine_id))
         if old is not None:  # new agents under a known id: the previous incarnation is gone
             await self._remove(engine_id, "replaced by a new incarnation", died=True)
@@ -204,6 +204,7 @@ class Coordinator:
             return
         except ray.exceptions.RayError as exc:
             reason = f"actor died ({type(exc).__name__})"
+            self.dead.watch_failed(entry.engine_id, entry.info, handle, exc)
         if self._engines.get(entry.engine_id) is entry:
             logger.warning("engine %s (generation %d) is dead: %s", entry.engine_id, entry.generation, reason)
             await self._remove(entry.engine_id, reason, died=True)
@@ -388,13 +389,12 @@ class Coordinator:
                     logger.exception("engine check %s failed", check.__name__)
 
     async def check_engines(self) -> list[str]:
-        """Probe every engine once (the watchers see deaths at once; this catches hangs): one that has
-        not answered in `ping_timeout_s` at `probe_failure_threshold` sweeps in a row is evicted and
-        killed so that Ray restarts it (`actors.control.liveness`). Returns the ids found hung or dead."""
+        """Probe every engine once (the watchers see deaths at once; this catches hangs): one that has not answered
+        in `ping_timeout_s` at `probe_failure_threshold` sweeps in a row is evicted and killed so that Ray
+        restarts it (`actors.control.liveness`). Returns the ids found hung or dead."""
         entries = [e for e in self._engines.values() if e.handles]
         return await self.liveness.sweep(entries, lambda e: self._engines.get(e.engine_id) is e)
 
     def _event(self, kind: str, engine_id: str, **fields: Any) -> None:
         self.events.append({"t": time.time(), "event": kind, "engine_id": engine_id, **fields})
         del self.events[:-1000]
-

@@ -58,7 +58,8 @@ class CoordinatorLink:
                 self.engine_id, self.cfg.role, handshakes,
                 [ray.get_runtime_context().current_actor] + self.backend.liveness_handles(),
                 EngineInfo(self.cfg.backend, self.cfg.model, os.getpid(),
-                           ray.get_runtime_context().get_node_id(), self.startup.start_s()),
+                           ray.get_runtime_context().get_node_id(), self.startup.start_s(),
+                           ray.get_runtime_context().get_actor_id() or ""),
             )
             self._generation, self._handshakes = reg.generation, handshakes
             if self.rates_publisher is not None:
@@ -91,6 +92,7 @@ class CoordinatorLink:
                 except ray.exceptions.RayError as exc:
                     logger.warning("%s: registering failed: %s", self.engine_id, exc)
                     await self._await_coordinator()
+                    await asyncio.sleep(1.0)  # refused (e.g. a fenced incarnation): no tight loop
 
     async def _await_coordinator(self) -> None:
         """Until the coordinator answers again (restarted by Ray, or recreated by name)."""

@@ -18,6 +18,7 @@ class EngineInfo:
     pid: int = 0
     node_id: str = ""  # the Ray node its process runs on (a hung one is killed there too: `liveness`)
     start_s: float = 0.0  # its actor's creation to its first registration (the start-up deadline follows it)
+    actor_id: str = ""  # the registering actor's Ray id (hex): the coordinator fences it once Ray declares it dead
 
 
 @dataclass(frozen=True)
