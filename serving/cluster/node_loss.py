@@ -13,8 +13,9 @@ cannot be placed waits PENDING with back-off instead. So the launcher watches it
                its start-up deadline (measured: 120 s of a 120 s host cut's recovery). Its node is
                gone, so is everything the incarnation held there;
   3. restart   the engine is started again as a new group and actor (`start`: the launcher's own
-               start, bounded by its start-up deadline), tried again every `retry_s` while no
-               node offers it, until it starts or the watch stops.
+               start, which waits up to a minute for a node to offer the group, then its start-up
+               deadline), tried again `retry_s` (5 s) after a failed start, until it starts or the
+               watch stops (a node that returns just after a failed wait costs at most that gap).
 
 Invariants: one replacement per engine at a time; a group in any other state is left alone; the
 watch never blocks its event loop on Ray (table reads run in a thread).
@@ -71,7 +72,7 @@ class NodeLossWatch:
     def __init__(self, deployment: str, start: Callable[[str, int], Awaitable[Any]],
                  table: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
                  remove: Callable[[str], None] | None = None, kill: Callable[[str], None] | None = None,
-                 interval_s: float = 5.0, retry_s: float = 30.0):
+                 interval_s: float = 5.0, retry_s: float = 5.0):
         self.deployment = deployment
         self.start = start
         self.table = table or _ray_table
