@@ -10,8 +10,8 @@ cannot be placed waits PENDING with back-off instead. So the launcher watches it
   2. replace   a RESCHEDULING group is removed, and the engine's actor killed for good: Ray keeps an
                actor it is restarting (RESTARTING) after its group went, bound to that group, and
                the start below would get it back by name (`get_if_exists`) and wait on it until
-               its start-up deadline (measured: 120 s of a 120 s host cut's recovery). Its node is
-               gone, so is everything the incarnation held there;
+               its start-up deadline (docs/multi-node.md). Its node is gone, so is everything the
+               incarnation held there;
   3. restart   the engine is started again as a new group and actor (`start`: the launcher's own
                start, which waits up to a minute for a node to offer the group, then its start-up
                deadline), tried again `retry_s` (5 s) after a failed start, until it starts or the
