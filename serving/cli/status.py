@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from typing import Any
 
 from actors.engine.startup import StartPhase
@@ -107,7 +108,7 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
         entry["registered"] = eid in registered
         entry["summary"] = registered.get(eid)
         out["engines"][eid] = entry
-    from serving.cluster.launcher import find_autoscaler
+    from serving.cluster.launcher import find_autoscaler, find_launcher
 
     scaler = find_autoscaler(name)
     if scaler is not None:
@@ -115,6 +116,12 @@ def collect_status(name: str, timeout_s: float = 10.0) -> dict:
             out["autoscaler"] = ray.get(scaler.status.remote(), timeout=timeout_s)
         except ray.exceptions.RayError as exc:
             out["autoscaler_error"] = f"{type(exc).__name__}: {exc}"
+    launcher = find_launcher(name)
+    if launcher is not None:  # engines replaced because their node died (serving.cluster.node_loss)
+        try:
+            out["node_loss"] = jsonable(ray.get(launcher.node_loss_events.remote(), timeout=timeout_s))
+        except ray.exceptions.RayError as exc:
+            out["node_loss_error"] = f"{type(exc).__name__}: {exc}"
     try:
         from ray import serve
 
@@ -157,6 +164,9 @@ def print_status(status: dict, url: str | None) -> None:
               + (f"  error: {e['error']}" if e.get("error") else ""))
         if e.get("vllm_config"):
             print(f"          vllm: {vllm_summary(e['vllm_config'])}")
+    for e in (status.get("node_loss") or [])[-10:]:
+        when = time.strftime("%H:%M:%S", time.localtime(e["t"]))
+        print(f"node loss {when}  {e['engine']:<36} {e['step']}" + (f": {e['detail']}" if e.get("detail") else ""))
     if status.get("autoscaler") is not None:
         from serving.cluster.autoscaler import status_lines
 

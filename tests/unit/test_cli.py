@@ -174,6 +174,20 @@ def test_status_prints_the_ledgers_breakers(capsys):
     assert "last: engine d-prefill-0 died: actor died" in out
 
 
+def test_status_prints_the_launchers_node_loss_steps(capsys):
+    from serving.cli.status import print_status
+
+    status = {"deployment": "d", "coordinator": "up", "engines": {}, "serve": None, "breakers": {},
+              "node_loss": [{"t": 0.0, "engine": "d-decode-0", "step": "replaced", "detail": ""},
+                            {"t": 60.0, "engine": "d-decode-0", "step": "start_failed",
+                             "detail": "Unschedulable: no node offers it"}]}
+    print_status(status, None)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("node loss")]
+    assert [ln.split()[3:] for ln in lines] == [["d-decode-0", "replaced"],
+                                                ["d-decode-0", "start_failed:", "Unschedulable:", "no", "node",
+                                                 "offers", "it"]]
+
+
 def test_the_launch_line_counts_every_role_that_has_engines():
     from serving.cli.main import engine_counts
     from serving.config import load_config
