@@ -15,9 +15,11 @@ Life cycle of the run:
      of the node under decode engine 0 is killed (`remove_node(allow_graceful=False)`): streams on it
      migrate to the other decode engine or end with a clean error event; `/health` must name the one
      decode engine left (the pool shrank, and says so);
-  4. replacement: a spare node with the decode resource joins; Ray reschedules the dead engine's placement
-     group there and restarts the actor (`max_restarts`), which registers as a new incarnation; more
-     requests go through, some on it;
+  4. replacement: the launcher's node-loss watch removes the dead engine's placement group and kills its
+     actor for good, then starts the engine again as a new group and actor (`serving.cluster.node_loss`);
+     a spare node with the decode resource joins, the new group lands there and the engine registers as a
+     new incarnation (looked up again by name: the old handle died with its actor); more requests go
+     through, some on it;
   5. nothing stranded: every engine's free blocks back to its baseline and no lease held; after shutdown,
      no placement group of the deployment left.
 
@@ -46,7 +48,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from service_helpers import UvicornThread, engine_stats, free_port, wait_blocks_at_baseline  # noqa: E402
 
 from serving.cluster.clients import build_router  # noqa: E402
-from serving.cluster.launcher import launch, shutdown_deployment  # noqa: E402
+from serving.cluster.launcher import find_launcher, launch, shutdown_deployment  # noqa: E402
+from serving.cluster.names import NAMESPACE, actor_name_of  # noqa: E402
 from serving.config import DeploymentConfig  # noqa: E402
 from serving.front import create_app, served_model_of  # noqa: E402
 
@@ -183,6 +186,9 @@ def main() -> int:
                     back = now[d0_id]
                     break
                 time.sleep(0.25)
+            result["node_loss_steps"] = [(e.engine, e.step) for e in ray.get(
+                find_launcher(NAME).node_loss_events.remote(), timeout=30)]
+            d0 = ray.get_actor(actor_name_of(d0_id), namespace=NAMESPACE)  # the new incarnation's actor
             place = ray.get(d0.placement.remote(), timeout=60)
             result["replaced_on_spare"] = back is not None and place["node_id"] == spare.node_id \
                 and set(place["rank_nodes"]) == {spare.node_id}
@@ -205,6 +211,8 @@ def main() -> int:
         result["placement_groups_left"] = [
             i["name"] for i in ray.util.placement_group_table().values()
             if i.get("state") != "REMOVED" and (i.get("name") or "").startswith(f"raypd-{NAME}-")]
+    except Exception as exc:  # the JSON line says where the run stopped
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     finally:
         result["wall_s"] = round(time.monotonic() - t_start, 1)
         print(json.dumps(result), flush=True)

@@ -19,6 +19,7 @@ def test_a_decode_node_dies_mid_run_and_its_engine_is_replaced_with_every_answer
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     r = json.loads(lines[-1])
+    assert "error" not in r, r  # the run went through every step
     # placement follows the node labels; every rank sits with its engine
     assert sorted(r["placed"].values()) == ["Da", "Db", "P", "P"] and r["ranks_follow"], r
     assert r["reference"] == {"ok": 200}, r
