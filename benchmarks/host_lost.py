@@ -8,7 +8,7 @@ every `--every-s` seconds for `--seconds`, each with its outcome, time and the f
 which engines are registered and healthy, and the lines of the router's and the coordinator's logs that
 say what they decided (a dead engine, a missed deadline, a failed probe), with Ray's own node-death line.
 
-    sudo .venv/bin/python benchmarks/host_lost.py [--out benchmarks/results/host_lost.txt]
+    sudo .venv/bin/python benchmarks/host_lost.py [--runs 3] [--out benchmarks/results/host_lost.txt]
 """
 
 from __future__ import annotations
@@ -121,9 +121,26 @@ def run(seconds: float, every_s: float) -> dict:
 
 
 def report(o: dict) -> str:
+    runs = o["runs"]
     lines = [f"# host_lost.py  commit {o['commit'][:12]}{' (dirty)' if o['dirty'] else ''}  {o['date']}",
              "# 3 network-namespace hosts on one 2-core machine; configs/multihost-default.yaml (both engines on hosts 1 "
-             "and 2); every process of host 2 killed with 4 streams in flight"]
+             f"and 2); every process of host 2 killed with 4 streams in flight; {len(runs)} run(s), fresh hosts each"]
+    for i, r in enumerate(runs, 1):
+        if len(runs) > 1:
+            lines.append(f"run {i}")
+        lines += run_lines(r)
+    if len(runs) > 1:
+        whole = [r for r in runs if r.get("in_flight") and all(s["outcome"] == "completed" for s in r["in_flight"])]
+        last = [max((s["ended_after_loss_s"] for s in r.get("in_flight", ())), default=None) for r in runs]
+        first_after = [next((a["sent_after_loss_s"] for a in r.get("after", ()) if a["outcome"] == "completed"), None)
+                       for r in runs]
+        lines.append(f"every stream in flight completed in {len(whole)} of {len(runs)} runs; the last one ended "
+                     f"{last} s after the loss; the first request answered was sent {first_after} s after it")
+    return "\n".join(lines) + "\n"
+
+
+def run_lines(o: dict) -> list[str]:
+    lines = []
     for r in o.get("in_flight", []):
         lines.append(f"  in flight  {r['request']:<8} {r['outcome']:<12} ended {r['ended_after_loss_s']} s after the loss")
     for r in o.get("after", []):
@@ -134,22 +151,22 @@ def report(o: dict) -> str:
                  f"(2 cores): {o.get('ray_cpu_s_after_loss')}")
     lines.append("  what the router, the coordinator and Ray logged:")
     lines += [f"    {ln}" for ln in o.get("decisions", [])]
-    lines.append(f"teardown leftovers: {o.get('teardown_leftovers')}")
-    return "\n".join(lines) + "\n"
-
+    lines.append(f"  teardown leftovers: {o.get('teardown_leftovers')}")
+    return lines
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "host_lost.txt"))
     ap.add_argument("--seconds", type=float, default=75.0, help="how long requests are sent after the loss")
     ap.add_argument("--every-s", type=float, default=4.0, help="one request this often")
+    ap.add_argument("--runs", type=int, default=1, help="the whole run this many times (fresh hosts each time)")
     args = ap.parse_args()
     git = ["git", "-C", str(ROOT)]
     out = {"commit": subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
            "dirty": bool(subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
                                         capture_output=True, text=True).stdout.strip()),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    out.update(run(args.seconds, args.every_s))
+    out["runs"] = [run(args.seconds, args.every_s) for _ in range(args.runs)]
     Path(args.out).with_suffix(".json").write_text(json.dumps(out, indent=1))
     Path(args.out).write_text(report(out))
     print(report(out))

@@ -9,6 +9,11 @@ shipped `recompute` policy, the Serve front in its default (HAProxy) mode, clien
    from before (recomputed on the decode host), within sync_wait_s + a local prefill's deadline; the
    pair's breaker opens, `/health` stays 200 and says P/D is degraded; after healing the breaker's
    probe puts P/D back, and no lease or block is left held.
+3. A capped link: at 1 Gbit/s the pull succeeds and the router learns the pair's rate (`raypd status`
+   prints it); at 50 Mbit/s it cannot finish within `transfer.sync_wait_s`, is recomputed within its
+   bound and the pair's failure is priced; both answers equal the uncapped ones.
+4. The prefill host lost (every process killed, the host deleted): requests go on, prefilled on the
+   decode host, each equal to its P/D answer; `/health` 200 `pd_degraded` names the lost engine.
 """
 
 from __future__ import annotations
@@ -128,3 +133,62 @@ def test_a_partition_during_pulls_is_recomputed_within_its_bound_then_pd_resumes
         time.sleep(2)
     assert all(b["held_leases"] == 0 and b["free_blocks"] == b["num_blocks"] for b in held.values()), held
     assert status["handoffs_in_flight"] == 0
+
+
+def pulls(status: dict) -> tuple[int, int]:
+    """(KV pulls, recomputed pulls) of the decode engine."""
+    counters = engine(status, "decode")["backend"]["counters"]
+    return counters["kv_pulls"], counters["recomputed"]
+
+
+@pytest.mark.injects_faults
+def test_a_capped_link_pulls_at_its_rate_or_recomputes_within_the_sync_wait(raypd, host_net):
+    """1 Gbit/s: the ~17 MB pull takes ~0.15 s and succeeds (no deadline fires), the router learns the
+    pair's rate and `raypd status` prints it. 50 Mbit/s: the same pull would take ~2.7 s, past
+    `transfer.sync_wait_s` (2 s) that holds the decode step: it is failed there, the prompt recomputed on
+    the decode host (the answer equal to the uncapped one), and the router prices the pair's failure."""
+    cfg = load_config(CONFIG)
+    pair = next(iter(raypd.status()["breakers"]))
+    answers = {}
+    try:
+        host_net.cap(2, "1gbit")
+        before = pulls(raypd.status())
+        answers["1gbit"] = raypd.complete(prompt("Bergen"))
+        status = raypd.status()
+        assert pulls(status) == (before[0] + 1, before[1])  # pulled, not recomputed
+        rate = status["serve"]["router"]["pull_rates"][pair]
+        assert rate["failure_penalty_s"] == 0.0, rate
+        assert f"learned pull {pair}" in raypd.status(as_json=False)
+
+        host_net.cap(2, "50mbit")
+        before = pulls(status)
+        answers["50mbit"] = raypd.complete(prompt("Turin"))
+        status = raypd.status()
+    finally:
+        host_net.heal()
+    assert pulls(status) == (before[0] + 1, before[1] + 1)  # the pull failed its sync wait: recomputed
+    assert status["serve"]["router"]["pull_rates"][pair]["failure_penalty_s"] > cfg.transfer.sync_wait_s
+    assert answers["50mbit"].seconds < cfg.transfer.sync_wait_s + cfg.router.deadline_floor_s + SLACK_S
+
+    # the same prompts over the healed link: the capped answers were right
+    for city, cap in (("Bergen", "1gbit"), ("Turin", "50mbit")):
+        again = raypd.complete(prompt(city))
+        assert (answers[cap].outcome, answers[cap].text) == ("completed", again.text), (cap, answers[cap], again)
+
+
+@pytest.mark.injects_faults
+def test_the_prefill_host_lost_serving_goes_on_colocated_and_health_says_why(raypd, host_net):
+    """Every process of the prefill host SIGKILLed and the host deleted (last in this module: the host
+    stays gone). Requests go on, prefilled on the decode host (`no_prefill_fallback: decode_local`),
+    each equal to its P/D answer; `/health` stays 200 with code `pd_degraded`, naming the lost engine."""
+    assert REFERENCES, "needs the P/D answers of the first test"
+    host_net.lose(1)
+    t_loss = time.monotonic()
+    answers = {city: raypd.complete(prompt(city)) for city in REFERENCES}
+    assert {c: (a.outcome, a.text) for c, a in answers.items()} == {
+        c: ("completed", text) for c, text in REFERENCES.items()}, {c: a for c, a in answers.items()}
+    served_s = time.monotonic() - t_loss
+    health = httpx.get(raypd.url + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["code"] == "pd_degraded", health.text
+    assert "raypd-multihost-pd-prefill-0" in health.json()["reason"], health.text
+    print(f"prefill host lost: {len(answers)} requests answered right within {served_s:.1f} s")
