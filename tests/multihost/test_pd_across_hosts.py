@@ -42,7 +42,14 @@ REFERENCES: dict[str, str] = {}  # prompt -> its P/D answer before any fault
 
 
 def prompt(city: str) -> str:
-    return f"The history of the city of {city} begins " + "and the river flows through the old town. " * 40
+    """~390 tokens (~18 MB of KV) that end where the model names the city again. Answers are compared as
+    text, and the HTTP API gives no logprobs to accept a near tie by (tests/greedy.py does so on the
+    engines), so the greedy answer must have none: over 12 tokens the best token leads the next by at least
+    1.78 nats for every city here (vLLM's logprobs, fresh and from the prefix cache). The prompts without
+    this ending split at their 3rd and 4th token (0.10 and 0.03 nats), and on CI a prefix-cache hit
+    changed an answer. The answer names the city: KV of another prompt would show."""
+    return (f"The history of the city of {city} begins " + "and the river flows through the old town. " * 40
+            + f"This is the city of {city}. This is the city of {city}. This is the city of")
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +150,13 @@ def pulls(status: dict) -> tuple[int, int]:
 
 @pytest.mark.injects_faults
 def test_a_capped_link_pulls_at_its_rate_or_recomputes_within_the_sync_wait(raypd, host_net):
-    """1 Gbit/s: the ~17 MB pull takes ~0.15 s and succeeds (no deadline fires), the router learns the
-    pair's rate and `raypd status` prints it. 50 Mbit/s: the same pull would take ~2.7 s, past
+    """1 Gbit/s: the ~18 MB pull takes ~0.15 s and succeeds (no deadline fires), the router learns the
+    pair's rate and `raypd status` prints it. 50 Mbit/s: the same pull would take ~2.9 s, past
     `transfer.sync_wait_s` (2 s) that holds the decode step: it is failed there, the prompt recomputed on
     the decode host (the answer equal to the uncapped one), and the router prices the pair's failure."""
     cfg = load_config(CONFIG)
-    pair = next(iter(raypd.status()["breakers"]))
+    pair, breaker = next(iter(raypd.status()["breakers"].items()))
+    assert breaker["state"] == "closed", breaker  # P/D again after the partition (the test before)
     answers = {}
     try:
         host_net.cap(2, "1gbit")
