@@ -154,6 +154,7 @@ def run_lines(o: dict) -> list[str]:
     lines.append(f"  teardown leftovers: {o.get('teardown_leftovers')}")
     return lines
 
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "host_lost.txt"))
