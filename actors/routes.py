@@ -66,6 +66,9 @@ class RouteTable:
     hangs: dict[str, int] = field(default_factory=dict)  # engine -> incarnations judged hung (and killed)
     # engine -> its rates and queues as it measured them itself (`actors.rates`): one model, every router
     rates: dict[str, EngineRates] = field(default_factory=dict)
+    # engine -> its role: it died (or was killed for a restart) and has not registered again; an engine
+    # that left on purpose (shut down, scaled in) is not here. What readiness reports as missing.
+    lost: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,4 +94,5 @@ class RouteDelta:
             breakers = tuple(moved.pop((b.prefill_id, b.decode_id), b) for b in breakers) + tuple(moved.values())
         decodes = {**table.decodes, **{d: ps for d, ps in self.decodes.items() if d in table.decodes}}
         return RouteTable(decodes, breakers, table.generations, self.settling, self.epoch, self.version,
-                          table.hangs, {**table.rates, **self.rates} if self.rates else table.rates)
+                          table.hangs, {**table.rates, **self.rates} if self.rates else table.rates,
+                          table.lost)

@@ -154,8 +154,9 @@ class Coordinator:
 
     async def unregister_engine(self, engine_id: str, reason: str = "unregistered",
                                 generation: int | None = None) -> bool:
-        """An engine leaves on purpose (shutdown): its breakers go too, and it is not awaited back."""
+        """An engine leaves on purpose (shutdown): its breakers go; it is neither awaited back nor missing."""
         self.startups.drop(engine_id, reason)  # e.g. a restart shut down before it registered
+        self.book.left(engine_id)
         entry = self._engines.get(engine_id)
         if entry is None or (generation is not None and entry.generation != generation):
             return False
@@ -173,7 +174,7 @@ class Coordinator:
 
     async def _remove(self, engine_id: str, reason: str, died: bool) -> None:
         entry = self._engines.pop(engine_id)
-        pairs = self.book.drop(engine_id)
+        pairs = self.book.drop(engine_id, entry.role if died else None)
         self.prefix_index.drop_engine(engine_id)
         gone = self.ledger.engine_died(engine_id, reason, pairs) if died else self.ledger.engine_left(engine_id)
         for handoff in gone:
@@ -389,9 +390,8 @@ class Coordinator:
                     logger.exception("engine check %s failed", check.__name__)
 
     async def check_engines(self) -> list[str]:
-        """Probe every engine once (the watchers see deaths at once; this catches hangs): one that has not answered
-        in `ping_timeout_s` at `probe_failure_threshold` sweeps in a row is evicted and killed so that Ray
-        restarts it (`actors.control.liveness`). Returns the ids found hung or dead."""
+        """Probe every engine once (watchers see deaths, this catches hangs): one silent for `ping_timeout_s` at
+        `probe_failure_threshold` sweeps in a row is evicted and killed for a restart. Returns the ids found."""
         entries = [e for e in self._engines.values() if e.handles]
         return await self.liveness.sweep(entries, lambda e: self._engines.get(e.engine_id) is e)
 

@@ -61,6 +61,7 @@ class RouteBook:
         self._table: RouteTable | None = None
         self._key: tuple[int, int, bool, int, int] | None = None
         self._rates: dict[str, EngineRates] = {}  # engine -> the rates it published, as kept
+        self._lost: dict[str, str] = {}  # engine -> role: died, not registered again (RouteTable.lost)
         self._rated: set[str] = set()  # engines whose kept rates moved since the last build
         self._rate_changes = 0
         # per version built: (decode engines recomputed, pairs moved, engines whose rates moved), or
@@ -72,6 +73,7 @@ class RouteBook:
     def add(self, entry: EngineEntry, engines: Mapping[str, EngineEntry]) -> dict[str, str]:
         """Judge every pair `entry` forms with the other registered engines; "p->d" -> "ok" or the reason."""
         verdicts = {}
+        self._lost.pop(entry.engine_id, None)
         for other in engines.values():
             if other.engine_id == entry.engine_id:
                 continue
@@ -89,9 +91,14 @@ class RouteBook:
         self.changed()
         return verdicts
 
-    def drop(self, engine_id: str) -> list[tuple[str, str]]:
-        """Forget the engine's pairs; returns them as (decode, prefill)."""
+    def drop(self, engine_id: str, lost_role: str | None = None) -> list[tuple[str, str]]:
+        """Forget the engine's pairs; returns them as (decode, prefill). `lost_role`: it died (its role
+        is kept in the table's `lost` until it registers again); None: it left on purpose."""
         self._rates.pop(engine_id, None)
+        if lost_role is None:
+            self._lost.pop(engine_id, None)
+        else:
+            self._lost[engine_id] = lost_role
         gone = [(d, engine_id) for d in self._decodes_of.pop(engine_id, ())]
         gone += [(engine_id, p) for p in self._prefills_of.pop(engine_id, {})]
         for d, p in gone:
@@ -100,6 +107,11 @@ class RouteBook:
             self._decodes_of.get(p, set()).discard(d)
         self.changed()
         return gone
+
+    def left(self, engine_id: str) -> None:
+        """An engine not registered (lost before) left on purpose: no longer missing."""
+        if self._lost.pop(engine_id, None) is not None:
+            self.changed()
 
     def summary(self, engine_id: str) -> dict[str, str]:
         """The verdicts of the engine's pairs, as `add` returned them."""
@@ -161,7 +173,7 @@ class RouteBook:
             self._table = RouteTable(decodes, self.ledger.pair_states(),
                                      {e.engine_id: e.generation for e in engines.values()}, settling,
                                      self.epoch, self.version, hangs,
-                                     {e: r for e, r in self._rates.items() if e in engines})
+                                     {e: r for e, r in self._rates.items() if e in engines}, dict(self._lost))
             self._key = key
         return self._table
 

@@ -65,7 +65,7 @@ class Readiness:
         elif not ready:
             reason, code = ("no compatible prefill engine with a closed breaker, and the fallback is reject",
                             ReadinessCode.NO_PREFILL_ENGINE)
-        elif pool.prefills and not any(pd_paths.values()):
+        elif (pool.prefills or _lost_prefills(routes)) and not any(pd_paths.values()):
             reason, code = cls._pd_degraded(pool, routes), ReadinessCode.PD_DEGRADED
         return cls(ready, reason, tuple(live), pd_paths, local_ok, directory_error, code, hung)
 
@@ -74,13 +74,19 @@ class Readiness:
         """Why no decode engine has a prefill engine to pull from (serving goes on colocated)."""
         why = [f"breaker {b.prefill_id}->{b.decode_id} {b.state}" + (f" ({b.last_reason})" if b.last_reason else "")
                for b in routes.breakers if b.state != "closed"]
-        why += [f"{p} not registered (dead or restarting)" for p in sorted(pool.prefills)
-                if p not in routes.generations]
+        missing = {*pool.prefills, *_lost_prefills(routes)} - set(routes.generations)
+        why += [f"{p} not registered (dead or restarting)" for p in sorted(missing)]
         return ("P/D degraded: no decode engine can pull from a prefill engine"
                 + (f" ({'; '.join(why)})" if why else "") + "; requests are prefilled on their decode engine")
 
     def to_json(self) -> dict[str, Any]:
         return jsonable(self)
+
+
+def _lost_prefills(routes: RouteTable) -> list[str]:
+    """Engines that could prefill for another and died, not back yet (the pool may have forgotten
+    them: their actor is gone while the launcher starts them again elsewhere)."""
+    return [e for e, role in routes.lost.items() if role in ("prefill", "both")]
 
 
 @dataclass(frozen=True)

@@ -59,3 +59,22 @@ def test_a_draining_prefill_engine_leaves_the_routes_and_handoffs_count_per_engi
     assert marked == (True, False)
     assert after == []
     assert draining == {"P": True, "D": False}
+
+
+def test_an_engine_that_died_stays_in_the_tables_lost_until_it_registers_again_one_that_left_does_not():
+    async def go():
+        c = await pair()
+        seen = []
+        await c._remove("P", "actor died", died=True)  # what its watcher does when the actor dies
+        seen.append(dict((await c.routes()).lost))
+        await c.register_engine("P", "prefill", [payload(engine_id="P", role="prefill", tp_rank=0, tp_size=1).encode()])
+        seen.append(dict((await c.routes()).lost))
+        await c._remove("P", "actor died", died=True)
+        await c.unregister_engine("P", "scaled in")  # its replacement is not coming: no longer missing
+        await c.unregister_engine("D", "shutdown")
+        seen.append(dict((await c.routes()).lost))
+        for t in c._timers:
+            t.cancel()
+        return seen
+
+    assert asyncio.run(go()) == [{"P": "prefill"}, {}, {}]

@@ -20,7 +20,9 @@ from serving.routing.route_errors import (
     NoPrefillEngine,
     RequestRejected,
 )
+from serving.routing.pool import EnginePool
 from serving.routing.router import Router
+from serving.routing.status import Readiness
 from typed_fakes import engine_stats
 
 
@@ -607,6 +609,18 @@ def test_open_breakers_leave_the_front_ready_but_say_pd_is_degraded_and_why():
         assert "prefilled on their decode engine" in h.reason
 
     run(go())
+
+
+def test_a_prefill_engine_that_died_and_is_being_started_again_keeps_pd_degraded_after_the_pool_forgot_it():
+    """Its actor is gone while the launcher starts it on another node (serving/cluster/node_loss.py):
+    the pool forgets it, the directory's `lost` still names it, and readiness still says why."""
+    pool = EnginePool({}, {"d0": FakeEngine("d0")})
+    routes = RouteTable({"d0": ()}, generations={"d0": 3}, lost={"p0": "prefill"})
+    h = Readiness.of(pool, routes, (), decode_local=True, directory_error=None)
+    assert (h.ready, h.code) == (True, "pd_degraded")
+    assert "p0 not registered (dead or restarting)" in h.reason
+    back = Readiness.of(pool, RouteTable({"d0": ()}, generations={"d0": 3}), (), True, None)
+    assert back.code == "ok"  # no prefill engine was ever there, or it left on purpose: colocated by design
 
 
 def test_directory_is_cached_and_its_failure_keeps_the_last_view():
