@@ -12,7 +12,10 @@ shipped `recompute` policy, the Serve front in its default (HAProxy) mode, clien
 3. A capped link: at 1 Gbit/s the pull succeeds and the router learns the pair's rate (`raypd status`
    prints it); at 50 Mbit/s it cannot finish within `transfer.sync_wait_s`, is recomputed within its
    bound and the pair's failure is priced; both answers equal the uncapped ones.
-4. The prefill host lost (every process killed, the host deleted): requests go on, prefilled on the
+4. The decode host cut past Ray's node-death timeout: its stream ends with an error event within its
+   bound, Ray declares the node dead and its raylet exits once healed; the node restarted, the
+   decode engine comes back as a new incarnation and answers right, once per host.
+5. The prefill host lost (every process killed, the host deleted): requests go on, prefilled on the
    decode host, each equal to its P/D answer; `/health` 200 `pd_degraded` names the lost engine.
 """
 
@@ -27,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.hostnet.observe import host_processes, node_states
 from benchmarks.hostnet.raypd_hosts import RaypdOnHosts
 from serving.config import load_config
 
@@ -182,6 +186,63 @@ def test_a_capped_link_pulls_at_its_rate_or_recomputes_within_the_sync_wait(rayp
     for city, cap in (("Bergen", "1gbit"), ("Turin", "50mbit")):
         again = raypd.complete(prompt(city))
         assert (answers[cap].outcome, answers[cap].text) == ("completed", again.text), (cap, answers[cap], again)
+
+
+def _engine_cores(host_net, host: int) -> int:
+    return sum(p.startswith("VLLM::EngineCore") for p in host_processes(host_net, host))
+
+
+@pytest.mark.injects_faults
+def test_the_decode_host_cut_past_rays_node_timeout_ends_its_stream_and_runs_its_engine_once(
+        raypd, ray_hosts, host_net):
+    """The decode host loses every link until Ray declares its node dead (the module's Ray gives up on
+    a node after 10 failed checks a second apart: conftest's FAST_NODE_DEATH). The stream caught in
+    the cut got its first token from the prefill host and no other engine can decode it: it ends with
+    an SSE error event within its first-chunk deadline (floor + margin x its prefill + the pull's read
+    timeout) and the migration wait. Healed, the cut raylet learns that its node is dead and exits, and
+    its workers with it (Ray's own fence); the host's node is started again, as KubeRay restarts a pod;
+    the launcher starts the decode engine there as a new incarnation, and the next answers equal their
+    P/D answers. One vLLM engine core per host afterwards: no engine runs twice."""
+    cfg = load_config(CONFIG)
+    assert REFERENCES, "needs the P/D answers of the first test"
+    bound = (cfg.router.deadline_floor_s + cfg.transfer.read_timeout_s + cfg.router.migration_wait_s
+             + 2 * SLACK_S)
+    decode_ip = host_net.hosts[2].ip
+    generation = engine(raypd.status(), "decode")["generation"]
+
+    host_net.cut(2)
+    t_cut, declared_dead_s = time.monotonic(), None
+    try:
+        caught = raypd.complete(prompt(CITIES[4]))
+        while declared_dead_s is None and time.monotonic() - t_cut < 120:
+            if node_states(ray_hosts).get(decode_ip) is False:
+                declared_dead_s = round(time.monotonic() - t_cut, 1)
+            else:
+                time.sleep(2)
+    finally:
+        host_net.heal()
+    assert caught.outcome == "error_event" and caught.first_s is not None, caught
+    assert caught.seconds < bound, (caught, bound)
+    assert declared_dead_s is not None, "Ray never declared the cut host's node dead"
+
+    deadline = time.monotonic() + 60
+    while "raylet" in host_processes(host_net, 2) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert "raylet" not in host_processes(host_net, 2)  # Ray fenced the node it declared dead
+    ray_hosts.restart_node(2)
+    t_restart, answer = time.monotonic(), None
+    while time.monotonic() - t_restart < 240:
+        answer = raypd.complete(prompt(CITIES[0]))
+        if answer.outcome == "completed":
+            break
+        assert answer.outcome == "http_error", answer  # no decode engine yet: refused at once
+        time.sleep(3)
+    back_s = time.monotonic() - t_restart
+    assert (answer.outcome, answer.text) == ("completed", REFERENCES[CITIES[0]]), answer
+    assert engine(raypd.status(), "decode")["generation"] > generation
+    assert {h: _engine_cores(host_net, h) for h in (1, 2)} == {1: 1, 2: 1}
+    print(f"decode host cut: caught stream ended in {caught.seconds:.1f} s, node declared dead after "
+          f"{declared_dead_s} s, first good answer {back_s:.1f} s after the node restarted")
 
 
 @pytest.mark.injects_faults
