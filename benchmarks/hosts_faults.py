@@ -9,15 +9,17 @@ Deployment A (`configs/multihost-pd.yaml`: prefill on host 1, decode on host 2, 
   host cut     the decode host loses every link for longer than Ray's node-death timeout: what Ray and
                raypd did, and what a request sees during and after
 Deployment B (`configs/multihost-default.yaml`: two `both` engines, SLO placement):
-  slow link    50 Mbit/s on host 2, ~1.5k-token prompts 4 in flight, three rounds: decisions, the pull
-               rates learned, first->second token gaps and totals
+  slow link    50 Mbit/s on host 2, ~1.5k-token prompts 4 in flight, `--rounds` rounds: decisions, the
+               pull rates learned, first->second token gaps and totals
   host lost    host 2's processes killed: the streams in flight, then colocated serving and /health
+               (only when B runs last)
 Deployment C (B with `router.placement: colocate`, no KV pulled): the same rounds on the same link,
-  the colocated baseline B's second round is compared with
+  the colocated baseline; B's rounds after its first (which learns the link) are compared with every
+  round of C, means and medians (`--deployments C,B,C`: C before and after B, in alternating order)
 
     sudo .venv/bin/python benchmarks/hosts_faults.py [--out benchmarks/results/hosts_faults.txt]
-    # the slow link alone, B beside its colocated baseline:
-    sudo .venv/bin/python benchmarks/hosts_faults.py --deployments B,C --out benchmarks/results/hosts_slow_link.txt
+    # the slow link alone, B between two runs of its colocated baseline:
+    sudo .venv/bin/python benchmarks/hosts_faults.py --deployments C,B,C --rounds 4 --out benchmarks/results/hosts_slow_link.txt
     # a cut past Ray's node death detection, deployment A only:
     sudo .venv/bin/python benchmarks/hosts_faults.py --cut-s 120 --deployments A --out benchmarks/results/hosts_cut_long.txt
 """
@@ -120,12 +122,15 @@ def deployment_a(net: HostNet, rh: RayHosts, out: dict, cut_s: float = 45) -> No
     rp.stop()
 
 
-def deployment_b(net: HostNet, rh: RayHosts, out: dict) -> None:
+def deployment_b(net: HostNet, rh: RayHosts, out: dict, rounds: int = 3, lose_host: bool = True) -> None:
     rp = RaypdOnHosts(rh, ROOT / "configs" / "multihost-default.yaml")
     t0 = time.monotonic()
     rp.start()
     out["B_start_s"] = round(time.monotonic() - t0, 1)
-    out["B_slow_link"] = slow_link_rounds(net, rp)
+    out["B_slow_link"] = slow_link_rounds(net, rp, rounds)
+    if not lose_host:  # another deployment follows on these hosts
+        rp.stop()
+        return
 
     with ThreadPoolExecutor(2) as pool:
         inflight = [pool.submit(rp.complete, prompt(c, SHORT), 64) for c in CITIES[:2]]
@@ -140,8 +145,9 @@ def deployment_b(net: HostNet, rh: RayHosts, out: dict) -> None:
     rp.stop()
 
 
-def deployment_c(net: HostNet, rh: RayHosts, out: dict) -> None:
-    """B's engines with placement `colocate`: the baseline of B's slow-link rounds."""
+def deployment_c(net: HostNet, rh: RayHosts, out: dict, rounds: int = 3) -> None:
+    """B's engines with placement `colocate`: the baseline of B's slow-link rounds (run before and
+    after B when asked twice: its rounds are pooled)."""
     cfg = yaml.safe_load((ROOT / "configs" / "multihost-default.yaml").read_text())
     cfg["name"], cfg["router"] = cfg["name"] + "-colocate", {**cfg.get("router", {}), "placement": "colocate"}
     path = rh.workdir / "multihost-colocate.yaml"
@@ -150,7 +156,7 @@ def deployment_c(net: HostNet, rh: RayHosts, out: dict) -> None:
     t0 = time.monotonic()
     rp.start()
     out["C_start_s"] = round(time.monotonic() - t0, 1)
-    out["C_slow_link"] = slow_link_rounds(net, rp)
+    out.setdefault("C_slow_link", {"rounds": []})["rounds"] += slow_link_rounds(net, rp, rounds)["rounds"]
     rp.stop()
 
 
@@ -249,7 +255,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hosts_faults.txt"))
     ap.add_argument("--cut-s", type=float, default=45, help="how long the decode host is cut off")
-    ap.add_argument("--deployments", default="A,B,C", help="A (1P+1D), B (the default's shape), C (B colocated)")
+    ap.add_argument("--deployments", default="A,C,B", help="A (1P+1D), B (the default's shape), C (B colocated), "
+                    "run in this order (A first); C may come twice (C,B,C: B's baseline before and after it); "
+                    "B loses host 2 at its end only when it comes last")
+    ap.add_argument("--rounds", type=int, default=3, help="slow-link rounds per run of B or C (B's first learns)")
     args = ap.parse_args()
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
@@ -262,12 +271,14 @@ def main() -> int:
         chosen = args.deployments.split(",")
         if "A" in chosen:
             deployment_a(net, rh, out, args.cut_s)
-        if "C" in chosen:  # before B, whose last phase loses host 2
-            deployment_c(net, rh, out)
-        if "B" in chosen:
-            if 2 in net.lost or not net.hosts:
-                raise RuntimeError("host 2 gone before deployment B")
-            deployment_b(net, rh, out)
+        rest = [d for d in chosen if d != "A"]
+        for i, d in enumerate(rest):
+            if 2 in net.lost:
+                raise RuntimeError(f"host 2 gone before deployment {d}")
+            if d == "C":
+                deployment_c(net, rh, out, args.rounds)
+            elif d == "B":
+                deployment_b(net, rh, out, args.rounds, lose_host=i == len(rest) - 1)
     except Exception as exc:  # noqa: BLE001 - what was measured is written, with why the rest was not
         out["aborted"] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
     finally:
@@ -328,10 +339,15 @@ def report(o: dict) -> str:
         lines.append(f"C (B with router.placement colocate): up in {o.get('C_start_s')} s; host 2's link at 50 Mbit/s")
         lines += slow_link_lines(o.get("C_slow_link", {}))
     b, c = (o.get(k, {}).get("rounds") for k in ("B_slow_link", "C_slow_link"))
-    if b and c:
-        ratios = {m: round(_mean(b[-1], m) / _mean(c[-1], m), 2) for m in ("first_to_second_s", "seconds")}
-        lines.append(f"B's last round against C's (mean over its requests): first->second {ratios['first_to_second_s']}x, "
-                     f"total {ratios['seconds']}x colocated")
+    if b and c and len(b) > 1:
+        learned = {"requests": [r for rnd in b[1:] for r in rnd["requests"]]}  # after B's first round learned
+        base = {"requests": [r for rnd in c for r in rnd["requests"]]}
+        lines.append(f"B's rounds 2-{len(b)} ({len(learned['requests'])} requests, after its first round learned the "
+                     f"link) against C's {len(c)} rounds ({len(base['requests'])} requests):")
+        for m, name in (("first_to_second_s", "first->second"), ("seconds", "total")):
+            lines.append(f"  {name}: mean {_mean(learned, m)} vs {_mean(base, m)} s = "
+                         f"{_ratio(_mean(learned, m), _mean(base, m))}x, p50 {_p50(learned, m)} vs {_p50(base, m)} s = "
+                         f"{_ratio(_p50(learned, m), _p50(base, m))}x colocated")
     if o.get("aborted"):
         lines.append(f"ABORTED: {o['aborted']}")
     lines.append(f"teardown leftovers: {o.get('teardown_leftovers')}")
@@ -352,7 +368,16 @@ def slow_link_lines(link: dict) -> list[str]:
 
 def _mean(rnd: dict, key: str) -> float:
     vals = [r[key] for r in rnd["requests"] if r.get(key) is not None]
-    return round(sum(vals) / len(vals), 2) if vals else float("nan")
+    return round(sum(vals) / len(vals), 3) if vals else float("nan")
+
+
+def _p50(rnd: dict, key: str) -> float:
+    vals = sorted(r[key] for r in rnd["requests"] if r.get(key) is not None)
+    return round(vals[len(vals) // 2], 3) if vals else float("nan")
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 2) if b else float("nan")
 
 
 def _max(rnd: dict, key: str) -> float | None:
