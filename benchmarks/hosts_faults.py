@@ -14,12 +14,13 @@ Deployment B (`configs/multihost-default.yaml`: two `both` engines, SLO placemen
   host lost    host 2's processes killed: the streams in flight, then colocated serving and /health
                (only when B runs last)
 Deployment C (B with `router.placement: colocate`, no KV pulled): the same rounds on the same link,
-  the colocated baseline; B's rounds after its first (which learns the link) are compared with every
-  round of C, means and medians (`--deployments C,B,C`: C before and after B, in alternating order)
+  the colocated baseline; B's rounds that began with every pair's pull learned (each direction learns
+  from its own first pull) are compared with every round of C, means and medians (`--deployments
+  C,B,C`: C before and after B, in alternating order)
 
     sudo .venv/bin/python benchmarks/hosts_faults.py [--out benchmarks/results/hosts_faults.txt]
     # the slow link alone, B between two runs of its colocated baseline:
-    sudo .venv/bin/python benchmarks/hosts_faults.py --deployments C,B,C --rounds 4 --out benchmarks/results/hosts_slow_link.txt
+    sudo .venv/bin/python benchmarks/hosts_faults.py --deployments C,B,C --rounds 5 --out benchmarks/results/hosts_slow_link.txt
     # a cut past Ray's node death detection, deployment A only:
     sudo .venv/bin/python benchmarks/hosts_faults.py --cut-s 120 --deployments A --out benchmarks/results/hosts_cut_long.txt
 """
@@ -59,8 +60,8 @@ def prompt(city: str, body: str = SHORT) -> str:
 def row(name: str, a: Answer, ref: str | None = None) -> dict:
     return {"request": name, "outcome": a.outcome, "right": None if ref is None else a.text == ref,
             "text": a.text, "reference": ref,
-            "seconds": round(a.seconds, 2), "ttft_s": a.first_s and round(a.first_s, 2),
-            "first_to_second_s": round(a.second_s - a.first_s, 2) if a.first_s and a.second_s else None}
+            "seconds": round(a.seconds, 3), "ttft_s": a.first_s and round(a.first_s, 3),
+            "first_to_second_s": round(a.second_s - a.first_s, 3) if a.first_s and a.second_s else None}
 
 
 def counters(rp: RaypdOnHosts, role: str) -> dict:
@@ -164,9 +165,10 @@ def slow_link_rounds(net: HostNet, rp: RaypdOnHosts, rounds: int = 3, per_round:
                      in_flight: int = 4) -> dict:
     """Host 2's link at 50 Mbit/s; per round `per_round` fresh ~1.5k-token prompts (no shared prefix),
     `in_flight` at a time: each request's outcome, TTFT, first->second gap and total, the round's
-    placement decisions and the pull rates the router learned by its end."""
+    placement decisions and the pull rates the router learned by its end; `pairs`: every pair that
+    placement may pull over (its breakers)."""
     net.cap(2, "50mbit")
-    out = []
+    out, pairs = [], sorted(rp.status()["breakers"])
     try:
         for r in range(rounds):
             before, pulls0 = _decisions(rp), _pulls(rp)
@@ -180,7 +182,7 @@ def slow_link_rounds(net: HostNet, rp: RaypdOnHosts, rounds: int = 3, per_round:
                         "learned_pull_rates": rp.status()["serve"]["router"].get("pull_rates")})
     finally:
         net.heal()
-    return {"rounds": out}
+    return {"rounds": out, "pairs": pairs}
 
 
 def _pulls(rp: RaypdOnHosts) -> dict[str, int]:
@@ -333,21 +335,24 @@ def report(o: dict) -> str:
         lost = o.get("B_host_lost", {})
         for r in lost.get("in_flight", []) + lost.get("after", []):
             lines.append(f"  host 2 lost: {r['request']:<12} {r['outcome']:<10} {r['seconds']} s")
-        lines.append(f"  host 2 lost: last in-flight outcome {lost.get('loss_to_last_in_flight_outcome_s')} s after the "
-                     f"loss; /health after: {(lost.get('health_after') or {}).get('code')}")
+        if lost:
+            lines.append(f"  host 2 lost: last in-flight outcome {lost.get('loss_to_last_in_flight_outcome_s')} s after "
+                         f"the loss; /health after: {(lost.get('health_after') or {}).get('code')}")
     if "C_start_s" in o:
         lines.append(f"C (B with router.placement colocate): up in {o.get('C_start_s')} s; host 2's link at 50 Mbit/s")
         lines += slow_link_lines(o.get("C_slow_link", {}))
     b, c = (o.get(k, {}).get("rounds") for k in ("B_slow_link", "C_slow_link"))
-    if b and c and len(b) > 1:
-        learned = {"requests": [r for rnd in b[1:] for r in rnd["requests"]]}  # after B's first round learned
+    first = _first_learned_round(o.get("B_slow_link", {}))
+    if b and c and first is not None:
+        learned = {"requests": [r for rnd in b[first:] for r in rnd["requests"]]}
         base = {"requests": [r for rnd in c for r in rnd["requests"]]}
-        lines.append(f"B's rounds 2-{len(b)} ({len(learned['requests'])} requests, after its first round learned the "
-                     f"link) against C's {len(c)} rounds ({len(base['requests'])} requests):")
+        lines.append(f"B's rounds {first + 1}-{len(b)} ({len(learned['requests'])} requests: those that began with "
+                     f"every pair's pull learned, {len(o['B_slow_link']['pairs'])} pairs) against C's {len(c)} rounds "
+                     f"({len(base['requests'])} requests):")
         for m, name in (("first_to_second_s", "first->second"), ("seconds", "total")):
             lines.append(f"  {name}: mean {_mean(learned, m)} vs {_mean(base, m)} s = "
-                         f"{_ratio(_mean(learned, m), _mean(base, m))}x, p50 {_p50(learned, m)} vs {_p50(base, m)} s = "
-                         f"{_ratio(_p50(learned, m), _p50(base, m))}x colocated")
+                         f"{_mean(learned, m) / _mean(base, m):.2f}x, p50 {_p50(learned, m)} vs {_p50(base, m)} s = "
+                         f"{_p50(learned, m) / _p50(base, m):.2f}x colocated")
     if o.get("aborted"):
         lines.append(f"ABORTED: {o['aborted']}")
     lines.append(f"teardown leftovers: {o.get('teardown_leftovers')}")
@@ -371,13 +376,19 @@ def _mean(rnd: dict, key: str) -> float:
     return round(sum(vals) / len(vals), 3) if vals else float("nan")
 
 
+def _first_learned_round(link: dict) -> int | None:
+    """The index of B's first round that began with a learned pull (rate or failure price) for every
+    pair placement may pull over: what "once the pair's rate is learned" compares."""
+    pairs = set(link.get("pairs", ()))
+    for i, rnd in enumerate(link.get("rounds", [])[:-1]):
+        if pairs and pairs <= set(rnd.get("learned_pull_rates") or {}):
+            return i + 1
+    return None
+
+
 def _p50(rnd: dict, key: str) -> float:
     vals = sorted(r[key] for r in rnd["requests"] if r.get(key) is not None)
     return round(vals[len(vals) // 2], 3) if vals else float("nan")
-
-
-def _ratio(a: float, b: float) -> float:
-    return round(a / b, 2) if b else float("nan")
 
 
 def _max(rnd: dict, key: str) -> float | None:
