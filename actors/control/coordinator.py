@@ -174,7 +174,7 @@ class Coordinator:
 
     async def _remove(self, engine_id: str, reason: str, died: bool) -> None:
         entry = self._engines.pop(engine_id)
-        pairs = self.book.drop(engine_id, entry.role if died else None)
+        pairs = self.book.drop(engine_id, entry.role if died and not entry.draining else None)  # draining: leaving
         self.prefix_index.drop_engine(engine_id)
         gone = self.ledger.engine_died(engine_id, reason, pairs) if died else self.ledger.engine_left(engine_id)
         for handoff in gone:

@@ -73,8 +73,12 @@ def test_an_engine_that_died_stays_in_the_tables_lost_until_it_registers_again_o
         await c.unregister_engine("P", "scaled in")  # its replacement is not coming: no longer missing
         await c.unregister_engine("D", "shutdown")
         seen.append(dict((await c.routes()).lost))
+        await c.register_engine("P", "prefill", [payload(engine_id="P", role="prefill", tp_rank=0, tp_size=1).encode()])
+        await c.set_draining("P")  # the autoscaler removes it: its death is its leaving
+        await c._remove("P", "actor died", died=True)
+        seen.append(dict((await c.routes()).lost))
         for t in c._timers:
             t.cancel()
         return seen
 
-    assert asyncio.run(go()) == [{"P": "prefill"}, {}, {}]
+    assert asyncio.run(go()) == [{"P": "prefill"}, {}, {}, {}]
