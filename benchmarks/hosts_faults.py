@@ -43,7 +43,8 @@ import httpx  # noqa: E402
 import yaml  # noqa: E402
 
 from benchmarks.hostnet.netns import HostNet, leftovers  # noqa: E402
-from benchmarks.hostnet.observe import control_events, host_processes, node_states, ray_timeline  # noqa: E402
+from benchmarks.hostnet.observe import (control_events, engine_cores, host_processes, node_states,  # noqa: E402
+                                       ray_timeline)
 from benchmarks.hostnet.ray_hosts import RayHosts  # noqa: E402
 from benchmarks.hostnet.raypd_hosts import API_KEY, Answer, RaypdOnHosts  # noqa: E402
 
@@ -235,7 +236,7 @@ def host_cut(net: HostNet, rh: RayHosts, rp: RaypdOnHosts, refs: dict[str, str],
     status = rp.status()
     engines_after = {n: {"healthy": e.get("healthy"), "generation": (e.get("stats") or {}).get("generation")}
                      for n, e in status["engines"].items()}
-    cores = {h: sum(p.startswith("VLLM::EngineCore") for p in host_processes(net, h)) for h in (1, 2)}
+    cores = {h: engine_cores(net, h) for h in (1, 2)}
     return {"cut_s": cut_s, "request_during_cut": during, "ray_nodes_during": nodes_during,
             "host2_processes_15s_after_heal": host2_after_heal, "ray_nodes_15s_after_heal": nodes_after_heal,
             "node_restarted_after_heal_s": restarted_node_s, "ray_nodes_after": node_states(rh),

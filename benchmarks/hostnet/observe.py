@@ -72,6 +72,11 @@ def host_processes(net: HostNet, host: int) -> list[str]:
     return sorted(names)
 
 
+def engine_cores(net: HostNet, host: int) -> int:
+    """How many vLLM engine cores run on the host (one per engine it should run: none run twice)."""
+    return sum(p.startswith("VLLM::EngineCore") for p in host_processes(net, host))
+
+
 def node_states(rh: RayHosts) -> dict[str, bool]:
     """Node address -> alive, in the head's view (the newest entry per address)."""
     code = ("import json, ray; ray.init(); ns = sorted(ray.nodes(), key=lambda n: n.get('Alive'));"

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.hostnet.observe import host_processes, node_states
+from benchmarks.hostnet.observe import engine_cores, host_processes, node_states
 from benchmarks.hostnet.raypd_hosts import RaypdOnHosts
 from serving.config import load_config
 
@@ -188,10 +188,6 @@ def test_a_capped_link_pulls_at_its_rate_or_recomputes_within_the_sync_wait(rayp
         assert (answers[cap].outcome, answers[cap].text) == ("completed", again.text), (cap, answers[cap], again)
 
 
-def _engine_cores(host_net, host: int) -> int:
-    return sum(p.startswith("VLLM::EngineCore") for p in host_processes(host_net, host))
-
-
 @pytest.mark.injects_faults
 def test_the_decode_host_cut_past_rays_node_timeout_ends_its_stream_and_runs_its_engine_once(
         raypd, ray_hosts, host_net):
@@ -240,7 +236,7 @@ def test_the_decode_host_cut_past_rays_node_timeout_ends_its_stream_and_runs_its
     back_s = time.monotonic() - t_restart
     assert (answer.outcome, answer.text) == ("completed", REFERENCES[CITIES[0]]), answer
     assert engine(raypd.status(), "decode")["generation"] > generation
-    assert {h: _engine_cores(host_net, h) for h in (1, 2)} == {1: 1, 2: 1}
+    assert {h: engine_cores(host_net, h) for h in (1, 2)} == {1: 1, 2: 1}
     print(f"decode host cut: caught stream ended in {caught.seconds:.1f} s, node declared dead after "
           f"{declared_dead_s} s, first good answer {back_s:.1f} s after the node restarted")
 
